@@ -1,0 +1,103 @@
+"""flotilla kernels: one function per op, dispatching on the device of its inputs.
+
+CUDA tensors run the Triton kernel (`*_triton` in each module); anything else runs the torch
+reference (`*_ref`), which is what the CPU engine serves with. Set FLOTILLA_KERNELS=torch to force
+the references on CUDA too (debugging, A/B comparisons).
+
+Attention dispatch: decode-only batches (every sequence has q_len == 1) use the split-KV decode
+kernel; mixed or prefill batches use the prefill/extend kernel (see kernels/paged_attention.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
+from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.rms_norm import (
+    AddNormOutput,
+    fused_add_rms_norm_ref,
+    fused_add_rms_norm_triton,
+    rms_norm_ref,
+    rms_norm_triton,
+)
+from kernels.rotary import RotaryOutput, rotary_embedding_ref, rotary_embedding_triton
+from services.engine.forward_context import AttentionMetadata
+
+__all__ = [
+    "AddNormOutput",
+    "RotaryOutput",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "use_triton",
+    "write_kv_cache",
+]
+
+_FORCE_TORCH = os.environ.get("FLOTILLA_KERNELS", "").lower() == "torch"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when `t` lives on CUDA and the references are not forced."""
+    return t.is_cuda and not _FORCE_TORCH
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] -> (x * rsqrt(mean(x^2) + eps)) * weight, statistics in fp32."""
+    return (rms_norm_triton if use_triton(x) else rms_norm_ref)(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> AddNormOutput:
+    """new_residual = x + residual; returns (rms_norm(new_residual), new_residual)."""
+    fn = fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_ref
+    return fn(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> RotaryOutput:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] by positions [T]; returns new (q, k)."""
+    fn = rotary_embedding_triton if use_triton(q) else rotary_embedding_ref
+    return fn(positions, q, k, cos_sin_cache, is_neox)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+    return (silu_and_mul_triton if use_triton(x) else silu_and_mul_ref)(x)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """In place: cache.view(-1, Hk, D)[slot_mapping[t]] = k[t] (v likewise); slot -1 skips."""
+    fn = write_kv_cache_triton if use_triton(k) else write_kv_cache_ref
+    fn(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of the new tokens q [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
+    return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)

@@ -1,0 +1,227 @@
+"""The message bus: typed request/reply, broadcast, and per-request streams over nats-py.
+
+Rules:
+- Every payload is a pydantic model from `libs.common.messages`; this module only encodes/decodes.
+- Handlers run in their own tasks, so a slow request never blocks the subscription behind it.
+- Trace context rides in NATS headers on every request and publish, and is re-attached around
+  each handler, so spans in the receiving service join the sender's trace.
+- Streams: a `StreamWriter` numbers every frame and sends a heartbeat when idle; a `StreamReader`
+  checks the numbering, turns an `error` frame into `FlotillaError`, and declares the peer dead
+  when nothing (not even a heartbeat) arrives within the timeout. The reader subscribes before
+  the request that starts the stream is sent, so no frame is missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import BaseModel
+
+from libs.common import telemetry
+from libs.common.errors import FlotillaError, internal, unavailable
+from libs.common.messages import ErrorInfo, StreamFrame, decode, encode
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req", bound=BaseModel)
+Rep = TypeVar("Rep", bound=BaseModel)
+D = TypeVar("D", bound=BaseModel)
+F = TypeVar("F", bound=BaseModel)
+
+
+class Bus:
+    """A NATS connection with typed helpers. One per service process."""
+
+    def __init__(self, nc: NATS):
+        self.nc = nc
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    async def connect(cls, url: str, name: str) -> Bus:
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats: %s", exc)
+
+        nc = await nats.connect(
+            servers=[u.strip() for u in url.split(",")],
+            name=name,
+            connect_timeout=2,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=on_error,
+        )
+        return cls(nc)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self.nc.is_connected:
+            try:
+                await self.nc.drain()
+            except Exception:  # already closing: nothing left to flush
+                await self.nc.close()
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Run a coroutine as a tracked task (kept alive until done, cancelled on close)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def publish(self, subject: str, msg: BaseModel) -> None:
+        await self.nc.publish(subject, encode(msg), headers=telemetry.inject_headers())
+
+    async def request(self, subject: str, msg: BaseModel, reply_cls: type[Rep],
+                      timeout: float) -> Rep:
+        """Request/reply. No responder or no reply in time → FlotillaError 503."""
+        try:
+            reply = await self.nc.request(subject, encode(msg), timeout=timeout,
+                                          headers=telemetry.inject_headers())
+        except NoRespondersError as exc:
+            raise unavailable(f"no service is serving {subject.split('.', 2)[-1]}") from exc
+        except (NatsTimeoutError, asyncio.TimeoutError) as exc:
+            raise unavailable(f"no reply on {subject} within {timeout:.1f}s") from exc
+        return decode(reply.data, reply_cls)
+
+    async def serve(self, subject: str, req_cls: type[Req],
+                    handler: Callable[[Req], Awaitable[BaseModel | None]],
+                    queue: str | None = None) -> Subscription:
+        """Answer requests on `subject` (load-balanced over `queue`), one task per request."""
+
+        async def run(m: Msg) -> None:
+            token = telemetry.attach(telemetry.extract_context(m.headers))
+            try:
+                reply = await handler(decode(m.data, req_cls))
+            except Exception:
+                log.exception("handler for %s failed", subject)
+                return
+            finally:
+                telemetry.detach(token)
+            if reply is not None and m.reply:
+                await self.nc.publish(m.reply, encode(reply))
+
+        async def cb(m: Msg) -> None:
+            self.spawn(run(m))
+
+        return await self.nc.subscribe(subject, queue=queue or "", cb=cb)
+
+    async def subscribe(self, subject: str, msg_cls: type[Req],
+                        handler: Callable[[Req], Awaitable[None]]) -> Subscription:
+        """Receive broadcasts (every subscriber gets each message)."""
+        return await self.serve(subject, msg_cls, handler)
+
+    async def open_reader(self, subject: str, frame_cls: type[StreamFrame[D, F]],
+                          timeout: float) -> StreamReader[D, F]:
+        sub = await self.nc.subscribe(subject)
+        return StreamReader(sub, frame_cls, timeout)
+
+    def writer(self, subject: str, request_id: str, frame_cls: type[StreamFrame[D, F]],
+               heartbeat_interval: float) -> StreamWriter[D, F]:
+        return StreamWriter(self, subject, request_id, frame_cls, heartbeat_interval)
+
+
+class StreamWriter(Generic[D, F]):
+    """Sends one request's frames in order; heartbeats keep the reader patient while idle."""
+
+    def __init__(self, bus: Bus, subject: str, request_id: str,
+                 frame_cls: type[StreamFrame[D, F]], heartbeat_interval: float):
+        self.bus, self.subject, self.request_id = bus, subject, request_id
+        self.frame_cls = frame_cls
+        self.interval = heartbeat_interval
+        self._seq = 0
+        self._last = time.monotonic()
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self._heartbeat = bus.spawn(self._beat())
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def _send(self, kind: str, **fields: Any) -> None:
+        async with self._lock:
+            if self._closed:
+                return
+            frame = self.frame_cls(request_id=self.request_id, seq=self._seq, kind=kind, **fields)
+            self._seq += 1
+            self._last = time.monotonic()
+            if kind in ("final", "error"):
+                self._closed = True
+                self._heartbeat.cancel()
+            await self.bus.nc.publish(self.subject, encode(frame))
+
+    async def _beat(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.interval)
+            if not self._closed and time.monotonic() - self._last >= self.interval * 0.9:
+                try:
+                    await self._send("heartbeat")
+                except Exception:  # connection closing: the reader's timeout takes over
+                    return
+
+    async def data(self, payload: D) -> None:
+        await self._send("data", data=payload)
+
+    async def final(self, payload: F) -> None:
+        await self._send("final", final=payload)
+
+    async def error(self, info: ErrorInfo) -> None:
+        await self._send("error", error=info)
+
+    def close(self) -> None:
+        """Stop heartbeats without a final frame (the request was cancelled by the reader)."""
+        self._closed = True
+        self._heartbeat.cancel()
+
+
+class StreamReader(Generic[D, F]):
+    """Iterates the data and final frames of one stream; raises FlotillaError on an error frame,
+    a gap in the numbering, or silence longer than the timeout."""
+
+    def __init__(self, sub: Subscription, frame_cls: type[StreamFrame[D, F]], timeout: float):
+        self.sub, self.frame_cls, self.timeout = sub, frame_cls, timeout
+        self._expected = 0
+        self._done = False
+
+    async def next(self) -> StreamFrame[D, F]:
+        while True:
+            try:
+                msg = await self.sub.next_msg(timeout=self.timeout)
+            except (NatsTimeoutError, asyncio.TimeoutError) as exc:
+                raise unavailable(
+                    f"the upstream service stopped responding (no frame for {self.timeout:.1f}s)"
+                ) from exc
+            frame = decode(msg.data, self.frame_cls)
+            if frame.seq != self._expected:
+                raise internal(f"stream {frame.request_id}: frame {self._expected} was lost "
+                               f"(got {frame.seq})")
+            self._expected += 1
+            if frame.kind == "heartbeat":
+                continue
+            if frame.kind == "error":
+                self._done = True
+                assert frame.error is not None
+                raise FlotillaError(frame.error)
+            if frame.kind == "final":
+                self._done = True
+            return frame
+
+    async def __aiter__(self) -> AsyncIterator[StreamFrame[D, F]]:
+        while not self._done:
+            yield await self.next()
+
+    async def close(self) -> None:
+        try:
+            await self.sub.unsubscribe()
+        except Exception:  # connection already closed
+            pass

@@ -1,0 +1,46 @@
+"""OpenAI's error envelope and the exceptions that carry it across services."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libs.common.messages import ErrorInfo
+
+
+class FlotillaError(Exception):
+    """An error with an HTTP status and OpenAI error fields; raise it anywhere, the gateway
+    answers `{"error": {...}}` with `status`."""
+
+    def __init__(self, info: ErrorInfo):
+        super().__init__(info.message)
+        self.info = info
+
+    @property
+    def status(self) -> int:
+        return self.info.status
+
+
+def envelope(info: ErrorInfo) -> dict[str, Any]:
+    return {"error": {"message": info.message, "type": info.type, "param": info.param,
+                      "code": info.code}}
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> FlotillaError:
+    return FlotillaError(ErrorInfo(status=400, type="invalid_request_error", message=message,
+                                   param=param, code=code))
+
+
+def model_not_found(model: str) -> FlotillaError:
+    return FlotillaError(ErrorInfo(
+        status=404, type="invalid_request_error", param="model", code="model_not_found",
+        message=f"The model `{model}` does not exist or is not being served."))
+
+
+def unavailable(message: str) -> FlotillaError:
+    return FlotillaError(ErrorInfo(status=503, type="service_unavailable", message=message,
+                                   code="service_unavailable"))
+
+
+def internal(message: str) -> FlotillaError:
+    return FlotillaError(ErrorInfo(status=500, type="server_error", message=message,
+                                   code="internal_error"))

@@ -1,0 +1,276 @@
+"""Typed messages for every NATS subject (see subjects.py for who sends what where).
+
+Transport code encodes and decodes these with `encode` / `decode`; nothing on the bus is an
+untyped dict except OpenAI-shaped payloads we pass through verbatim (chat messages, tool schemas).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from libs.common.subjects import PROTOCOL_VERSION
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    v: str = PROTOCOL_VERSION
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def encode(msg: BaseModel) -> bytes:
+    return msg.model_dump_json(exclude_none=False).encode()
+
+
+def decode(data: bytes, cls: type[M]) -> M:
+    return cls.model_validate_json(data)
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    """An error in OpenAI's envelope terms, with the HTTP status the gateway should answer."""
+
+    status: int = 500
+    type: str = "server_error"
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class SamplingOptions(BaseModel):
+    """What the engine needs to pick tokens. temperature 0 = greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+# ---------------------------------------------------------------- gateway → tokenizer
+
+
+class TextRequest(Message):
+    """One choice of one OpenAI request, already validated by the gateway."""
+
+    request_id: str
+    model: str
+    kind: Literal["chat", "completion"]
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    echo: bool = False
+    stop: list[str] = Field(default_factory=list)
+    response_format: dict[str, Any] | None = None
+    sampling: SamplingOptions = Field(default_factory=SamplingOptions)
+    stream_subject: str
+
+
+class Admission(Message):
+    """Reply to a generate request: accepted (the stream follows) or refused with an error."""
+
+    request_id: str
+    accepted: bool
+    instance: str = ""
+    prompt_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class RenderReply(Message):
+    """The rendered prompt of a TextRequest (chat template applied, tools injected)."""
+
+    prompt: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    max_model_len: int = 0
+    error: ErrorInfo | None = None
+
+
+# ---------------------------------------------------------------- tokenizer → engine
+
+
+class TokenRequest(Message):
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    stream_subject: str
+
+
+# ---------------------------------------------------------------- stream frames
+
+D = TypeVar("D", bound=BaseModel)
+F = TypeVar("F", bound=BaseModel)
+
+
+class StreamFrame(BaseModel, Generic[D, F]):
+    """One frame of a per-request stream. `seq` counts every frame (heartbeats too) from 0, so a
+    receiver notices a lost frame. A stream ends with exactly one `final` or `error` frame."""
+
+    request_id: str
+    seq: int
+    kind: Literal["data", "final", "error", "heartbeat"]
+    data: D | None = None
+    final: F | None = None
+    error: ErrorInfo | None = None
+
+
+class TokenLogprob(BaseModel):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class TokenDelta(BaseModel):
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+class TokenFinal(BaseModel):
+    finish_reason: Literal["stop", "length", "abort"]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    stop_token_id: int | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """OpenAI's streamed tool call piece: id/name come first, then argument fragments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class TextLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top: list[tuple[str, float]] = Field(default_factory=list)
+
+
+class TextDelta(BaseModel):
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = Field(default_factory=list)
+    logprobs: list[TextLogprob] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TextFinal(BaseModel):
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"]
+    usage: Usage
+
+
+TokenFrame = StreamFrame[TokenDelta, TokenFinal]
+TextFrame = StreamFrame[TextDelta, TextFinal]
+
+
+# ---------------------------------------------------------------- control
+
+
+class Cancel(Message):
+    request_id: str
+    reason: Literal["client_disconnect", "stop_string", "deadline", "shutdown"]
+
+
+class Announcement(Message):
+    """Periodic 'I am here' from a service; engines add their load for routing."""
+
+    service: Literal["gateway", "tokenizer", "engine", "tools"]
+    instance: str
+    model: str | None = None
+    max_model_len: int | None = None
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class Ping(Message):
+    pass
+
+
+class HealthRequest(Message):
+    pass
+
+
+class HealthReply(Message):
+    service: str
+    instance: str
+    ok: bool
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class StatsRequest(Message):
+    pass
+
+
+class EngineStats(Message):
+    engine_id: str
+    model: str
+    running: int
+    waiting: int
+    requests_finished: int
+    requests_aborted: int
+    tokens_generated: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    active_request_ids: list[str] = Field(default_factory=list)
+    aborted_request_ids: list[str] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- tools
+
+
+class ToolsListRequest(Message):
+    pass
+
+
+class ToolsListReply(Message):
+    """OpenAI-shaped function tools (`{"type": "function", "function": {...}}`), named
+    `server_tool`."""
+
+    tools: list[dict[str, Any]]
+    errors: dict[str, str] = Field(default_factory=dict)
+
+
+class ToolCallRequest(Message):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCallReply(Message):
+    ok: bool
+    content: str = ""
+    error: str | None = None

@@ -1,0 +1,102 @@
+"""What every service process shares: announcing itself, answering health, running until signalled.
+
+A service is a class with `async start()` / `async stop()`; `run_forever` wires logging, tracing,
+signals and the NATS connection, so each service's `__main__` is three lines. Tests start services
+in-process with the same classes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from libs.common import subjects, telemetry
+from libs.common.bus import Bus
+from libs.common.messages import Announcement, HealthReply, HealthRequest, Ping
+from libs.common.settings import CommonSettings
+
+log = logging.getLogger(__name__)
+
+
+def instance_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:8]}"
+
+
+class Announcer:
+    """Publishes `make()` on the discovery subject every `interval` seconds and whenever a Ping
+    arrives; answers health requests for `service` with `health()`."""
+
+    def __init__(self, bus: Bus, service: str, instance: str, interval: float,
+                 make: Callable[[], Announcement],
+                 health: Callable[[], Awaitable[dict[str, Any]]] | None = None):
+        self.bus, self.service, self.instance = bus, service, instance
+        self.interval, self.make, self._health = interval, make, health
+        self._task: asyncio.Task[Any] | None = None
+        self._subs: list[Any] = []
+
+    async def start(self) -> None:
+        async def on_ping(_: Ping) -> None:
+            await self.announce()
+
+        async def on_health(_: HealthRequest) -> HealthReply:
+            detail = await self._health() if self._health else {}
+            return HealthReply(service=self.service, instance=self.instance, ok=True,
+                               detail=detail)
+
+        self._subs.append(await self.bus.subscribe(subjects.DISCOVERY_PING, Ping, on_ping))
+        self._subs.append(await self.bus.serve(subjects.health(self.service), HealthRequest,
+                                               on_health))
+        self._task = self.bus.spawn(self._loop())
+        await self.announce()
+
+    async def announce(self) -> None:
+        try:
+            await self.bus.publish(subjects.DISCOVERY_ANNOUNCE, self.make())
+        except Exception as exc:  # reconnecting: the next period retries
+            log.debug("announce failed: %s", exc)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.announce()
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already gone
+                pass
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+def run_forever(name: str, settings: CommonSettings,
+                build: Callable[[Bus], Service]) -> None:
+    """Connect to NATS, start the service, and stop it cleanly on SIGINT/SIGTERM."""
+    telemetry.setup_logging(settings.log_level)
+    telemetry.setup_tracing(name, settings)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        bus = await Bus.connect(settings.nats_url, name)
+        service = build(bus)
+        await service.start()
+        log.info("%s started", name)
+        await stop.wait()
+        log.info("%s stopping", name)
+        await service.stop()
+        await bus.close()
+
+    asyncio.run(main())

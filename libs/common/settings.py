@@ -1,0 +1,94 @@
+"""Configuration of every service: pydantic-settings classes sharing the `FLOTILLA_` env prefix.
+
+Each service reads exactly one class here; the launcher, docker-compose.yml and the tests use the
+field names below (upper-cased, prefixed) as the only configuration surface.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "FLOTILLA_"
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service shares: the bus, shared state, tracing and stream liveness."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
+    redis_url: str | None = Field(None, description="Redis URL; unset = in-process store")
+    log_level: str = Field("INFO", description="Python logging level")
+    otel_exporter: Literal["none", "console", "otlp"] = Field(
+        "none", description="Where spans go: nowhere, stderr, or an OTLP collector"
+    )
+    otel_endpoint: str | None = Field(None, description="OTLP gRPC endpoint, e.g. http://otel:4317")
+    heartbeat_interval_s: float = Field(0.5, gt=0, description="Idle stream heartbeat period")
+    heartbeat_timeout_s: float = Field(
+        3.0, gt=0, description="A stream with no frame for this long is declared dead"
+    )
+    request_timeout_s: float = Field(
+        10.0, gt=0, description="Reply timeout for request/reply calls (not for streams)"
+    )
+    discovery_interval_s: float = Field(1.0, gt=0, description="Period of service announcements")
+
+    @field_validator("heartbeat_timeout_s")
+    @classmethod
+    def _timeout_exceeds_interval(cls, v: float, info):  # type: ignore[no-untyped-def]
+        interval = info.data.get("heartbeat_interval_s", 0.5)
+        if v <= interval:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        return v
+
+
+class GatewaySettings(CommonSettings):
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API")
+    spec_path: Path | None = Field(None, description="OpenAPI spec file; default openapi/flotilla.yaml")
+    max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request) accepted")
+    model_ttl_s: float = Field(5.0, gt=0, description="A model unseen for this long is unlisted")
+    tools_timeout_s: float = Field(2.0, gt=0, description="How long to wait for the MCP tool list")
+
+
+class TokenizerSettings(CommonSettings):
+    model: str = Field("default", description="Model path, hub id, or 'default' (SmolLM2)")
+    served_model_name: str | None = Field(None, description="Name clients use; derived if unset")
+    chat_template: Path | None = Field(None, description="Jinja file overriding the model template")
+    max_model_len: int | None = Field(None, ge=16, description="Context length cap in tokens")
+    reasoning_field: Literal["reasoning_content", "reasoning", "both"] = Field(
+        "reasoning_content", description="Field name(s) that carry <think> text"
+    )
+    template_timeout_s: float = Field(2.0, gt=0, description="Chat template rendering budget")
+
+
+class EngineSettings(CommonSettings):
+    model: str = Field("default", description="Model path, hub id, or 'default' (SmolLM2)")
+    served_model_name: str | None = Field(None, description="Name clients use; derived if unset")
+    engine_id: str | None = Field(None, description="Instance id; random if unset")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights")
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block")
+    kvcache_mem_mib: int | None = Field(None, ge=1, description="KV cache size; unset = measured")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory share to use")
+    max_num_seqs: int = Field(256, ge=1, description="Cap on concurrently running sequences")
+    max_num_batched_tokens: int = Field(8192, ge=16, description="Token budget of one step")
+    prefill_chunk_size: int = Field(8192, ge=0, description="Prefill chunk; 0 = no chunking")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs")
+    tp: int = Field(1, ge=1, description="Tensor-parallel ranks in this pod")
+
+
+class ToolsSettings(CommonSettings):
+    mcp_config: Path | None = Field(None, description="mcp.json (Claude Desktop shape)")
+    tool_call_timeout_s: float = Field(30.0, gt=0, description="Timeout of one MCP tool call")
+
+
+class LauncherSettings(CommonSettings):
+    model: str = Field("default", description="Model path, hub id, or 'default' (SmolLM2)")
+    host: str = Field("127.0.0.1", description="Gateway bind address")
+    port: int = Field(8000, ge=0, le=65535, description="Gateway port")
+    start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for health")

@@ -1,0 +1,62 @@
+"""Builds an Engine from EngineSettings, and engine SamplingParams from bus SamplingOptions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from libs.common.messages import SamplingOptions
+from libs.common.settings import EngineSettings
+from services.engine.engine import Engine, EngineConfig
+from services.engine.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(setting: str, device: str) -> torch.dtype:
+    if setting != "auto":
+        return _DTYPES[setting]
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def build_engine(settings: EngineSettings, path: Path) -> Engine:
+    device = pick_device(settings.device)
+    config = EngineConfig(
+        model=str(path),
+        dtype=pick_dtype(settings.dtype, device),
+        device=device,
+        block_size=settings.block_size,
+        kvcache_mem_mib=settings.kvcache_mem_mib,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        prefill_chunk_size=settings.prefill_chunk_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        enforce_eager=settings.enforce_eager,
+    )
+    return Engine(config)
+
+
+def to_sampling_params(opts: SamplingOptions, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """Map the bus's sampling options onto the engine's; raises ValueError on bad values."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ValueError(f"the prompt has {prompt_len} tokens; the context holds {max_model_len}")
+    max_tokens = room if opts.max_tokens is None else opts.max_tokens
+    if max_tokens > room:
+        raise ValueError(f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the "
+                         f"context length ({max_model_len})")
+    return SamplingParams(
+        temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
+        seed=opts.seed, max_tokens=max_tokens, stop_token_ids=list(opts.stop_token_ids),
+        ignore_eos=opts.ignore_eos, presence_penalty=opts.presence_penalty,
+        frequency_penalty=opts.frequency_penalty, repetition_penalty=opts.repetition_penalty,
+        logprobs=opts.logprobs,
+    )

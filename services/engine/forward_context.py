@@ -1,0 +1,68 @@
+"""Per-step batch metadata handed from the ModelRunner to every attention layer.
+
+Rules:
+- The ModelRunner builds one `AttentionMetadata` per forward pass (no per-token Python loops) and
+  installs it with `forward_context(meta)`; attention layers read it with `get_forward_context()`.
+- The batch is flattened: the new tokens of all sequences are concatenated, sequence i owning rows
+  `query_start_loc[i]:query_start_loc[i+1]`. Prefill chunks and decode tokens mix freely.
+- The KV cache of a layer is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`
+  owned by the ModelRunner and bound to each attention layer once at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flattened description of one forward pass over paged KV.
+
+    query_start_loc: int32 [B+1], cumulative count of new tokens per sequence.
+    seq_lens: int32 [B], tokens of each sequence in the cache after this step (cached + new).
+    block_tables: int32 [B, max_blocks_per_seq], block ids of each sequence, padded with 0.
+    slot_mapping: int64 [T], flat cache slot (block_id * block_size + offset) of each new token;
+        -1 marks padding rows whose K/V must not be written (CUDA-graph padding).
+    max_query_len / max_seq_len: host ints, the largest entries of the two tensors above.
+    query_start_loc_cpu / seq_lens_cpu: host copies for the CPU reference path.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+_CONTEXT: AttentionMetadata | None = None
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _CONTEXT is None:
+        raise RuntimeError("attention called outside forward_context(): the ModelRunner sets it")
+    return _CONTEXT
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, meta
+    try:
+        yield meta
+    finally:
+        _CONTEXT = previous

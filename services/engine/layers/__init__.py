@@ -1,0 +1,29 @@
+"""Shared model layers: every architecture file is built from these."""
+
+from services.engine.layers.activation import SiluAndMul, get_gated_activation
+from services.engine.layers.attention import Attention
+from services.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from services.engine.layers.layernorm import RMSNorm
+from services.engine.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from services.engine.layers.rotary import RotaryEmbedding
+
+__all__ = [
+    "Attention",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "ReplicatedLinear",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+    "get_gated_activation",
+]

@@ -1,0 +1,51 @@
+"""Paged attention layer: writes the new tokens' K/V into its cache, then attends over the cache.
+
+Rules:
+- The layer never allocates its KV cache. The ModelRunner allocates one pair of tensors
+  [num_blocks, block_size, num_kv_heads, head_dim] per layer and binds it with
+  `bind_kv_cache` before the first forward; the runner owns and frees that memory.
+- Batch layout, positions and slots come from `get_forward_context()` (see forward_context.py).
+- q/k/v arrive already projected and rotated, flattened as [T, heads * head_dim]; the output is
+  [T, num_heads * head_dim]. `num_heads` / `num_kv_heads` are this rank's head counts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from services.engine.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.sliding_window, self.logit_softcap = scale, sliding_window, logit_softcap
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        expected = (self.num_kv_heads, self.head_dim)
+        if tuple(k_cache.shape[2:]) != expected or k_cache.shape != v_cache.shape:
+            raise ValueError(f"kv cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
+                             f"does not end in (num_kv_heads, head_dim) = {expected}")
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("Attention.forward before bind_kv_cache(): the ModelRunner binds it")
+        meta = get_forward_context()
+        t = q.shape[0]
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
+                                      sliding_window=self.sliding_window,
+                                      logit_softcap=self.logit_softcap)
+        return out.reshape(t, self.num_heads * self.head_dim)

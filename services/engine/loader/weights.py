@@ -1,0 +1,59 @@
+"""Route named checkpoint tensors onto model parameters through each parameter's weight_loader.
+
+Rules:
+- Names are HF checkpoint names (GGUF names are translated before they get here).
+- A name containing a key of `model.packed_modules_mapping` goes to the fused parameter with the
+  mapped shard id; any other name must match a parameter exactly.
+- Every parameter must be loaded at least once; unknown or missing names raise, naming them.
+- After loading, each module's `quant_method.process_after_loading` runs exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from services.engine.models.base import CausalLM
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if model.skip_weight(name):
+            continue
+        for ckpt_key, (param_key, shard_id) in model.packed_modules_mapping.items():
+            if f".{ckpt_key}." in name:
+                pname = name.replace(f".{ckpt_key}.", f".{param_key}.")
+                param = _lookup(params, pname, name)
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                break
+        else:
+            pname = name
+            param = _lookup(params, pname, name)
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        loaded.add(pname)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_after_loading(module)
+
+
+def _lookup(params: dict[str, nn.Parameter], pname: str, ckpt_name: str) -> nn.Parameter:
+    try:
+        return params[pname]
+    except KeyError:
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching model parameter "
+                         f"({pname!r})") from None

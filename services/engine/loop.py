@@ -1,0 +1,101 @@
+"""Runs the Engine's step loop on its own thread, next to the asyncio service.
+
+Rules:
+- Only the loop thread touches the Engine. The asyncio side submits commands (add, abort) through
+  a thread-safe queue and receives each step's outputs through `on_outputs`, called on the event
+  loop with `call_soon_threadsafe`.
+- When there is no work the thread blocks on the command queue, so an idle engine burns no CPU.
+- A crash inside `step()` fails every request in flight (through `on_crash`) instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop,
+                 on_outputs: Callable[[list[Any]], None],
+                 on_crash: Callable[[BaseException], None]):
+        self.engine = engine
+        self._loop = loop
+        self._on_outputs = on_outputs
+        self._on_crash = on_crash
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._stats: dict[str, Any] = {}
+        self._stats_lock = threading.Lock()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        self._commands.put(_Add(request_id, prompt_token_ids, params))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of its last step (a copy; safe from any thread)."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Add):
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+        else:
+            self.engine.abort(cmd.request_id)
+
+    def _refresh_stats(self) -> None:
+        stats = self.engine.stats()
+        with self._stats_lock:
+            self._stats = stats
+
+    def _run(self) -> None:
+        self._refresh_stats()
+        try:
+            while True:
+                block = not self.engine.has_unfinished()
+                try:
+                    while True:
+                        cmd = self._commands.get(block=block)
+                        if cmd is None:
+                            return
+                        self._apply(cmd)
+                        block = False
+                except queue.Empty:
+                    pass
+                if not self.engine.has_unfinished():
+                    self._refresh_stats()
+                    continue
+                outputs = self.engine.step()
+                self._refresh_stats()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+        except BaseException as exc:  # the engine is broken: fail everything, don't hang
+            log.exception("engine loop crashed")
+            self._loop.call_soon_threadsafe(self._on_crash, exc)

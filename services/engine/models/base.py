@@ -1,0 +1,48 @@
+"""The interface every causal LM exposes to the loader and the ModelRunner.
+
+Rules:
+- `forward(input_ids [T], positions [T]) -> hidden [T, H]` runs inside `forward_context(meta)`;
+  it returns final-normed hidden states for every new token, not logits.
+- `compute_logits(hidden [N, H]) -> float32 [N, vocab]`: the runner passes only the rows it
+  samples from (last token of each sequence), so the LM head never runs on prefill rows.
+- `attention_layers()` lists the `Attention` modules in layer order; the runner binds one KV cache
+  pair to each.
+- Weight loading is declarative: `packed_modules_mapping` maps a checkpoint sub-name onto a fused
+  parameter and its shard id (q_proj -> qkv_proj/"q"); `skip_weight(name)` drops checkpoint
+  tensors the model does not use (e.g. a tied lm_head saved anyway).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from services.engine.layers.attention import Attention
+from services.engine.model_config import ModelConfig
+
+
+class CausalLM(nn.Module):
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._attention_layers: list[Attention] | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attention_layers(self) -> list[Attention]:
+        if self._attention_layers is None:
+            self._attention_layers = [m for m in self.modules() if isinstance(m, Attention)]
+        return self._attention_layers
+
+    def skip_weight(self, name: str) -> bool:
+        if "rotary_emb.inv_freq" in name:
+            return True
+        return self.config.tie_word_embeddings and name.startswith("lm_head.")
