@@ -6,6 +6,10 @@ the references on CUDA too (debugging, A/B comparisons).
 
 Attention dispatch: decode-only batches (every sequence has q_len == 1) use the split-KV decode
 kernel; mixed or prefill batches use the prefill/extend kernel (see kernels/paged_attention.py).
+
+Sampling (kernels/sampling.py): apply_penalties / apply_temperature / apply_top_k_top_p_min_p /
+token_counts are vectorised torch on any device (no host sync); `sample` draws one token per row
+with a per-row (seed, step) counter-based RNG, identical on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -25,16 +29,29 @@ from kernels.rms_norm import (
     rms_norm_triton,
 )
 from kernels.rotary import RotaryOutput, rotary_embedding_ref, rotary_embedding_triton
+from kernels.sampling import (
+    apply_penalties,
+    apply_temperature,
+    apply_top_k_top_p_min_p,
+    sample_ref,
+    sample_triton,
+    token_counts,
+)
 from services.engine.forward_context import AttentionMetadata
 
 __all__ = [
     "AddNormOutput",
     "RotaryOutput",
+    "apply_penalties",
+    "apply_temperature",
+    "apply_top_k_top_p_min_p",
     "fused_add_rms_norm",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "sample",
     "silu_and_mul",
+    "token_counts",
     "use_triton",
     "write_kv_cache",
 ]
@@ -101,3 +118,9 @@ def paged_attention(
     """Causal GQA attention of the new tokens q [T, Hq, D] over the paged cache -> [T, Hq, D]."""
     fn = paged_attention_triton if use_triton(q) else paged_attention_ref
     return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
+
+
+def sample(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Token ids [B] drawn from softmax(logits [B, V]); row i's draw depends only on
+    (seeds[i], steps[i]) (int64 [B]). Apply temperature and filters to the logits first."""
+    return (sample_triton if use_triton(logits) else sample_ref)(logits, seeds, steps)

@@ -10,7 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.prefill_attention import attend_ref, prefill_attention_ref
+from kernels.prefill_attention import (
+    attend_ref,
+    attend_tile,
+    check_attention_args,
+    new_output,
+    prefill_attention_ref,
+    prefill_attention_triton,
+)
 from services.engine.forward_context import AttentionMetadata
 
 # Decode reference: cap on gathered elements per batched chunk (bounds CPU memory).
@@ -40,15 +47,18 @@ def decode_attention_ref(
         rows = torch.tensor([qsl[i] for i in ids], device=q.device)
         max_len = max(seq_lens_cpu[i] for i in ids)
         num_blocks = -(-max_len // block_size)
-        tables = meta.block_tables[torch.tensor(ids, device=q.device), :num_blocks].long()
-        k = k_cache[tables].flatten(1, 2)  # [n, num_blocks * block_size, Hk, D]
-        v = v_cache[tables].flatten(1, 2)
+        ids_t = torch.tensor(ids, device=q.device)
+        tables = meta.block_tables.index_select(0, ids_t)[:, :num_blocks].long().flatten()
+        gathered = (len(ids), num_blocks * block_size, num_kv_heads, head_dim)
+        k = k_cache.index_select(0, tables).view(gathered)
+        v = v_cache.index_select(0, tables).view(gathered)
         k_pos = torch.arange(k.shape[1], device=q.device)
         mask = k_pos[None, :] < lens[:, None]
         if sliding_window is not None:
             mask &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
-        attn = attend_ref(q[rows][:, None], k, v, mask[:, None], scale, logit_softcap)
-        out[rows] = attn[:, 0]
+        attn = attend_ref(q.index_select(0, rows)[:, None], k, v, mask[:, None], scale,
+                          logit_softcap)
+        out.index_copy_(0, rows, attn[:, 0])
     return out
 
 
@@ -78,5 +88,204 @@ def paged_attention_ref(
     return out
 
 
-def paged_attention_triton(*args, **kwargs):  # type: ignore[no-untyped-def]
-    raise NotImplementedError("paged_attention: Triton kernel not written yet")
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [T, Hq, D] one query row per sequence (row = query_start_loc[seq])
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
+    out_ptr,  # NUM_SPLITS == 1: final output [T, Hq, D]; else partial fp32 [B, Hq, NUM_SPLITS, D]
+    lse_ptr,  # fp32 [B, Hq, NUM_SPLITS] log2-sum-exp of each split (unused if NUM_SPLITS == 1)
+    block_tables_ptr,  # int32 [B, max_blocks]
+    seq_lens_ptr,  # int32 [B]
+    query_start_loc_ptr,  # int32 [B + 1]
+    sm_scale, softcap, window,
+    stride_qt, stride_qh,
+    stride_cb, stride_ct, stride_ch,  # cache strides (block, token, head), same for K and V
+    stride_bt,
+    stride_ot, stride_oh,  # of the final output (NUM_SPLITS == 1)
+    num_q_heads,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,  # Hq // Hk: query heads sharing this program's KV head
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum M)
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Grid (B, Hk, NUM_SPLITS): the visible keys of a sequence are cut into NUM_SPLITS equal
+    # ranges (rounded to BLOCK_N); each program reads its range of one KV head once and serves
+    # all GROUP query heads from it. Empty ranges (short sequences) record lse = -inf.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == row:
+        return  # no new token for this sequence
+    row = row.to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_lo + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, seq_len, start_n, hi, window, k_base, v_base, table_ptr,
+            offs_d, d_mask, stride_cb, stride_ct, sm_scale, softcap,
+            BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, False, DOT_PRECISION,
+        )
+    if full_hi < hi:
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, seq_len, full_hi, hi, window, k_base, v_base, table_ptr,
+            offs_d, d_mask, stride_cb, stride_ct, sm_scale, softcap,
+            BLOCK_SIZE, BLOCK_N, True, False, USE_SOFTCAP, False, DOT_PRECISION,
+        )
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    mask = h_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (seq.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_ptr,  # fp32 [B, Hq, NUM_SPLITS, D] per-split normalised outputs
+    lse_ptr,  # fp32 [B, Hq, NUM_SPLITS] per-split log2-sum-exp (-inf: empty split)
+    out_ptr,  # [T, Hq, D]
+    query_start_loc_ptr,  # int32 [B + 1]
+    stride_ot, stride_oh,
+    num_q_heads, head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Grid (B, Hq): weight each split by 2^(lse - max lse); a sequence with no keys gets zeros.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == row:
+        return
+    row = row.to(tl.int64)
+    base = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    lse = tl.load(lse_ptr + base + offs_s)
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    part = tl.load(partial_ptr + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
+                   mask=(w > 0)[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Enough (B, Hk, split) programs to fill ~2 waves of a 132-SM GPU, each with >= 256
+    keys; a power of two to bound recompilation. Any value is correct (CUDA-graph safe)."""
+    want = triton.cdiv(2 * 132, max(num_seqs * num_kv_heads, 1))
+    return max(1, min(triton.next_power_of_2(want), 64, triton.next_power_of_2(
+        triton.cdiv(max(max_seq_len, 1), 256))))
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Split-KV decode for batches where every sequence has at most one new token.
+
+    Defaults (no register spills on sm_90, bf16): BLOCK_N 64 keys per step, 4 warps for
+    head_dim <= 64, 8 for 128."""
+    check_attention_args(q, k_cache, v_cache, meta)
+    if meta.max_query_len > 1:
+        raise ValueError("decode_attention_triton needs q_len <= 1 for every sequence")
+    num_seqs = meta.seq_lens.shape[0]
+    num_q_heads = q.shape[1]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    out = new_output(q, meta)
+    if num_seqs == 0:
+        return out
+    num_splits = num_splits or default_num_splits(num_seqs, num_kv_heads, meta.max_seq_len)
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits {num_splits} must be a power of two")
+    group = num_q_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles
+    block_n = block_n or (16 if fp32 else 64)
+    num_warps = num_warps or (4 if block_d <= 64 and not fp32 else 8)
+    if num_splits == 1:
+        partial = lse = out
+    else:
+        partial = torch.empty(num_seqs, num_q_heads, num_splits, head_dim,
+                              dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32,
+                          device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, partial, lse, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc,
+        scale, logit_softcap or 1.0, sliding_window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        num_q_heads, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        USE_SOFTCAP=logit_softcap is not None,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            partial, lse, out, meta.query_start_loc, out.stride(0), out.stride(1),
+            num_q_heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Decode-only batches -> split-KV decode kernel; anything else -> prefill/extend kernel."""
+    fn = decode_attention_triton if meta.is_decode_only else prefill_attention_triton
+    return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)

@@ -18,7 +18,7 @@ from services.engine.forward_context import AttentionMetadata
 def gather_kv_ref(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len tokens of one sequence's K or V: [seq_len, Hk, D]."""
     num_blocks = -(-seq_len // cache.shape[1])
-    return cache[block_row[:num_blocks].long()].flatten(0, 1)[:seq_len]
+    return cache.index_select(0, block_row[:num_blocks].long()).flatten(0, 1)[:seq_len]
 
 
 def attend_ref(
@@ -28,15 +28,22 @@ def attend_ref(
     mask: torch.Tensor | None,
     scale: float,
     logit_softcap: float | None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Masked GQA attention in fp32. q [B, L, Hq, D]; k, v [B, S, Hk, D]; mask [B, L, S] bool
-    (True = attend) or None (everything visible). Returns [B, L, Hq, D] in q's dtype."""
+    (True = attend), or None with causal=False (everything visible) or causal=True (L == S, a
+    whole prompt: lets SDPA skip the masked half). Returns [B, L, Hq, D] in q's dtype."""
     qh, kh, vh = (t.float().transpose(1, 2) for t in (q, k, v))  # [B, H, L|S, D]
     group = q.shape[2] // k.shape[2]
+    if causal and (mask is not None or q.shape[1] != k.shape[1]):
+        raise ValueError("causal=True needs mask=None and as many queries as keys")
+    if causal and logit_softcap is not None:
+        length = q.shape[1]
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()[None]
     if logit_softcap is None:
         m = None if mask is None else mask[:, None]
         out = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=m, scale=scale, enable_gqa=group > 1
+            qh, kh, vh, attn_mask=m, scale=scale, is_causal=causal, enable_gqa=group > 1
         )
     else:
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
@@ -79,9 +86,241 @@ def prefill_attention_ref(
             continue
         k = gather_kv_ref(k_cache, meta.block_tables[i], seq_len)
         v = gather_kv_ref(v_cache, meta.block_tables[i], seq_len)
-        k_pos = torch.arange(seq_len, device=q.device)
-        q_pos = k_pos[seq_len - q_len :]
-        mask = causal_mask_ref(q_pos, k_pos, sliding_window)
-        attn = attend_ref(q[None, start:end], k[None], v[None], mask[None], scale, logit_softcap)
+        if q_len == seq_len and sliding_window is None:
+            attn = attend_ref(q[None, start:end], k[None], v[None], None, scale, logit_softcap,
+                              causal=True)
+        else:
+            k_pos = torch.arange(seq_len, device=q.device)
+            mask = causal_mask_ref(k_pos[seq_len - q_len :], k_pos, sliding_window)[None]
+            attn = attend_ref(q[None, start:end], k[None], v[None], mask, scale, logit_softcap)
         out[start:end] = attn[0]
+    return out
+
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def score_transform(s, sm_scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """Raw q.k -> scaled (optionally soft-capped) logits in the log2 domain (for exp2)."""
+    if USE_SOFTCAP:
+        return softcap * _tanh(s * (sm_scale / softcap)) * LOG2E
+    else:
+        return s * (sm_scale * LOG2E)
+
+
+@triton.jit
+def attend_tile(
+    acc, m_i, l_i,  # running output [M, BLOCK_D], row max [M], row sum [M] (log2 domain)
+    q, q_pos,  # queries [M, BLOCK_D]; their positions [M] (read when CAUSAL or USE_WINDOW)
+    start_n, hi, window,  # keys start_n .. start_n + BLOCK_N, valid below hi
+    k_cache_ptr, v_cache_ptr,  # this KV head's base: cache_ptr + kv_head * stride_h
+    table_ptr,  # this sequence's block-table row
+    offs_d, d_mask,
+    stride_b, stride_t,  # cache block / token strides (K and V caches share them)
+    sm_scale, softcap,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_N: tl.constexpr,  # the tile may reach past hi
+    CAUSAL: tl.constexpr,  # the tile may hold keys after some query (diagonal tile)
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over BLOCK_N keys gathered from the paged cache: each key's
+    block comes from the block table, so a tile may span several cache blocks."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < hi
+    if MASK_N:
+        blk = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+    else:
+        blk = tl.load(table_ptr + offs_n // BLOCK_SIZE)
+        kv_mask = d_mask[None, :]
+    rows = blk.to(tl.int64) * stride_b + (offs_n % BLOCK_SIZE) * stride_t
+    kv_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D], shared by K and V
+    k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+    s = score_transform(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale,
+                        softcap, USE_SOFTCAP)
+    if MASK_N:
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+    if USE_WINDOW:
+        s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, Hq, D] new tokens' queries (token/head strides free, last dim contiguous)
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
+    out_ptr,  # [T, Hq, D]
+    block_tables_ptr,  # int32 [B, max_blocks]
+    seq_lens_ptr,  # int32 [B] cached + new tokens
+    query_start_loc_ptr,  # int32 [B + 1]
+    sm_scale, softcap, window,  # softmax scale; logit cap c; sliding window W
+    stride_qt, stride_qh,
+    stride_cb, stride_ct, stride_ch,  # cache strides (block, token, head), same for K and V
+    stride_bt,  # block-table row stride
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,  # Hq // Hk
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (power of two)
+    BLOCK_M: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # keys per loop step (may span several cache blocks)
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), else "tf32" (ignored)
+):
+    # Grid (query blocks, Hq, B): BLOCK_M new tokens of one sequence and one query head; an
+    # online softmax over the keys they may see, gathered from the paged cache. Keys before the
+    # tile's first query are visible to every row and run unmasked; the rest (the diagonal) and
+    # the sliding-window edge are masked.
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len  # tokens cached before this step's new ones
+    kv_head = head // GROUP
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < q_len
+    q_pos = ctx + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    first_pos = ctx + m_block * BLOCK_M
+    hi = tl.minimum(first_pos + BLOCK_M, seq_len)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+    mid = lo + (first_pos + 1 - lo) // BLOCK_N * BLOCK_N  # keys below mid: no causal mask
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(lo, mid, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, start_n, hi, window, k_base, v_base, table_ptr,
+            offs_d, d_mask, stride_cb, stride_ct, sm_scale, softcap,
+            BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
+        )
+    for start_n in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, start_n, hi, window, k_base, v_base, table_ptr,
+            offs_d, d_mask, stride_cb, stride_ct, sm_scale, softcap,
+            BLOCK_SIZE, BLOCK_N, True, True, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
+        )
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def check_attention_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Shape / dtype / layout contract shared by the attention launchers."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"want q [T, Hq, D], caches [N, bs, Hk, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    if q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size} must be a power of two")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q and the caches must have a contiguous last dim")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides (one offset serves both)")
+    for name in ("block_tables", "seq_lens", "query_start_loc"):
+        t = getattr(meta, name)
+        if t.dtype != torch.int32 or t.device != q.device:
+            raise ValueError(f"meta.{name} must be int32 on {q.device}, got {t.dtype} {t.device}")
+    if meta.block_tables.stride(-1) != 1:
+        raise ValueError("meta.block_tables must have a contiguous last dim")
+
+
+def new_output(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Output buffer; rows past the last sequence (padding) are zeroed, the rest get written."""
+    out = torch.empty_like(q)
+    if meta.query_start_loc_cpu[-1] < q.shape[0]:
+        out[meta.query_start_loc_cpu[-1] :].zero_()
+    return out
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Any mix of q_len >= 1 sequences. Grid (cdiv(max_query_len, BLOCK_M), Hq, B).
+
+    Default tiles are the largest that compile for sm_90 without register spills (bf16):
+    BLOCK_M 128 with 8 warps, BLOCK_N 64 for head_dim <= 64 else 32; BLOCK_M shrinks (with 4
+    warps) when no sequence has that many new tokens. fp32 is supported for exactness (IEEE
+    dots, no TF32) with small tiles, not tuned."""
+    check_attention_args(q, k_cache, v_cache, meta)
+    num_seqs = meta.seq_lens.shape[0]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    out = new_output(q, meta)
+    if num_seqs == 0 or meta.max_query_len == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles
+    block_m = block_m or (64 if fp32 else 128)
+    block_m = max(16, min(block_m, triton.next_power_of_2(meta.max_query_len)))
+    block_n = block_n or (16 if fp32 else 64 if block_d <= 64 else 32)
+    num_warps = num_warps or (8 if block_m >= 128 or fp32 else 4)
+    grid = (triton.cdiv(meta.max_query_len, block_m), q.shape[1], num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale, logit_softcap or 1.0, sliding_window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        GROUP=q.shape[1] // num_kv_heads,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        USE_SOFTCAP=logit_softcap is not None,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out

@@ -20,7 +20,9 @@ class RotaryOutput(NamedTuple):
     k: torch.Tensor
 
 
-def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+def _rotate_ref(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
+) -> torch.Tensor:
     rot_dim = cos.shape[-1] * 2
     xf = x.float()
     rot, rest = xf[..., :rot_dim], xf[..., rot_dim:]

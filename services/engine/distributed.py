@@ -44,7 +44,8 @@ def get_tp_size() -> int:
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} {numerator} is not divisible by tensor-parallel size {denominator}")
+        raise ValueError(f"{what} {numerator} is not divisible by tensor-parallel size "
+                         f"{denominator}")
     return numerator // denominator
 
 

@@ -12,7 +12,7 @@ Rules:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,14 +40,12 @@ class RequestStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
-@dataclass
-class TokenLogprobs:
+class TokenLogprobs(NamedTuple):
     """Log-probabilities for one generated token: the sampled one and the top-n alternatives."""
 
     token_id: int
     logprob: float
-    top_token_ids: list[int]
-    top_logprobs: list[float]
+    top: list[tuple[int, float]]
 
 
 class Request:

@@ -106,6 +106,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
             if not self._allocate_or_preempt(request, num_new, scheduled, out):
                 continue
             self._schedule(request, num_new, out, scheduled)

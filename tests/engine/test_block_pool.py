@@ -48,7 +48,7 @@ def test_never_cached_blocks_are_used_before_evicting_cached_ones() -> None:
 def test_eviction_takes_least_recently_freed_cached_block() -> None:
     pool = BlockPool(3)
     blocks = pool.get_new_blocks(3)
-    for blk, h in zip(blocks, [b"h0", b"h1", b"h2"]):
+    for blk, h in zip(blocks, [b"h0", b"h1", b"h2"], strict=True):
         pool.cache_block(blk, h)
     pool.free_blocks([1, 2, 0])  # LRU order: 1, 2, 0
     pool.touch([2])  # claimed again: no longer evictable

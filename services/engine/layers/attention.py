@@ -23,7 +23,8 @@ class Attention(nn.Module):
                  sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} "
+                             "kv heads")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.logit_softcap = scale, sliding_window, logit_softcap
         self.k_cache = torch.empty(0)

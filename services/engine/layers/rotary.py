@@ -57,6 +57,8 @@ def compute_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | Non
 class RotaryEmbedding(nn.Module):
     """Rotates q [T, Hq, D] and k [T, Hk, D] by `positions`; the first `rotary_dim` dims turn."""
 
+    cos_sin_cache: torch.Tensor
+
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None, is_neox: bool = True) -> None:
         super().__init__()

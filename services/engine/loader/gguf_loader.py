@@ -108,4 +108,6 @@ def iter_gguf(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
             array = unpermute_qk(array, config.num_heads)
         elif permuted and ".k_proj." in name:
             array = unpermute_qk(array, config.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(array))
+        if not (array.flags.writeable and array.flags.c_contiguous):  # F32 tensors are mmap views
+            array = array.copy()
+        yield name, torch.from_numpy(array)

@@ -47,7 +47,8 @@ def check_checkpoint(model_dir: Path, files: list[Path]) -> None:
     if quant:
         method = quant.get("quant_method", "?")
         raise ValueError(f"pre-quantized checkpoints ({method}) are not supported; use a "
-                         f"{'/'.join(SUPPORTED_DTYPES)} checkpoint (optionally --quantization int8)")
+                         f"{'/'.join(SUPPORTED_DTYPES)} checkpoint (optionally with int8 "
+                         "weight-only quantization)")
     for file in files:
         for name, dtype in _header_dtypes(file).items():
             if dtype not in SUPPORTED_DTYPES:

@@ -20,7 +20,8 @@ from services.engine.models.base import CausalLM
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}")
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter "
+                         f"{tuple(param.shape)}")
     param.data.copy_(loaded)
 
 

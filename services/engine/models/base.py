@@ -7,6 +7,8 @@ Rules:
   samples from (last token of each sequence), so the LM head never runs on prefill rows.
 - `attention_layers()` lists the `Attention` modules in layer order; the runner binds one KV cache
   pair to each.
+- Constructor: `(config: ModelConfig, quant_config: QuantConfig | None)`; layers read the
+  tensor-parallel rank/size at construction, so `init_tensor_parallel` comes first.
 - Weight loading is declarative: `packed_modules_mapping` maps a checkpoint sub-name onto a fused
   parameter and its shard id (q_proj -> qkv_proj/"q"); `skip_weight(name)` drops checkpoint
   tensors the model does not use (e.g. a tied lm_head saved anyway).
@@ -21,12 +23,13 @@ from torch import nn
 
 from services.engine.layers.attention import Attention
 from services.engine.model_config import ModelConfig
+from services.engine.quant.base import QuantConfig
 
 
 class CausalLM(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {}
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self._attention_layers: list[Attention] | None = None

@@ -109,7 +109,7 @@ class LlamaForCausalLM(CausalLM):
     }
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None) -> None:
-        super().__init__(config)
+        super().__init__(config, quant_config)
         self.tp_size = get_tp_size()
         self.model = LlamaModel(config, quant_config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config)

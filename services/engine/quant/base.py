@@ -16,6 +16,7 @@ Rules:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ class UnquantizedLinearMethod(QuantMethod):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, layer_tensor(layer, "weight"), bias)
 
 
 class QuantConfig(ABC):
@@ -70,6 +71,11 @@ class UnquantizedConfig(QuantConfig):
 
     def get_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
         return UnquantizedLinearMethod()
+
+
+def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """A parameter or buffer of `layer`, typed as a tensor."""
+    return cast(torch.Tensor, getattr(layer, name))
 
 
 def get_quant_method(config: QuantConfig | None, layer: nn.Module, prefix: str) -> QuantMethod:

@@ -4,7 +4,8 @@ Weights load as floats (same path as unquantized) and are quantized in `process_
 scale = max|W[n, :]| / 127, W_int8 = round(W / scale). The matmul uses
 `aten._weight_int8pack_mm`, which on CPU is fast only for bf16 activations, so activations are
 cast to bf16 around the matmul and the result is cast back to the model dtype. Memory traffic per
-decode step drops 4x against fp32, which is what bounds batch-1 decode on a small CPU.
+decode step drops 4x against fp32, which is what bounds batch-1 decode on a small CPU. Other
+devices fall back to a dequantizing matmul (correct, not fast).
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod
+from services.engine.quant.base import (
+    QuantConfig,
+    QuantMethod,
+    UnquantizedLinearMethod,
+    layer_tensor,
+)
 
 _MATMUL_DTYPE = torch.bfloat16
 
@@ -30,7 +36,7 @@ class Int8WeightOnlyMethod(QuantMethod):
     """int8 weights, per-channel scales; float activations."""
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        q, scale = quantize_per_channel(layer.weight.data)
+        q, scale = quantize_per_channel(layer_tensor(layer, "weight").detach())
         del layer.weight  # a tied embedding keeps its own reference to the float tensor
         layer.register_buffer("weight_int8", q.contiguous(), persistent=False)
         layer.register_buffer("weight_scale", scale.to(_MATMUL_DTYPE), persistent=False)
@@ -38,13 +44,15 @@ class Int8WeightOnlyMethod(QuantMethod):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(_MATMUL_DTYPE)
-        if x2.device.type == "cpu" or x2.is_cuda:
-            y = torch.ops.aten._weight_int8pack_mm(x2, layer.weight_int8, layer.weight_scale)
+        x2 = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(_MATMUL_DTYPE)
+        weight, scale = layer_tensor(layer, "weight_int8"), layer_tensor(layer, "weight_scale")
+        if x2.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x2, weight, scale)
         else:
-            y = F.linear(x2, layer.weight_int8.to(x2.dtype)) * layer.weight_scale
-        y = y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+            y = F.linear(x2, weight.to(x2.dtype)) * scale
+        y = y.to(x.dtype)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
 

@@ -1,0 +1,277 @@
+"""The engine core: requests in, tokens out, one `step()` at a time.
+
+Rules:
+- `step()` reads as schedule -> run -> postprocess. It returns one RequestOutput per request that
+  produced a token or finished in that step (aborts included).
+- Single-threaded: add_request / abort / step / prompt_logits are called from one thread, between
+  steps. `abort` frees the request's KV blocks at once; its final output comes with the next step.
+- A request finishes with 'stop' on an eos token (unless ignore_eos) or one of its stop ids,
+  'length' at max_tokens or at the context length (max_model_len), 'abort' when aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from libs.common.model_cache import resolve_model
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.model_config import ModelConfig
+from services.engine.model_runner import ModelRunner, RunnerOutput
+from services.engine.request import Request, RequestStatus, TokenLogprobs
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import (
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """model: path, hub id or "default". dtype/device "auto": bfloat16 on CUDA, float32 on CPU.
+
+    KV cache size: num_kv_blocks, else kvcache_mem_mib, else (CUDA) gpu_memory_utilization of the
+    GPU after weights and a profiling forward, else (CPU) 512 MiB. max_model_len (None: the
+    model's) is lowered to what the KV cache can hold.
+    """
+
+    model: str = "default"
+    dtype: torch.dtype | str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kvcache_mem_mib: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    prefill_chunk_size: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    num_kv_blocks: int | None = None
+    quantization: str | None = None  # weight quantization by name (services/engine/quant)
+    num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+    seed: int | None = None  # seeds the shared RNG of unseeded requests
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.prefill_chunk_size < 0:
+            raise ValueError("prefill_chunk_size must be >= 0 (0 disables chunking)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype}")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device.startswith("cuda") else torch.float32
+        return _DTYPES[self.dtype]
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (new_token_ids is empty for an abort)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # 'stop' | 'length' | 'abort' once finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    stop_token_id: int | None = None  # the eos / stop id that ended the request, if any
+
+
+@dataclass
+class _Counters:
+    finished: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    tokens_generated: int = 0
+    steps: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        path = resolve_model(config.model)
+        self.runner = ModelRunner(config, str(path))
+        self.model_config: ModelConfig = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        if config.prefill_chunk_size == 0 and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "with chunked prefill off, max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            config.prefill_chunk_size),
+            self.kv,
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self._pending: list[RequestOutput] = []  # abort outputs, returned by the next step
+        self._counts = _Counters()
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+                 path, self.runner.device, self.runner.dtype, self.runner.num_blocks,
+                 config.block_size, self.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_model_len} "
+                             "and at least one must be left to generate")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        room = self.max_model_len - n
+        max_tokens = min(params.max_tokens or room, room)
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens,
+                          self.eos_token_ids, generator)
+        self.scheduler.add_request(request)
+        self._counts.prompt_tokens += n
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now and free its blocks; False if it is unknown or already done."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if request is None:
+            return False
+        self._counts.aborted += 1
+        self._pending.append(self._output(request, []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return outputs
+        result = self.runner.execute(scheduled.requests, scheduled.is_decode_only)
+        outputs.extend(self._postprocess(scheduled, result))
+        self._counts.steps += 1
+        return outputs
+
+    def _postprocess(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        outputs = []
+        sampling = (r for r in scheduled.requests if r.samples)
+        for sr, token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            request = self.scheduler.requests[sr.request_id]
+            status = request.append_token(token)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            self._counts.tokens_generated += 1
+            if status is not None:
+                self.scheduler.finish_request(request.request_id, status)
+                self._counts.finished += 1
+            lps = None if logprobs is None else [logprobs]
+            outputs.append(self._output(request, [token], lps))
+        return outputs
+
+    def _output(
+        self, request: Request, new_token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> RequestOutput:
+        stop_id = None
+        if request.status is RequestStatus.FINISHED_STOPPED:
+            stop_id = request.token_ids[-1]
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+            logprobs=logprobs,
+            stop_token_id=stop_id,
+        )
+
+    # ------------------------------------------------------------------ extras
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every prompt position, float32 [T, vocab] on the host (runs between steps)."""
+        n = len(token_ids)
+        if not 0 < n <= self.max_model_len:
+            raise ValueError(f"prompt_logits needs 1..{self.max_model_len} tokens, got {n}")
+        request = Request("__prompt_logits__", list(token_ids), SamplingParams(), 1)
+        chunk = self.config.max_num_batched_tokens
+        parts = []
+        try:
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                if not self.kv.allocate_slots(request, end - start):
+                    raise RuntimeError("prompt_logits: the KV cache has no room for this prompt")
+                parts.append(self.runner.all_logits(ScheduledRequest(
+                    request_id=request.request_id, token_ids=request.token_ids[start:end],
+                    num_computed_tokens=start, block_ids=request.block_ids, is_prefill=True,
+                    samples=False, sampling_params=request.sampling_params, generator=None,
+                    prompt_len=n, all_token_ids=request.token_ids,
+                )))
+                request.num_computed_tokens = end
+        finally:
+            self.kv.free(request)
+        return torch.cat(parts)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.kv.pool
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "finished": self._counts.finished,
+            "aborted": self._counts.aborted,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_cached": pool.num_cached_blocks,
+            "prompt_tokens": self._counts.prompt_tokens,
+            "cached_prompt_tokens": self.scheduler.prefix_hit_tokens,
+            "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
+            "tokens_generated": self._counts.tokens_generated,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self._counts.steps,
+        }
+

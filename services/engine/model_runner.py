@@ -1,0 +1,220 @@
+"""Owns the model, its paged KV cache and the sampler; runs one scheduled step at a time.
+
+Rules:
+- The runner allocates the KV cache once: one [2, num_blocks, block_size, Hk, D] tensor per layer
+  in the model dtype, bound to the layer's Attention. Its size is an explicit block count, an
+  explicit MiB size, or (on CUDA) what `gpu_memory_utilization` of the GPU leaves after the
+  weights and a profiling forward at the largest batch.
+- It knows only the SchedulerOutput (plain data), never the scheduler. For each step it builds the
+  flattened inputs (step_inputs.py), runs the model, takes logits only on the last row of every
+  sequence that samples, samples, and returns the tokens as host ints (the step's one sync).
+- Decode-only steps replay CUDA graphs on CUDA (unless enforce_eager); everything else is eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.forward_context import forward_context
+from services.engine.loader import load_model
+from services.engine.request import TokenLogprobs
+from services.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import ScheduledRequest
+from services.engine.step_inputs import StepInputBuilder, StepInputs
+
+if TYPE_CHECKING:
+    from services.engine.engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KVCACHE_MIB = 512
+
+
+@dataclass
+class RunnerOutput:
+    """Per sampling request of the step, in SchedulerOutput order."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.device = torch.device(config.resolved_device)
+        self.dtype = config.resolved_dtype
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_tokens = config.max_num_batched_tokens
+        self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device,
+                                                   quantization=config.quantization)
+        self.vocab_size = self.model_config.vocab_size
+        self.attention = self.model.attention_layers()
+        self.sampler = Sampler()
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.num_blocks = self._num_kv_blocks(config)
+        if self.num_blocks * self.block_size < self.max_model_len:
+            log.warning("the KV cache holds %d tokens: max_model_len lowered from %d",
+                        self.num_blocks * self.block_size, self.max_model_len)
+            self.max_model_len = self.num_blocks * self.block_size
+        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.inputs = StepInputBuilder(self.max_num_tokens, self.max_num_seqs,
+                                       self.max_blocks_per_seq, self.block_size, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self._logits_all_rows, self.max_num_seqs,
+                                       self.max_blocks_per_seq, self.max_model_len, self.device)
+            with torch.inference_mode():
+                self.graphs.capture()
+
+    # ------------------------------------------------------------------ KV cache
+
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self.attention) * elem
+        return per_token * self.block_size
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kvcache_mem_mib is not None:
+            budget = config.kvcache_mem_mib * (1 << 20)
+        elif self.device.type == "cuda":
+            budget = self._profile_free_memory(config.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KVCACHE_MIB * (1 << 20)
+        num_blocks = budget // self.kv_bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(f"no room for a KV cache ({budget / 2**20:.1f} MiB left); lower the "
+                             "batch limits or raise gpu_memory_utilization / kvcache_mem_mib")
+        return int(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        caches = []
+        for layer in self.attention:
+            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
+                                layer.head_dim, dtype=self.dtype, device=self.device)
+            layer.bind_kv_cache(cache[0], cache[1])
+            caches.append(cache)
+        return caches
+
+    @torch.inference_mode()
+    def _profile_free_memory(self, utilization: float) -> int:
+        """Bytes left for the KV cache after a forward + sampling at the largest step."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = self.max_num_tokens
+        seq_len = min(tokens, self.max_model_len)
+        num_seqs = min(self.max_num_seqs, -(-tokens // seq_len))
+        self.kv_cache = self._allocate_kv_cache(-(-tokens // self.block_size) + num_seqs)
+        builder = StepInputBuilder(tokens, num_seqs, -(-seq_len // self.block_size),
+                                   self.block_size, self.device)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        requests, left = [], tokens
+        for i in range(num_seqs):
+            n = min(seq_len, left)
+            left -= n
+            blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            requests.append(_dummy_request(f"profile-{i}", n, blocks))
+        inputs = builder.build(requests)
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        rows = torch.arange(self.max_num_seqs, device=self.device) % hidden.shape[0]
+        logits = self.model.compute_logits(hidden[rows])
+        # The sampler's most memory-hungry path: full sort (top-p without top-k) + penalties.
+        params = [SamplingParams(top_p=0.9, min_p=0.05, repetition_penalty=1.1, logprobs=5)]
+        batch = SamplingBatch.build(params * logits.shape[0], [None] * logits.shape[0],
+                                    [[0]] * logits.shape[0], [1] * logits.shape[0],
+                                    self.vocab_size, self.device)
+        self.sampler(logits, batch)
+        torch.cuda.synchronize()
+        del hidden, logits, inputs, builder
+        for layer in self.attention:  # drop the layers' references to the profiling cache
+            empty = torch.empty(0, 1, layer.num_kv_heads, layer.head_dim, device=self.device)
+            layer.bind_kv_cache(empty, empty)
+        self.kv_cache = []
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * utilization) - peak - others
+        log.info("KV cache budget %.0f MiB (peak %.0f MiB, other %.0f MiB, total %.0f MiB)",
+                 budget / 2**20, peak / 2**20, others / 2**20, total / 2**20)
+        return max(budget, 0)
+
+    # ------------------------------------------------------------------ steps
+
+    def _logits_all_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions))
+
+    def _logits(self, inputs: StepInputs, decode_only: bool) -> torch.Tensor:
+        """Logits of the sampling rows of the step, [S, vocab] float32."""
+        if decode_only and self.graphs is not None:
+            logits = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
+            return logits[inputs.logits_rows]
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        return self.model.compute_logits(hidden[inputs.logits_rows])
+
+    @torch.inference_mode()
+    def execute(self, requests: list[ScheduledRequest], decode_only: bool) -> RunnerOutput:
+        inputs = self.inputs.build(requests)
+        logits = self._logits(inputs, decode_only)
+        sampling = [r for r in requests if r.samples]
+        if not sampling:
+            return RunnerOutput([], [])
+        batch = SamplingBatch.build(
+            [r.sampling_params for r in sampling],
+            [r.generator for r in sampling],
+            [r.all_token_ids for r in sampling],
+            [r.prompt_len for r in sampling],
+            self.vocab_size,
+            self.device,
+        )
+        out = self.sampler(logits, batch)
+        token_ids = out.token_ids.tolist()
+        return RunnerOutput(token_ids, _logprobs_to_host(out, token_ids, sampling))
+
+    @torch.inference_mode()
+    def all_logits(self, request: ScheduledRequest) -> torch.Tensor:
+        """Logits of every new token of one sequence (eager), float32 [n, vocab] on the host."""
+        inputs = self.inputs.build([request])
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        return self.model.compute_logits(hidden).float().cpu()
+
+
+def _logprobs_to_host(
+    out: SamplerOutput, token_ids: list[int], sampling: list[ScheduledRequest]
+) -> list[TokenLogprobs | None]:
+    if out.logprobs is None:
+        return [None] * len(sampling)
+    logprobs = out.logprobs.tolist()
+    top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    result: list[TokenLogprobs | None] = []
+    for i, r in enumerate(sampling):
+        n = r.sampling_params.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        top = []
+        if n and top_ids is not None and top_lps is not None:
+            top = list(zip(top_ids[i][:n], top_lps[i][:n], strict=True))
+        result.append(TokenLogprobs(token_ids[i], logprobs[i], top))
+    return result
+
+
+def _dummy_request(request_id: str, num_tokens: int, block_ids: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=request_id, token_ids=[0] * num_tokens, num_computed_tokens=0,
+        block_ids=block_ids, is_prefill=True, samples=True, sampling_params=SamplingParams(),
+        generator=None, prompt_len=num_tokens, all_token_ids=[0] * num_tokens,
+    )

@@ -1,0 +1,110 @@
+"""Turn a SchedulerOutput into the flattened tensors of one forward pass.
+
+Rules:
+- Built with vectorised numpy over persistent host buffers: no per-token Python loops, only
+  generator expressions over the sequences.
+- Row order follows `SchedulerOutput.requests`; sequence i owns rows
+  query_start_loc[i]:query_start_loc[i+1], and `logits_rows` lists, in order, the last row of
+  every sequence that samples this step.
+- The host buffers are reused by the next step: consumers copy what they keep (on CPU the
+  tensors alias the buffers).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.forward_context import AttentionMetadata
+from services.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # int64 [S], rows whose logits are sampled
+    num_tokens: int
+
+
+class StepInputBuilder:
+    def __init__(
+        self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        pin = device.type == "cuda"
+
+        def buf(shape: int | tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin).numpy()
+
+        self.input_ids = buf(max_num_tokens, torch.int64)
+        self.positions = buf(max_num_tokens, torch.int64)
+        self.slot_mapping = buf(max_num_tokens, torch.int64)
+        self.query_start_loc = buf(max_num_seqs + 1, torch.int32)
+        self.seq_lens = buf(max_num_seqs, torch.int32)
+        self.block_tables = buf(max_num_seqs * max_blocks_per_seq, torch.int32)
+        self.logits_rows = buf(max_num_seqs, torch.int64)
+        longest = max(max_num_tokens, max_num_seqs, max_blocks_per_seq)
+        self._arange = np.arange(longest, dtype=np.int64)
+
+    def build(self, requests: list[ScheduledRequest]) -> StepInputs:
+        n = len(requests)
+        bs = self.block_size
+        num_new = np.fromiter((len(r.token_ids) for r in requests), np.int64, n)
+        start = np.fromiter((r.num_computed_tokens for r in requests), np.int64, n)
+        qsl = self.query_start_loc[: n + 1]
+        qsl[0] = 0
+        np.cumsum(num_new, out=qsl[1:])
+        t = int(qsl[n])
+        self.input_ids[:t] = np.fromiter(
+            itertools.chain.from_iterable(r.token_ids for r in requests), np.int64, t
+        )
+        seq_of_row = np.repeat(self._arange[:n], num_new)
+        positions = self.positions[:t]
+        np.subtract(self._arange[:t], qsl[seq_of_row], out=positions)
+        positions += start[seq_of_row]
+        seq_lens = self.seq_lens[:n]
+        np.add(start, num_new, out=seq_lens, casting="unsafe")
+        max_seq_len = int(seq_lens.max())
+        num_cols = -(-max_seq_len // bs)
+        table = self.block_tables[: n * num_cols].reshape(n, num_cols)  # contiguous
+        table.fill(0)
+        num_ids = np.fromiter((min(len(r.block_ids), num_cols) for r in requests), np.int64, n)
+        table[self._arange[:num_cols] < num_ids[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(r.block_ids[:num_cols] for r in requests), np.int32,
+            int(num_ids.sum()),
+        )
+        slots = self.slot_mapping[:t]
+        np.multiply(table[seq_of_row, positions // bs], bs, out=slots, casting="unsafe")
+        slots += positions % bs
+        samples = np.fromiter((r.samples for r in requests), np.bool_, n)
+        num_logits = int(samples.sum())
+        rows = self.logits_rows[:num_logits]
+        np.subtract(qsl[1:][samples], 1, out=rows, casting="unsafe")
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            query_start_loc=dev(qsl),
+            seq_lens=dev(seq_lens),
+            block_tables=dev(table),
+            slot_mapping=dev(slots),
+            max_query_len=int(num_new.max()),
+            max_seq_len=max_seq_len,
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(
+            input_ids=dev(self.input_ids[:t]),
+            positions=dev(positions),
+            meta=meta,
+            logits_rows=dev(rows),
+            num_tokens=t,
+        )

@@ -1,0 +1,61 @@
+"""The gateway's ASGI application: `create_app(settings, bus, store)`.
+
+Rules:
+- The app is built synchronously and holds a `GatewayState` (settings, bus, store, spec,
+  registry) on `app.state.gateway`; whoever runs the app awaits `state.start()` before serving
+  (to follow announcements) and `state.stop()` after. `GatewayService` does both.
+- FastAPI's generated OpenAPI and docs are off: `/openapi.json` serves our spec file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from libs.common.bus import Bus
+from libs.common.errors import model_not_found, unavailable
+from libs.common.settings import GatewaySettings
+from libs.common.store import Store
+from services.gateway import http_errors
+from services.gateway.registry import ModelInfo, ModelRegistry
+from services.gateway.routes import router
+from services.gateway.spec import Spec
+from services.gateway.tracing import TracingMiddleware
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    bus: Bus
+    store: Store
+    spec: Spec
+    registry: ModelRegistry
+
+    async def start(self) -> None:
+        await self.registry.start()
+
+    async def stop(self) -> None:
+        await self.registry.stop()
+
+    async def require_model(self, model: str) -> ModelInfo:
+        """The served model, else 404; 503 when the registry itself cannot be read."""
+        try:
+            info = await self.registry.get(model)
+        except Exception as exc:  # e.g. Redis unreachable
+            raise unavailable(f"the model registry is unavailable: {exc}") from exc
+        if info is None:
+            raise model_not_found(model)
+        return info
+
+
+def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
+    spec = Spec.load(settings.spec_path)
+    app = FastAPI(title="flotilla", version=str(spec.document["info"]["version"]),
+                  openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.gateway = GatewayState(settings, bus, store, spec,
+                                     ModelRegistry(bus, store, settings.model_ttl_s))
+    http_errors.install(app)
+    app.include_router(router)
+    app.add_middleware(TracingMiddleware)
+    return app

@@ -1,0 +1,116 @@
+"""Which models are served and which services are alive, from discovery announcements.
+
+Rules:
+- Every announcement refreshes `registry:svc:<service>:<instance>` in the Store with a TTL of
+  `model_ttl_s`, so an instance that stops announcing disappears on its own and every gateway
+  replica sharing the Store (Redis) sees the same registry.
+- A model is served while at least one tokenizer announcing it is alive; it is ready (for
+  /health) when an engine announcing it is alive too.
+- `created` of a model is the first time any gateway saw it, kept without TTL so it stays stable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.common import subjects
+from libs.common.bus import Bus
+from libs.common.messages import Announcement, Ping
+from libs.common.store import Store
+
+log = logging.getLogger(__name__)
+
+_SVC = "registry:svc:"
+_CREATED = "registry:created:"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    created: int
+    max_model_len: int | None
+
+    def openai(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "model", "created": self.created,
+                "owned_by": "flotilla", "max_model_len": self.max_model_len}
+
+
+@dataclass
+class HealthView:
+    ready: list[str]
+    services: dict[str, int]
+    models_without_engine: list[str] = field(default_factory=list)
+
+
+class ModelRegistry:
+    """Listens to DISCOVERY_ANNOUNCE and answers model and health questions from the Store."""
+
+    def __init__(self, bus: Bus, store: Store, ttl_s: float):
+        self.bus, self.store, self.ttl_s = bus, store, ttl_s
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        self._sub = await self.bus.subscribe(subjects.DISCOVERY_ANNOUNCE, Announcement,
+                                             self.record)
+        await self.bus.publish(subjects.DISCOVERY_PING, Ping())
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+            self._sub = None
+
+    async def record(self, ann: Announcement) -> None:
+        key = f"{_SVC}{ann.service}:{ann.instance}"
+        try:
+            await self.store.set(key, ann.model_dump_json(), ttl_s=self.ttl_s)
+            if ann.service == "tokenizer" and ann.model:
+                created_key = _CREATED + ann.model
+                if await self.store.get(created_key) is None:
+                    await self.store.set(created_key, str(int(time.time())))
+        except Exception as exc:  # store briefly unreachable: the next announcement retries
+            log.warning("registry: cannot record %s: %s", key, exc)
+
+    async def alive(self) -> list[Announcement]:
+        raw = await self.store.scan(_SVC)
+        out = []
+        for value in raw.values():
+            try:
+                out.append(Announcement.model_validate_json(value))
+            except ValueError:  # a record of another protocol version: ignore it
+                continue
+        return out
+
+    async def models(self) -> list[ModelInfo]:
+        tokenizers = [a for a in await self.alive() if a.service == "tokenizer" and a.model]
+        lengths: dict[str, int | None] = {}
+        for a in sorted(tokenizers, key=lambda a: a.instance):
+            assert a.model is not None
+            if lengths.get(a.model) is None:
+                lengths[a.model] = a.max_model_len
+        infos = []
+        for model, max_len in sorted(lengths.items()):
+            created = await self.store.get(_CREATED + model)
+            infos.append(ModelInfo(model, int(created) if created else int(time.time()), max_len))
+        return infos
+
+    async def get(self, model: str) -> ModelInfo | None:
+        for info in await self.models():
+            if info.id == model:
+                return info
+        return None
+
+    async def health(self) -> HealthView:
+        alive = await self.alive()
+        services: dict[str, int] = {}
+        for a in alive:
+            services[a.service] = services.get(a.service, 0) + 1
+        tokenized = {a.model for a in alive if a.service == "tokenizer" and a.model}
+        engined = {a.model for a in alive if a.service == "engine" and a.model}
+        return HealthView(ready=sorted(tokenized & engined), services=services,
+                          models_without_engine=sorted(tokenized - engined))

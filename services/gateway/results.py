@@ -1,0 +1,149 @@
+"""Text deltas of every choice → OpenAI's non-streaming objects (chat.completion, text_completion),
+plus the pieces streaming chunks share with them (usage, finish reasons, logprobs).
+
+Rules:
+- Usage counts each prompt once (n choices of one prompt share it; a list prompt counts each of
+  its prompts), and every choice's completion tokens.
+- `abort` (an engine dropped the request, e.g. at shutdown) is reported as `stop`: OpenAI has no
+  finish reason for it. Completions cannot call tools, so `tool_calls` is `stop` there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.common.messages import TextDelta, TextFinal, TextLogprob, ToolCallDelta
+from libs.common.subjects import PROTOCOL_VERSION
+from services.gateway.plan import Plan
+from services.gateway.streams import ChoiceStreams
+
+SYSTEM_FINGERPRINT = f"fp_flotilla_{PROTOCOL_VERSION}"
+_CHAT_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
+_COMPLETION_FINISH = {"stop": "stop", "length": "length", "tool_calls": "stop", "abort": "stop"}
+
+
+def chat_finish(final: TextFinal) -> str:
+    return _CHAT_FINISH[final.finish_reason]
+
+
+def completion_finish(final: TextFinal) -> str:
+    return _COMPLETION_FINISH[final.finish_reason]
+
+
+def usage_dict(plan: Plan, finals: dict[int, TextFinal]) -> dict[str, Any]:
+    prompt = cached = completion = 0
+    counted: set[int] = set()
+    for index, final in sorted(finals.items()):
+        completion += final.usage.completion_tokens
+        if plan.prompt_of[index] not in counted:
+            counted.add(plan.prompt_of[index])
+            prompt += final.usage.prompt_tokens
+            cached += final.usage.cached_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def chat_logprobs(items: list[TextLogprob]) -> dict[str, Any]:
+    def entry(token: str, logprob: float, raw: list[int] | None) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob,
+                "bytes": raw if raw is not None else list(token.encode())}
+
+    content = [{**entry(lp.token, lp.logprob, lp.bytes),
+                "top_logprobs": [entry(t, v, None) for t, v in lp.top]} for lp in items]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(items: list[TextLogprob], offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs; `offset` = characters of the choice's text before these tokens."""
+    offsets = []
+    for lp in items:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {"tokens": [lp.token for lp in items],
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [dict(lp.top) for lp in items],
+            "text_offset": offsets}
+
+
+def tool_call_chunk(call: ToolCallDelta) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": call.index}
+    if call.id is not None:
+        out["id"] = call.id
+        out["type"] = "function"
+    function: dict[str, Any] = {"arguments": call.arguments}
+    if call.name is not None:
+        function["name"] = call.name
+    out["function"] = function
+    return out
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced, accumulated from its deltas."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
+    logprobs: list[TextLogprob] = field(default_factory=list)
+    final: TextFinal | None = None
+
+    def add(self, delta: TextDelta) -> None:
+        self.text += delta.text
+        self.reasoning += delta.reasoning
+        for call in delta.tool_calls:
+            slot = self.tool_calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+            slot["id"] = call.id or slot["id"]
+            slot["name"] = call.name or slot["name"]
+            slot["arguments"] += call.arguments
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+
+
+async def collect(streams: ChoiceStreams) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in streams.requests]
+    async for index, frame in streams.events():
+        if frame.kind == "data" and frame.data is not None:
+            results[index].add(frame.data)
+        elif frame.kind == "final":
+            results[index].final = frame.final
+    return results
+
+
+def _finals(results: list[ChoiceResult]) -> dict[int, TextFinal]:
+    return {i: r.final for i, r in enumerate(results) if r.final is not None}
+
+
+def chat_completion(plan: Plan, results: list[ChoiceResult], created: int) -> dict[str, Any]:
+    choices = []
+    for index, r in enumerate(results):
+        assert r.final is not None
+        calls = [{"id": c["id"] or f"call_{plan.rid}_{index}_{k}", "type": "function",
+                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for k, c in sorted(r.tool_calls.items())]
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": None if calls and not r.text else r.text,
+                                   "refusal": None}
+        if r.reasoning:
+            message["reasoning_content"] = r.reasoning
+        if calls:
+            message["tool_calls"] = calls
+        choices.append({"index": index, "message": message,
+                        "logprobs": chat_logprobs(r.logprobs) if plan.logprobs else None,
+                        "finish_reason": chat_finish(r.final)})
+    return {"id": plan.response_id, "object": "chat.completion", "created": created,
+            "model": plan.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
+            "usage": usage_dict(plan, _finals(results))}
+
+
+def text_completion(plan: Plan, results: list[ChoiceResult], created: int) -> dict[str, Any]:
+    choices = []
+    for index, r in enumerate(results):
+        assert r.final is not None
+        choices.append({"index": index, "text": r.text,
+                        "logprobs": completion_logprobs(r.logprobs, 0) if plan.logprobs else None,
+                        "finish_reason": completion_finish(r.final)})
+    return {"id": plan.response_id, "object": "text_completion", "created": created,
+            "model": plan.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
+            "usage": usage_dict(plan, _finals(results))}

@@ -1,0 +1,107 @@
+"""GatewayService: the HTTP server (uvicorn) inside the caller's event loop, plus the gateway's
+own discovery announcements.
+
+Rules:
+- `start()` returns once the socket is bound and the server accepts connections (`port` is then
+  the real port, also when configured as 0); a port in use fails `start()` with OSError.
+- uvicorn's own signal handling is off: the process owner (`run_forever`, or a test) decides
+  when to `stop()`. Open streams get `shutdown_grace_s` to finish, then are cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Generator
+from typing import Any
+
+import uvicorn
+
+from libs.common.bus import Bus
+from libs.common.messages import Announcement
+from libs.common.service import Announcer, instance_id
+from libs.common.settings import GatewaySettings
+from libs.common.store import Store, make_store
+from services.gateway.app import GatewayState, create_app
+
+log = logging.getLogger(__name__)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # the service's owner handles signals
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+class GatewayService:
+    """`GatewayService(settings, bus)`; `await start()` / `await stop()`."""
+
+    shutdown_grace_s = 2
+
+    def __init__(self, settings: GatewaySettings, bus: Bus, store: Store | None = None):
+        self.settings, self.bus = settings, bus
+        self.store = store if store is not None else make_store(settings.redis_url)
+        self.app = create_app(settings, bus, self.store)
+        self.state: GatewayState = self.app.state.gateway
+        self.instance = instance_id("gateway")
+        self.announcer = Announcer(bus, "gateway", self.instance, settings.discovery_interval_s,
+                                   make=lambda: Announcement(service="gateway",
+                                                             instance=self.instance),
+                                   health=self._health_detail)
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self.port = settings.port
+
+    @property
+    def url(self) -> str:
+        host = self.settings.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+    async def _health_detail(self) -> dict[str, Any]:
+        view = await self.state.registry.health()
+        return {"ready_models": view.ready, "services": view.services, "url": self.url}
+
+    async def start(self) -> None:
+        await self.state.start()
+        sock = bind_socket(self.settings.host, self.settings.port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, lifespan="off", log_level=self.settings.log_level.lower(),
+                                timeout_graceful_shutdown=self.shutdown_grace_s,
+                                access_log=False)
+        self._server = _EmbeddedServer(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server exited during start-up")
+            await asyncio.sleep(0.01)
+        await self.announcer.start()
+        log.info("gateway %s listening on %s", self.instance, self.url)
+
+    async def stop(self) -> None:
+        await self.announcer.stop()
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(self._task, self.shutdown_grace_s + 3)
+            except (TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+        await self.state.stop()
+        await self.store.close()

@@ -1,0 +1,84 @@
+"""The OpenAPI document: found once at start, served verbatim, and used to validate request bodies.
+
+Rules:
+- The file is the source of truth. `/openapi.json` serves exactly what it holds (as JSON), and each
+  operation's request body is validated against the schema the file names for it, so what we
+  document and what we enforce cannot drift apart.
+- Lookup order: `settings.spec_path`, then `openapi/flotilla.yaml` of the source tree, then the copy
+  packaged next to this module (`services/gateway/flotilla.yaml`, a link to the same file that
+  setuptools copies into wheels as package data).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+from services.gateway.validation import describe
+
+SPEC_NAME = "flotilla.yaml"
+_SPEC_URI = "urn:flotilla:openapi"
+_HERE = Path(__file__).resolve().parent
+
+
+def spec_candidates(explicit: Path | None = None) -> list[Path]:
+    if explicit is not None:
+        return [Path(explicit)]
+    return [_HERE.parents[1] / "openapi" / SPEC_NAME, _HERE / SPEC_NAME]
+
+
+def find_spec(explicit: Path | None = None) -> Path:
+    """The spec file to load; a clear error naming every place looked at when none exists."""
+    candidates = spec_candidates(explicit)
+    for path in candidates:
+        if path.is_file():
+            return path
+    tried = ", ".join(str(p) for p in candidates)
+    raise FileNotFoundError(f"OpenAPI spec not found (looked at {tried}); set FLOTILLA_SPEC_PATH")
+
+
+class Spec:
+    """A loaded OpenAPI 3.1 document with one request-body validator per operation."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.document: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if not str(self.document.get("openapi", "")).startswith("3.1"):
+            raise ValueError(f"{path}: expected an OpenAPI 3.1 document")
+        self.json_bytes = json.dumps(self.document, ensure_ascii=False).encode()
+        registry: Registry = Registry().with_resource(
+            _SPEC_URI, Resource.from_contents(self.document, default_specification=DRAFT202012))
+        self._validators: dict[str, Draft202012Validator] = {}
+        for operation_id, ref in self._request_schema_refs().items():
+            schema = {"$ref": _SPEC_URI + ref}
+            self._validators[operation_id] = Draft202012Validator(schema, registry=registry)
+
+    @classmethod
+    def load(cls, explicit: Path | None = None) -> Spec:
+        return cls(find_spec(explicit))
+
+    def _request_schema_refs(self) -> dict[str, str]:
+        refs: dict[str, str] = {}
+        for path_item in self.document.get("paths", {}).values():
+            for operation in path_item.values():
+                if not isinstance(operation, dict) or "requestBody" not in operation:
+                    continue
+                schema = operation["requestBody"]["content"]["application/json"]["schema"]
+                refs[operation["operationId"]] = schema["$ref"]
+        return refs
+
+    @property
+    def operations(self) -> list[str]:
+        return sorted(self._validators)
+
+    def validate(self, operation_id: str, body: Any) -> None:
+        """Raise FlotillaError (400, naming the parameter) when `body` breaks the schema."""
+        errors = list(self._validators[operation_id].iter_errors(body))
+        if errors:
+            raise describe(errors)

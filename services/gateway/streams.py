@@ -1,0 +1,128 @@
+"""The NATS side of one HTTP request: one text stream per choice, merged into one sequence.
+
+Rules:
+- Each choice's reader is open before its `tokenizer_generate` request is sent, so no frame is
+  missed. `start()` returns only when every choice was admitted; otherwise it cancels the choices
+  that were admitted, closes every reader and raises the first refusal (an HTTP error, sent
+  before any response byte).
+- `events()` yields `(choice, frame)` for data and final frames of all choices as they arrive,
+  and ends after the last final. A failure of any choice (error frame, dead upstream) cancels
+  every unfinished choice and raises FlotillaError.
+- Cancels are published from tasks of their own (`Bus.spawn`), so they go out even while the
+  caller is being cancelled (client disconnect). `close()` may be called any number of times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+from libs.common import subjects
+from libs.common.bus import Bus, StreamReader
+from libs.common.errors import FlotillaError, internal
+from libs.common.messages import (
+    Admission,
+    Cancel,
+    TextDelta,
+    TextFinal,
+    TextFrame,
+    TextRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ChoiceEvent(NamedTuple):
+    choice: int  # the choice's index in the response
+    frame: TextFrame
+
+
+class ChoiceStreams:
+    def __init__(self, bus: Bus, requests: list[TextRequest], admission_timeout_s: float,
+                 stream_timeout_s: float):
+        self.bus, self.requests = bus, requests
+        self.admission_timeout_s, self.stream_timeout_s = admission_timeout_s, stream_timeout_s
+        self._readers: dict[int, StreamReader[TextDelta, TextFinal]] = {}
+        self._unfinished: set[int] = set()
+        self._pumps: list[asyncio.Task[Any]] = []
+        self._closed = False
+
+    @property
+    def unfinished(self) -> list[str]:
+        return [self.requests[i].request_id for i in sorted(self._unfinished)]
+
+    async def _admit(self, index: int) -> None:
+        req = self.requests[index]
+        self._readers[index] = await self.bus.open_reader(req.stream_subject, TextFrame,
+                                                          timeout=self.stream_timeout_s)
+        self._unfinished.add(index)  # from here on the tokenizer may hold it: cancel on failure
+        reply = await self.bus.request(subjects.tokenizer_generate(req.model), req, Admission,
+                                       timeout=self.admission_timeout_s)
+        if not reply.accepted:
+            self._unfinished.discard(index)
+            raise FlotillaError(reply.error) if reply.error else internal(
+                f"the tokenizer refused {req.request_id} without a reason")
+
+    async def start(self) -> None:
+        try:
+            results = await asyncio.gather(*(self._admit(i) for i in range(len(self.requests))),
+                                           return_exceptions=True)
+        except BaseException:  # cancelled while admitting (the client went away)
+            self.cancel("client_disconnect")
+            self.close()
+            raise
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            self.cancel("client_disconnect")
+            self.close()
+            first = failures[0]
+            if isinstance(first, FlotillaError):
+                raise first
+            raise internal(f"admission failed: {first!r}") from first
+
+    async def _pump(self, index: int, queue: asyncio.Queue[tuple[int, Any]]) -> None:
+        try:
+            async for frame in self._readers[index]:
+                await queue.put((index, frame))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._pumps = [asyncio.ensure_future(self._pump(i, queue)) for i in self._readers]
+        while self._unfinished:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                # The failed choice too: a silent upstream may still hold it (and its KV blocks).
+                self.cancel("client_disconnect")
+                if isinstance(item, FlotillaError):
+                    raise item
+                raise internal(f"stream of choice {index} failed: {item!r}") from item
+            if item.kind == "final":
+                self._unfinished.discard(index)
+            yield ChoiceEvent(index, item)
+
+    def cancel(self, reason: str = "client_disconnect") -> None:
+        """Publish Cancel for every choice not finished yet (each once)."""
+        ids = self.unfinished
+        self._unfinished.clear()
+        for request_id in ids:
+            self.bus.spawn(self._publish_cancel(request_id, reason))
+
+    async def _publish_cancel(self, request_id: str, reason: str) -> None:
+        try:
+            await self.bus.publish(subjects.CANCEL, Cancel(request_id=request_id,
+                                                           reason=reason))  # type: ignore[arg-type]
+        except Exception as exc:  # connection closing: the engine's own timeouts take over
+            log.warning("cannot publish cancel for %s: %s", request_id, exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._pumps:
+            task.cancel()
+        for reader in self._readers.values():
+            self.bus.spawn(reader.close())

@@ -1,0 +1,150 @@
+"""The `flotilla` command.
+
+    flotilla up [--port N] [--host H] [--model PATH_OR_ID] [--mcp-config FILE] [--nats-url URL]
+                [--served-model-name NAME] [--state-file FILE] [--log-level LEVEL]
+    flotilla status [--state-file FILE]
+    flotilla fetch [--model PATH_OR_ID]
+
+Short forms: `--p`/`-p` port, `--m`/`-m` model, `--w` (weights directory) and `--f` (GGUF file)
+are also the model. Defaults come from LauncherSettings (FLOTILLA_PORT, FLOTILLA_MODEL, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from libs.common import telemetry
+from libs.common.model_cache import resolve_model
+from libs.common.settings import LauncherSettings
+from services.launcher.state import SuiteState, pid_alive, run_dir
+from services.launcher.suite import StopRequested, Suite, SuiteError, SuiteOptions
+
+log = logging.getLogger("flotilla")
+
+
+def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flotilla", allow_abbrev=False,
+        description="Serve a local LLM behind an OpenAI-compatible API (gateway, tokenizer, "
+                    "engine and tools services over NATS).")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def model_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", "--m", "-m", "--w", "--f", dest="model", default=settings.model,
+                       metavar="PATH_OR_ID",
+                       help="GGUF file, HF model directory, hub id 'org/name', or 'default' "
+                            "(SmolLM2-135M-Instruct); --w and --f are aliases "
+                            f"(default: {settings.model})")
+
+    up = commands.add_parser("up", allow_abbrev=False,
+                             help="start the whole suite and serve until Ctrl-C")
+    up.add_argument("--port", "--p", "-p", type=int, default=settings.port,
+                    help=f"gateway port; 0 = any free port (default: {settings.port})")
+    up.add_argument("--host", default=settings.host,
+                    help=f"gateway bind address (default: {settings.host})")
+    model_option(up)
+    up.add_argument("--mcp-config", type=Path, default=None, metavar="FILE",
+                    help="mcp.json (Claude Desktop shape) with the MCP servers to offer as tools")
+    up.add_argument("--nats-url", default=settings.nats_url,
+                    help="NATS to use; if none answers there, a private nats-server is started "
+                         f"(default: {settings.nats_url})")
+    up.add_argument("--served-model-name", default=None, metavar="NAME",
+                    help="model name clients use (default: derived from the model)")
+    up.add_argument("--state-file", type=Path, default=None, metavar="FILE",
+                    help="where to write pids and URLs (default: "
+                         f"{run_dir()}/flotilla-<port>.json)")
+    up.add_argument("--log-level", default=settings.log_level,
+                    help=f"log level of the launcher and services (default: {settings.log_level})")
+    up.add_argument("--start-timeout", type=float, default=settings.start_timeout_s,
+                    metavar="SECONDS", help="give up if not ready within this long")
+
+    status = commands.add_parser("status", help="show running suites (from their state files)")
+    status.add_argument("--state-file", type=Path, default=None, metavar="FILE")
+
+    fetch = commands.add_parser("fetch", help="download/resolve a model and print its path")
+    model_option(fetch)
+    return parser
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    telemetry.setup_logging(args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    suite = Suite(SuiteOptions(
+        model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
+        mcp_config=args.mcp_config, served_model_name=args.served_model_name,
+        log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout))
+
+    def on_signal(signum: int, _: FrameType | None) -> None:
+        if suite.stop_requested:  # a second Ctrl-C: stop waiting politely
+            raise KeyboardInterrupt
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        suite.stop_requested = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        suite.start()
+    except StopRequested:
+        return 130
+    except SuiteError as exc:
+        print(f"flotilla: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C while starting; start() has cleaned up
+        return 130
+    assert suite.state is not None
+    print(f"flotilla is serving {suite.state.model} at {suite.url}", flush=True)
+    print(f"state: {suite.state_file}  logs: {suite.state.log_dir}", flush=True)
+    try:
+        suite.serve_forever()
+    finally:
+        suite.stop()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    files = ([args.state_file] if args.state_file
+             else sorted(run_dir().glob("flotilla-*.json")) if run_dir().is_dir() else [])
+    found = False
+    for path in files:
+        try:
+            state = SuiteState.read(path)
+        except (OSError, ValueError, TypeError) as exc:
+            print(f"{path}: unreadable ({exc})")
+            continue
+        found = True
+        alive = pid_alive(state.launcher_pid)
+        print(f"{path}: {'running' if alive else 'not running (stale)'}"
+              f"{'' if state.ready or not alive else ', starting'}")
+        print(f"  model {state.model} at {state.gateway_url}  (nats {state.nats_url})")
+        for name, pid in state.pids.items():
+            if pid is not None:
+                restarts = state.restarts.get(name, 0)
+                print(f"  {name:<12} pid {pid:<8} {'up' if pid_alive(pid) else 'down'}"
+                      f"{f'  restarts {restarts}' if restarts else ''}")
+    if not found:
+        print(f"no running flotilla found in {run_dir()}")
+    return 0 if found else 1
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    try:
+        print(resolve_model(args.model))
+    except (OSError, RuntimeError) as exc:
+        print(f"flotilla: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser(LauncherSettings()).parse_args(argv)
+    handler = {"up": cmd_up, "status": cmd_status, "fetch": cmd_fetch}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

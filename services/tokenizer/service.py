@@ -1,0 +1,284 @@
+"""The tokenizer service: the NATS adapter between gateways and engines for one model.
+
+Per request (subjects in libs/common/subjects.py):
+1. `tokenizer_generate(model)` brings a TextRequest; the prompt is rendered and tokenized in a
+   worker thread (PromptBuilder). A bad request is refused with its 400 before any stream exists.
+2. A reader opens on `token_stream(rid)`, then `engine_generate(model)` gets the TokenRequest. An
+   engine refusal (or none serving: 503) is passed on as the refusal.
+3. The gateway gets Admission(accepted); a task then turns TokenFrames into TextFrames on the
+   request's `stream_subject` (OutputProcessor). The writer beats while the engine is silent
+   (long prefill); an engine error frame or a dead engine becomes an error frame, never a hang.
+4. A stop-string match publishes Cancel(stop_string), so the engine frees the request, and sends
+   the final. A gateway Cancel drops the request here (the engine hears the same broadcast).
+Ownership: the service owns each request's reader, writer and task (`_Active`) from admission
+until the task ends; the task's `finally` releases them. One span "tokenizer.generate" per
+request, a child of the gateway's; the engine request carries it onward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.subscription import Subscription
+from opentelemetry import trace
+
+from libs.common import subjects, telemetry
+from libs.common.bus import Bus, StreamReader, StreamWriter
+from libs.common.errors import FlotillaError, internal, invalid_request, unavailable
+from libs.common.messages import (
+    Admission,
+    Announcement,
+    Cancel,
+    RenderReply,
+    TextDelta,
+    TextFinal,
+    TextFrame,
+    TextRequest,
+    TokenDelta,
+    TokenFinal,
+    TokenFrame,
+    TokenRequest,
+)
+from libs.common.model_cache import resolve_model, served_name
+from libs.common.service import Announcer, instance_id
+from libs.common.settings import TokenizerSettings
+from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from services.tokenizer.output import OutputProcessor
+from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
+from services.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+tracer = telemetry.tracer("flotilla.tokenizer")
+
+_CANCEL_MEMORY_S = 30.0  # how long a cancel for a not-yet-admitted request is remembered
+
+
+def resolve_max_model_len(model_len: int | None, cap: int | None) -> int:
+    known = [n for n in (model_len, cap) if n is not None]
+    if not known:
+        raise ValueError("the model does not state its context length; "
+                         "set FLOTILLA_MAX_MODEL_LEN (--max-model-len)")
+    return min(known)
+
+
+@dataclass
+class _Active:
+    reader: StreamReader[TokenDelta, TokenFinal]
+    writer: StreamWriter[TextDelta, TextFinal]
+    task: asyncio.Task[None] | None = None
+
+
+class TokenizerService:
+    """Serves one model's tokenizer subjects; `start()` loads the tokenizer (seconds)."""
+
+    def __init__(self, settings: TokenizerSettings, bus: Bus, tokenizer: Tokenizer | None = None):
+        self.settings, self.bus = settings, bus
+        self.instance = instance_id("tokenizer")
+        self.tokenizer = tokenizer
+        self.model = settings.served_model_name or ""
+        self.builder: PromptBuilder | None = None
+        self._active: dict[str, _Active] = {}
+        self._cancelled: dict[str, float] = {}
+        self._subs: list[Subscription] = []
+        self._announcer: Announcer | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        s = self.settings
+        path = await asyncio.to_thread(resolve_model, s.model)
+        self.model = s.served_model_name or served_name(s.model, path)
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_path, path)
+        override = None
+        if s.chat_template is not None:
+            override = s.chat_template.read_text(encoding="utf-8")
+            try:
+                ChatTemplate(override)
+            except ChatTemplateError as exc:
+                raise ValueError(f"--chat-template {s.chat_template}: {exc}") from None
+        max_len = resolve_max_model_len(self.tokenizer.max_model_len, s.max_model_len)
+        self.builder = PromptBuilder(self.tokenizer, max_len, override, s.template_timeout_s)
+        self._subs = [
+            await self.bus.serve(subjects.tokenizer_generate(self.model), TextRequest,
+                                 self._generate, queue="tokenizer"),
+            await self.bus.serve(subjects.tokenizer_render(self.model), TextRequest,
+                                 self._render, queue="tokenizer"),
+            await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
+        ]
+        self._announcer = Announcer(
+            self.bus, "tokenizer", self.instance, s.discovery_interval_s,
+            make=lambda: Announcement(service="tokenizer", instance=self.instance,
+                                      model=self.model, max_model_len=max_len,
+                                      running=len(self._active)),
+            health=self._health)
+        await self._announcer.start()
+        log.info("tokenizer for %s (%s) ready, max_model_len=%d", self.model, path, max_len)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+        if self._announcer:
+            await self._announcer.stop()
+        for rid, active in list(self._active.items()):
+            await self._safe_publish(Cancel(request_id=rid, reason="shutdown"))
+            await active.writer.error(unavailable("the tokenizer service is shutting down").info)
+            if active.task:
+                active.task.cancel()
+
+    async def _health(self) -> dict[str, Any]:
+        return {"model": self.model, "active": len(self._active)}
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _prepare(self, req: TextRequest) -> PreparedPrompt:
+        """Render and tokenize off the event loop (templates may take up to their budget)."""
+        assert self.builder is not None
+        budget = self.settings.template_timeout_s + 1.0
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.builder.prepare, req), budget)
+        except TimeoutError:  # the sandbox's own deadline failed to fire: still a 400
+            raise invalid_request(
+                f"rendering the chat template took longer than its "
+                f"{self.settings.template_timeout_s:g}s budget",
+                param="messages", code="chat_template_error") from None
+
+    async def _render(self, req: TextRequest) -> RenderReply:
+        assert self.builder is not None
+        try:
+            prepared = await self._prepare(req)
+        except FlotillaError as exc:
+            return RenderReply(error=exc.info)
+        return RenderReply(prompt=prepared.text, token_ids=prepared.token_ids,
+                           max_model_len=self.builder.max_model_len)
+
+    async def _generate(self, req: TextRequest) -> Admission:
+        rid = req.request_id
+        span = tracer.start_span("tokenizer.generate", attributes={
+            "flotilla.request_id": rid, "flotilla.model": self.model, "flotilla.kind": req.kind})
+        with trace.use_span(span, end_on_exit=False):
+            try:
+                admission = await self._admit(req, span)
+            except FlotillaError as exc:
+                admission = Admission(request_id=rid, accepted=False, error=exc.info)
+            except Exception as exc:
+                log.exception("request %s failed before streaming", rid)
+                admission = Admission(request_id=rid, accepted=False,
+                                      error=internal(f"tokenizer failure: {exc}").info)
+        if not admission.accepted:
+            span.set_status(trace.Status(trace.StatusCode.ERROR,
+                                         admission.error.message if admission.error else ""))
+            span.end()
+        return admission
+
+    async def _admit(self, req: TextRequest, span: trace.Span) -> Admission:
+        assert self.builder is not None
+        rid = req.request_id
+        prepared = await self._prepare(req)
+        sampling = self.builder.sampling(req, len(prepared.token_ids))
+        span.set_attribute("flotilla.prompt_tokens", len(prepared.token_ids))
+        stream = subjects.token_stream(rid)
+        reader = await self.bus.open_reader(stream, TokenFrame, self.settings.heartbeat_timeout_s)
+        try:
+            engine = await self.bus.request(
+                subjects.engine_generate(self.model),
+                TokenRequest(request_id=rid, model=self.model, prompt_token_ids=prepared.token_ids,
+                             sampling=sampling, stream_subject=stream),
+                Admission, timeout=self.settings.request_timeout_s)
+            if not engine.accepted:
+                refused = engine.error or unavailable("the engine refused the request").info
+                raise FlotillaError(refused)
+            if self._was_cancelled(rid):
+                await self._safe_publish(Cancel(request_id=rid, reason="client_disconnect"))
+                raise FlotillaError(unavailable("the request was cancelled").info)
+        except BaseException:
+            await reader.close()
+            raise
+        writer = self.bus.writer(req.stream_subject, rid, TextFrame,
+                                 self.settings.heartbeat_interval_s)
+        active = _Active(reader, writer)
+        self._active[rid] = active
+        active.task = self.bus.spawn(self._stream(req, prepared, active, span))
+        return Admission(request_id=rid, accepted=True, instance=self.instance,
+                         prompt_tokens=len(prepared.token_ids))
+
+    async def _stream(self, req: TextRequest, prepared: PreparedPrompt, active: _Active,
+                      span: trace.Span) -> None:
+        """Engine token frames -> gateway text frames, until a final, a stop string or an error."""
+        assert self.tokenizer is not None
+        rid, writer = req.request_id, active.writer
+        proc = OutputProcessor.for_request(self.tokenizer, req, prepared.text,
+                                           len(prepared.token_ids))
+        try:
+            if prepared.echo:
+                await writer.data(TextDelta(text=prepared.echo))
+            async for frame in active.reader:
+                if frame.kind == "data" and frame.data is not None:
+                    if (delta := proc.on_tokens(frame.data)) is not None:
+                        await writer.data(delta)
+                    if proc.stopped:
+                        await self._safe_publish(Cancel(request_id=rid, reason="stop_string"))
+                        await writer.final(proc.stop_final())
+                        break
+                elif frame.kind == "final" and frame.final is not None:
+                    delta, final = proc.on_final(frame.final)
+                    if delta is not None:
+                        await writer.data(delta)
+                    await writer.final(final)
+                    span.set_attribute("flotilla.finish_reason", final.finish_reason)
+                    span.set_attribute("flotilla.completion_tokens",
+                                       final.usage.completion_tokens)
+        except FlotillaError as exc:
+            # engine error frame, lost frame or dead engine: tell the gateway, free the engine
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.info.message))
+            await self._safe_publish(Cancel(request_id=rid, reason="deadline"))
+            await writer.error(exc.info)
+        except asyncio.CancelledError:
+            writer.close()  # the gateway cancelled; it expects nothing more
+        except Exception as exc:
+            log.exception("request %s failed while streaming", rid)
+            await self._safe_publish(Cancel(request_id=rid, reason="deadline"))
+            await writer.error(internal(f"tokenizer failure: {exc}").info)
+        finally:
+            if not writer.closed:  # the engine stream ended without a final
+                await writer.error(internal("the engine stream ended without a final").info)
+            await active.reader.close()
+            self._active.pop(rid, None)
+            span.end()
+
+    async def _on_cancel(self, msg: Cancel) -> None:
+        if msg.reason == "stop_string":  # sent by a tokenizer (maybe this one) to the engines
+            return
+        active = self._active.get(msg.request_id)
+        if active is None:
+            self._remember_cancel(msg.request_id)
+            return
+        active.writer.close()
+        if active.task is not None:
+            active.task.cancel()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _remember_cancel(self, rid: str) -> None:
+        now = time.monotonic()
+        for old, at in list(self._cancelled.items()):
+            if now - at > _CANCEL_MEMORY_S:
+                del self._cancelled[old]
+        self._cancelled[rid] = now
+
+    def _was_cancelled(self, rid: str) -> bool:
+        return self._cancelled.pop(rid, None) is not None
+
+    async def _safe_publish(self, msg: Cancel) -> None:
+        try:
+            await self.bus.publish(subjects.CANCEL, msg)
+        except Exception as exc:  # reconnecting: the engine's own timeout frees the request
+            log.warning("could not publish %s cancel for %s: %s", msg.reason, msg.request_id, exc)
+

@@ -1,0 +1,63 @@
+"""Stop strings over streamed text.
+
+Rules: text before the first occurrence of any stop string is emitted, the stop string and
+everything after it never are. Text that could be the start of a stop string (a suffix of what
+has arrived that is a prefix of some stop string) is held back until the next piece decides it;
+at the end of the stream whatever is held is released. A match may span any number of pieces.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+def partial_suffix(buf: str, needles: list[str]) -> int:
+    """Length of the longest suffix of `buf` that is a proper prefix of one of `needles`: text
+    that must be held back until the next piece shows whether a needle is starting."""
+    best = 0
+    for needle in needles:
+        for n in range(min(len(needle) - 1, len(buf)), best, -1):
+            if buf.endswith(needle[:n]):
+                best = n
+                break
+    return best
+
+
+class StopResult(NamedTuple):
+    text: str          # safe to emit now
+    stopped: bool      # a stop string matched; nothing more may be emitted
+    matched: str | None = None
+
+
+class StopStringMatcher:
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self._held = ""
+        self.stopped = False
+
+    @property
+    def held(self) -> str:
+        return self._held
+
+    def push(self, text: str) -> StopResult:
+        if self.stopped:
+            return StopResult("", True)
+        if not self.stops:
+            return StopResult(text, False)
+        buf = self._held + text
+        hit: tuple[int, str] | None = None
+        for stop in self.stops:
+            idx = buf.find(stop)
+            if idx >= 0 and (hit is None or idx < hit[0]):
+                hit = (idx, stop)
+        if hit is not None:
+            self.stopped, self._held = True, ""
+            return StopResult(buf[:hit[0]], True, hit[1])
+        keep = partial_suffix(buf, self.stops)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return StopResult(buf[:len(buf) - keep], False)
+
+    def flush(self) -> str:
+        """End of stream without a match: release the held text."""
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out

@@ -1,0 +1,24 @@
+"""`python -m services.tools`: the MCP tools service."""
+
+from __future__ import annotations
+
+import sys
+
+from libs.common.service import run_forever
+from libs.common.settings import ToolsSettings
+from services.tools.config import ToolsConfigError, load_mcp_config
+from services.tools.service import ToolsService
+
+
+def main() -> None:
+    settings = ToolsSettings()
+    try:
+        load_mcp_config(settings.mcp_config)  # fail before connecting, with the file's problem
+    except ToolsConfigError as exc:
+        print(f"flotilla tools: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run_forever("tools", settings, lambda bus: ToolsService(settings, bus))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The tools service: serves the MCP tool list and tool calls over NATS.
+
+Thin adapter over `ToolRegistry`: TOOLS_LIST → ToolsListReply, TOOLS_CALL → ToolCallReply, both
+in queue group "tools" so replicas share the load. It announces itself as service "tools".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from libs.common import subjects
+from libs.common.bus import Bus
+from libs.common.messages import (
+    Announcement,
+    ToolCallReply,
+    ToolCallRequest,
+    ToolsListReply,
+    ToolsListRequest,
+)
+from libs.common.service import Announcer, instance_id
+from libs.common.settings import ToolsSettings
+from services.tools.config import load_mcp_config
+from services.tools.registry import ToolRegistry
+
+log = logging.getLogger(__name__)
+
+QUEUE = "tools"
+
+
+class ToolsService:
+    def __init__(self, settings: ToolsSettings, bus: Bus):
+        self.settings, self.bus = settings, bus
+        self.instance = instance_id("tools")
+        self.registry = ToolRegistry(
+            load_mcp_config(settings.mcp_config),
+            start_timeout_s=max(settings.tool_call_timeout_s, settings.request_timeout_s),
+            call_timeout_s=settings.tool_call_timeout_s,
+        )
+        self.announcer = Announcer(bus, "tools", self.instance, settings.discovery_interval_s,
+                                   self._announcement, self._health)
+        self._subs: list[Any] = []
+
+    async def start(self) -> None:
+        await self.registry.start()
+        self._subs = [
+            await self.bus.serve(subjects.TOOLS_LIST, ToolsListRequest, self._list, queue=QUEUE),
+            await self.bus.serve(subjects.TOOLS_CALL, ToolCallRequest, self._call, queue=QUEUE),
+        ]
+        await self.announcer.start()
+
+    async def stop(self) -> None:
+        await self.announcer.stop()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+        await self.registry.close()
+
+    async def _list(self, _: ToolsListRequest) -> ToolsListReply:
+        return ToolsListReply(tools=self.registry.tools, errors=self.registry.current_errors())
+
+    async def _call(self, req: ToolCallRequest) -> ToolCallReply:
+        try:
+            result = await self.registry.call(req.name, req.arguments)
+        except Exception as exc:  # a reply, never silence: the caller would wait for nothing
+            log.exception("tool call %s crashed", req.name)
+            return ToolCallReply(ok=False, error=f"tool {req.name!r} crashed: {exc}")
+        if not result.ok:
+            log.info("tool call %s failed: %s", req.name, result.error)
+        return ToolCallReply(ok=result.ok, content=result.content, error=result.error)
+
+    def _announcement(self) -> Announcement:
+        return Announcement(service="tools", instance=self.instance)
+
+    async def _health(self) -> dict[str, Any]:
+        return {"servers": sorted(self.registry.connections), "tools": len(self.registry.tools),
+                "errors": self.registry.current_errors()}

@@ -1,0 +1,90 @@
+"""Single-sequence helpers to drive a model outside the engine (parity tests, CPU bench).
+
+`SingleSequenceRunner` plays the ModelRunner for one sequence: it binds a small paged KV cache to
+every attention layer (blocks 0..n-1 in order, so slot == position) and builds the
+`AttentionMetadata` of each step. `save_tiny_llama` writes a tiny random transformers Llama.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.engine.forward_context import AttentionMetadata, forward_context
+from services.engine.models.base import CausalLM
+
+# Tiny GQA llama: 4 query heads over 2 kv heads, every size divisible by 2 (tensor parallel).
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            initializer_range=0.1, rms_norm_eps=1e-5)
+
+
+def save_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig  # heavy: import only when used
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**{**BASE, **overrides}))
+    hf.save_pretrained(path)
+    return hf.eval()
+
+
+def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+class SingleSequenceRunner:
+    def __init__(self, model: CausalLM, max_tokens: int = 256, block_size: int = 16) -> None:
+        self.model, self.block_size = model, block_size
+        self.num_blocks = -(-max_tokens // block_size)
+        param = next(model.parameters())
+        self.device = param.device
+        for attn in model.attention_layers():
+            shape = (self.num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            attn.bind_kv_cache(torch.zeros(shape, dtype=param.dtype, device=self.device),
+                               torch.zeros(shape, dtype=param.dtype, device=self.device))
+        self.block_table = torch.arange(self.num_blocks, dtype=torch.int32,
+                                        device=self.device)[None]
+
+    def metadata(self, start: int, num_new: int) -> AttentionMetadata:
+        end = start + num_new
+        if end > self.num_blocks * self.block_size:
+            raise ValueError(f"sequence of {end} tokens exceeds the helper's cache")
+        return AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_new], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=self.device),
+            block_tables=self.block_table,
+            slot_mapping=torch.arange(start, end, dtype=torch.int64, device=self.device),
+            max_query_len=num_new,
+            max_seq_len=end,
+            query_start_loc_cpu=[0, num_new],
+            seq_lens_cpu=[end],
+        )
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], start: int = 0, all_logits: bool = True
+                ) -> torch.Tensor:
+        """Run `token_ids` at positions start.. (cache holds 0..start-1); float32 logits
+        [len, vocab], or [1, vocab] for the last token only when all_logits is False."""
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        positions = torch.arange(start, start + len(token_ids), device=self.device)
+        with forward_context(self.metadata(start, len(token_ids))):
+            hidden = self.model(ids, positions)
+        return self.model.compute_logits(hidden if all_logits else hidden[-1:])
+
+    def greedy_recompute(self, prompt: list[int], num_tokens: int) -> list[int]:
+        """Greedy decoding that re-runs the whole sequence every step (no cache reuse)."""
+        tokens = list(prompt)
+        for _ in range(num_tokens):
+            tokens.append(int(self.forward(tokens, 0, all_logits=False)[-1].argmax()))
+        return tokens[len(prompt):]
+
+    def greedy_cached(self, prompt: list[int], num_tokens: int) -> list[int]:
+        """Greedy decoding with one prefill and then one cached decode step per token."""
+        logits = self.forward(prompt, 0, all_logits=False)
+        out = [int(logits[-1].argmax())]
+        while len(out) < num_tokens:
+            logits = self.forward(out[-1:], len(prompt) + len(out) - 1, all_logits=False)
+            out.append(int(logits[-1].argmax()))
+        return out

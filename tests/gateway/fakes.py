@@ -1,0 +1,167 @@
+"""Test doubles on the real bus: a tokenizer (plus an engine's announcement) for one model, and a
+tools service. The tokenizer's behaviour is chosen by the last message (or the prompt):
+
+- "refuse"      → Admission refused with 400 context_length_exceeded
+- "slow"        → one word every 0.1 s until cancelled (200 words at most)
+- "die"         → one word, then silence (no frames, no heartbeats): a dead upstream
+- "error"       → one word, then an error frame (503)
+- "tools"       → a tool call (streamed in two pieces), finish_reason tool_calls
+- "think"       → reasoning text, then content
+- anything else → "Hello world !" in three deltas (interleaving with sibling choices), stop
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+
+from libs.common import subjects
+from libs.common.bus import Bus
+from libs.common.messages import (
+    Admission,
+    Announcement,
+    Cancel,
+    ErrorInfo,
+    RenderReply,
+    TextDelta,
+    TextFinal,
+    TextFrame,
+    TextLogprob,
+    TextRequest,
+    ToolCallDelta,
+    ToolsListReply,
+    ToolsListRequest,
+    Usage,
+)
+from libs.common.service import Announcer
+
+HEARTBEAT_S = 0.1
+MAX_MODEL_LEN = 4096
+
+
+def _scenario(req: TextRequest) -> str:
+    if req.messages:
+        content = req.messages[-1].get("content")
+        return content if isinstance(content, str) else ""
+    return req.prompt if isinstance(req.prompt, str) else ""
+
+
+@dataclass
+class FakeTokenizer:
+    bus: Bus
+    model: str
+    requests: list[TextRequest] = field(default_factory=list)
+    cancels: list[Cancel] = field(default_factory=list)
+    trace_ids: dict[str, int] = field(default_factory=dict)  # request id → trace it arrived in
+    _subs: list[Any] = field(default_factory=list)
+    _announcers: list[Announcer] = field(default_factory=list)
+
+    async def start(self) -> None:
+        self._subs.append(await self.bus.serve(subjects.tokenizer_generate(self.model),
+                                               TextRequest, self._generate, queue="tokenizer"))
+        self._subs.append(await self.bus.serve(subjects.tokenizer_render(self.model),
+                                               TextRequest, self._render, queue="tokenizer"))
+        self._subs.append(await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel))
+        for service in ("tokenizer", "engine"):
+            ann = Announcement(service=service, instance=f"fake-{service}-{self.model}",  # type: ignore[arg-type]
+                               model=self.model, max_model_len=MAX_MODEL_LEN)
+            announcer = Announcer(self.bus, service, ann.instance, 0.5, make=ann.model_copy)
+            await announcer.start()
+            self._announcers.append(announcer)
+
+    async def stop(self) -> None:
+        for announcer in self._announcers:
+            await announcer.stop()
+        for sub in self._subs:
+            await sub.unsubscribe()
+
+    async def _on_cancel(self, cancel: Cancel) -> None:
+        self.cancels.append(cancel)
+
+    def cancelled(self, request_id: str) -> bool:
+        return any(c.request_id == request_id for c in self.cancels)
+
+    async def _render(self, req: TextRequest) -> RenderReply:
+        if req.messages is not None:
+            text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in req.messages)
+            if req.add_generation_prompt:
+                text += "<assistant>"
+        else:
+            text = req.prompt if isinstance(req.prompt, str) else ""
+        return RenderReply(prompt=text, token_ids=[ord(c) for c in text],
+                           max_model_len=MAX_MODEL_LEN)
+
+    async def _generate(self, req: TextRequest) -> Admission:
+        self.requests.append(req)
+        self.trace_ids[req.request_id] = trace.get_current_span().get_span_context().trace_id
+        scenario = _scenario(req)
+        if scenario == "refuse":
+            return Admission(request_id=req.request_id, accepted=False, error=ErrorInfo(
+                status=400, type="invalid_request_error", param="messages",
+                code="context_length_exceeded",
+                message="This model's maximum context length is 4096 tokens."))
+        writer = self.bus.writer(req.stream_subject, req.request_id, TextFrame, HEARTBEAT_S)
+        self.bus.spawn(self._stream(req, scenario, writer))
+        return Admission(request_id=req.request_id, accepted=True, instance="fake",
+                         prompt_tokens=7)
+
+    async def _stream(self, req: TextRequest, scenario: str, writer: Any) -> None:
+        usage = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=2)
+        logprobs = req.sampling.logprobs is not None
+        if scenario == "slow":
+            for i in range(200):
+                if self.cancelled(req.request_id):
+                    writer.close()
+                    return
+                await writer.data(TextDelta(text=f"w{i} "))
+                await asyncio.sleep(0.1)
+            await writer.final(TextFinal(finish_reason="length", usage=usage))
+            return
+        if scenario in ("die", "error"):
+            await writer.data(TextDelta(text="partial"))
+            if scenario == "die":
+                writer.close()
+            else:
+                await writer.error(ErrorInfo(status=503, type="service_unavailable",
+                                             code="service_unavailable",
+                                             message="the engine went away"))
+            return
+        if scenario == "tools":
+            await writer.data(TextDelta(tool_calls=[ToolCallDelta(
+                index=0, id="call_1", name="get_weather", arguments='{"city": ')]))
+            await writer.data(TextDelta(tool_calls=[ToolCallDelta(index=0,
+                                                                   arguments='"Paris"}')]))
+            await writer.final(TextFinal(finish_reason="tool_calls", usage=usage))
+            return
+        if scenario == "think":
+            await writer.data(TextDelta(reasoning="Let me think."))
+            await writer.data(TextDelta(text="42"))
+            await writer.final(TextFinal(finish_reason="stop", usage=usage))
+            return
+        for word in ("Hello", " world", " !"):
+            lp = [TextLogprob(token=word, logprob=-0.5, top=[(word, -0.5), ("x", -2.0)])]
+            await writer.data(TextDelta(text=word, logprobs=lp if logprobs else None))
+            await asyncio.sleep(0.05)
+        await writer.final(TextFinal(finish_reason="stop", usage=usage))
+
+
+@dataclass
+class FakeTools:
+    bus: Bus
+    tools: list[dict[str, Any]]
+    calls: int = 0
+    _sub: Any = None
+
+    async def start(self) -> None:
+        self._sub = await self.bus.serve(subjects.TOOLS_LIST, ToolsListRequest, self._list,
+                                         queue="tools")
+
+    async def stop(self) -> None:
+        await self._sub.unsubscribe()
+
+    async def _list(self, _: ToolsListRequest) -> ToolsListReply:
+        self.calls += 1
+        return ToolsListReply(tools=self.tools)

@@ -1,0 +1,82 @@
+"""MCP tool injection: a chat request without `tools` offers the tools service's tools; `tools: []`
+opts out; a request's own tools are kept; no tools service means no tools, not an error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from libs.common import subjects
+from libs.common.bus import Bus
+from libs.common.messages import TextRequest, ToolsListReply, ToolsListRequest
+from services.gateway.tools import tools_for
+from tests.gateway.conftest import chat
+from tests.gateway.fakes import FakeTokenizer, FakeTools
+
+OWN_TOOL = {"type": "function", "function": {"name": "own_tool", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture
+async def mcp(bus: Bus) -> AsyncIterator[FakeTools]:
+    name = f"fake_server_{uuid.uuid4().hex[:6]}"
+    tools = FakeTools(bus, [{"type": "function", "function": {
+        "name": name, "description": "a fake MCP tool", "parameters": {"type": "object"}}}])
+    await tools.start()
+    yield tools
+    await tools.stop()
+
+
+def _sent(tokenizer: FakeTokenizer, response: httpx.Response) -> TextRequest:
+    rid = response.json()["id"].removeprefix("chatcmpl-")
+    return next(q for q in tokenizer.requests if q.request_id == f"{rid}-0")
+
+
+async def test_request_without_tools_gets_the_mcp_tools(client: httpx.AsyncClient, model: str,
+                                                        tokenizer: FakeTokenizer,
+                                                        mcp: FakeTools) -> None:
+    r = await client.post("/v1/chat/completions", json=chat(model, tool_choice="auto"))
+    assert r.status_code == 200, r.text
+    sent = _sent(tokenizer, r)
+    assert sent.tools == mcp.tools and sent.tool_choice == "auto"
+    r = await client.post("/v1/chat/completions", json=chat(model, tools=None))
+    assert _sent(tokenizer, r).tools == mcp.tools  # null is the same as absent
+
+
+async def test_empty_tools_opt_out(client: httpx.AsyncClient, model: str,
+                                   tokenizer: FakeTokenizer, mcp: FakeTools) -> None:
+    calls = mcp.calls
+    r = await client.post("/v1/chat/completions", json=chat(model, tools=[]))
+    assert r.status_code == 200
+    assert _sent(tokenizer, r).tools is None
+    assert mcp.calls == calls  # the tools service was not even asked
+
+
+async def test_own_tools_are_kept(client: httpx.AsyncClient, model: str,
+                                  tokenizer: FakeTokenizer, mcp: FakeTools) -> None:
+    r = await client.post("/v1/chat/completions", json=chat(model, tools=[OWN_TOOL]))
+    assert _sent(tokenizer, r).tools == [OWN_TOOL]
+
+
+async def test_no_or_slow_tools_service_means_no_tools(bus: Bus,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A subject of our own, so another suite's tools service cannot answer.
+    subject = f"test.tools.{uuid.uuid4().hex}"
+    monkeypatch.setattr(subjects, "TOOLS_LIST", subject)
+    assert await tools_for({"messages": []}, bus, timeout_s=0.5) is None  # nobody serves it
+
+    async def slow(_: ToolsListRequest) -> ToolsListReply:
+        await asyncio.sleep(1.0)
+        return ToolsListReply(tools=[OWN_TOOL])
+
+    sub = await bus.serve(subject, ToolsListRequest, slow)
+    try:
+        started = time.monotonic()
+        assert await tools_for({"messages": []}, bus, timeout_s=0.2) is None
+        assert time.monotonic() - started < 0.9
+    finally:
+        await sub.unsubscribe()

@@ -1,0 +1,102 @@
+"""Compile every kernel for H100 (sm_90) with its default tiles and report register spills.
+
+Run as `python -m tests.kernels.sm90_compile` in a process without TRITON_INTERPRET (the kernels
+must be decorated as real JIT functions); prints one JSON object {config: spill bytes}. Needs no
+GPU: triton ships ptxas. Used by test_compile_sm90.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import kernels  # noqa: F401  (loads the kernel modules)
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+ATTN_PTRS = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+ATTN_PTRS |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
+ATTN_PTRS |= {"sm_scale": "fp32", "softcap": "fp32"}
+
+
+def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, Any],
+                 num_warps: int) -> str:
+    """Compile for sm_90 and return ptxas -v's report (scalars default to i32)."""
+    fn = getattr(sys.modules[f"kernels.{module}"], kernel)
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": 2})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        result = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True)
+    return result.stderr
+
+
+def spill_bytes(report: str) -> int:
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
+
+
+def spill_report() -> dict[str, int]:
+    """Spill bytes of each kernel configuration the launchers use by default."""
+    spills: dict[str, int] = {}
+    for head_dim in (64, 128):
+        for extras in (False, True):
+            constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_SIZE=16, BLOCK_M=128,
+                              BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_D=head_dim,
+                              USE_SOFTCAP=extras, USE_WINDOW=extras, DOT_PRECISION="tf32")
+            report = compile_sm90("prefill_attention", "_prefill_kernel", ATTN_PTRS,
+                                  constexprs, 8)
+            spills[f"prefill d={head_dim} softcap+window={extras}"] = spill_bytes(report)
+        for num_splits in (1, 8):
+            types = ATTN_PTRS | {"lse_ptr": "*fp32"}
+            if num_splits > 1:
+                types["out_ptr"] = "*fp32"
+            constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_H=16, BLOCK_SIZE=16, BLOCK_N=64,
+                              BLOCK_D=head_dim, NUM_SPLITS=num_splits, USE_SOFTCAP=True,
+                              USE_WINDOW=True, DOT_PRECISION="tf32")
+            report = compile_sm90("paged_attention", "_decode_split_kernel", types, constexprs,
+                                  4 if head_dim <= 64 else 8)
+            spills[f"decode d={head_dim} splits={num_splits}"] = spill_bytes(report)
+        reduce_types = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16",
+                        "query_start_loc_ptr": "*i32"}
+        report = compile_sm90("paged_attention", "_decode_reduce_kernel", reduce_types,
+                              dict(NUM_SPLITS=8, BLOCK_D=head_dim), 4)
+        spills[f"decode reduce d={head_dim}"] = spill_bytes(report)
+    bf16 = "*bf16"
+    others = [
+        ("rms_norm", "_rms_norm_kernel",
+         {n: bf16 for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
+         | {"eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=4096), 16),
+        ("activation", "_silu_and_mul_kernel", {"x_ptr": bf16, "out_ptr": bf16},
+         dict(BLOCK=1024), 4),
+        ("kv_cache", "_write_kv_kernel",
+         {n: bf16 for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
+         | {"slot_ptr": "*i64"}, dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), 2),
+        ("rotary", "_rotary_kernel",
+         {n: bf16 for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")}
+         | {"pos_ptr": "*i64", "cache_ptr": "*fp32"},
+         dict(IS_NEOX=False, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=32, BLOCK_P=64, HAS_PASS=True), 4),
+        ("sampling", "_race_kernel",
+         {"logits_ptr": "*fp32", "keys_ptr": "*i64", "best_val_ptr": "*fp32",
+          "best_idx_ptr": "*i64"}, dict(BLOCK=4096), 8),
+    ]
+    for module, kernel, types, constexprs, warps in others:
+        spills[kernel] = spill_bytes(compile_sm90(module, kernel, types, constexprs, warps))
+    return spills
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: the interpreter replaces the JIT compiler")
+    print(json.dumps(spill_report()))

@@ -1,0 +1,100 @@
+"""Split-KV decode kernel and the paged_attention entry point against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.paged_attention import (
+    decode_attention_triton,
+    paged_attention_ref,
+    paged_attention_triton,
+)
+from kernels.prefill_attention import prefill_attention_ref
+from tests.kernels.attention_cases import make_case
+from tests.kernels.conftest import DEVICE, tolerance
+
+# Decode seq_lens: one token, exactly one block, one past, several blocks (block size 16 or 8).
+SEQ_LENS = [1, 16, 17, 45]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_matches_reference(dtype: torch.dtype, group: int, num_splits: int) -> None:
+    case = make_case([1] * 4, SEQ_LENS, 2 * group, 2, 32, 16, dtype, pad_rows=1)
+    out = decode_attention_triton(
+        case.q, case.k_cache, case.v_cache, case.meta, 0.3, num_splits=num_splits, block_n=16
+    )
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.3)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(8, 64), (32, 128)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (9, None), (None, 4.0), (20, 8.0)])
+def test_decode_block_sizes_window_softcap(
+    block_size: int, head_dim: int, window: int | None, softcap: float | None
+) -> None:
+    case = make_case([1] * 3, [8, 33, 70], 4, 2, head_dim, block_size, torch.float16)
+    out = decode_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, 0.1, window,
+                                  softcap, num_splits=2)
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.1, window, softcap)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float16))
+
+
+def test_decode_skips_sequences_without_new_tokens() -> None:
+    case = make_case([1, 0, 1], [5, 9, 20], 2, 1, 32, 8, torch.float32)
+    out = decode_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, 0.2,
+                                  num_splits=2, block_n=16)
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.2)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+def test_paged_attention_mixed_batch_dispatch() -> None:
+    case = make_case([1, 6, 1, 17], [30, 6, 1, 40], 4, 1, 32, 16, torch.bfloat16)
+    out = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, 0.2)
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.2)
+    torch.testing.assert_close(out, ref, **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (3, 2.0)])
+def test_batched_decode_ref_matches_per_sequence_ref(
+    window: int | None, softcap: float | None
+) -> None:
+    case = make_case([1] * 5, [1, 8, 9, 30, 64], 6, 3, 32, 8, torch.float32)
+    batched = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.2, window,
+                                  softcap)
+    per_seq = prefill_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.2, window,
+                                    softcap)
+    torch.testing.assert_close(batched, per_seq)
+
+
+def test_reference_matches_naive_attention() -> None:
+    case = make_case([2, 1], [5, 3], 4, 2, 8, 2, torch.float32)
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.5, 3, 2.0)
+    k_flat = case.k_cache.flatten(0, 1)
+    v_flat = case.v_cache.flatten(0, 1)
+    for i, (q_len, seq_len) in enumerate([(2, 5), (1, 3)]):
+        table = case.meta.block_tables[i].long()
+        slots = table[torch.arange(seq_len) // 2] * 2 + torch.arange(seq_len) % 2
+        for j in range(q_len):
+            pos = seq_len - q_len + j
+            row = case.meta.query_start_loc_cpu[i] + j
+            for h in range(4):
+                scores = (k_flat[slots, h // 2] @ case.q[row, h]) * 0.5
+                scores = 2.0 * torch.tanh(scores / 2.0)
+                visible = (torch.arange(seq_len) <= pos) & (torch.arange(seq_len) > pos - 3)
+                weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), 0)
+                torch.testing.assert_close(ref[row, h], weights @ v_flat[slots, h // 2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group,head_dim", [(4, 128), (3, 64), (8, 128)])
+def test_decode_gpu_realistic(dtype: torch.dtype, group: int, head_dim: int) -> None:
+    seq_lens = torch.randint(1, 4096, (64,)).tolist()
+    case = make_case([1] * 64, seq_lens, 8 * group, 8, head_dim, 16, dtype)
+    out = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, head_dim**-0.5)
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, head_dim**-0.5)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    assert DEVICE == "cuda"

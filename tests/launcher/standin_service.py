@@ -1,0 +1,50 @@
+"""A stand-in for a flotilla service, for launcher tests: `python -m tests.launcher.standin_service
+NAME`. It reads the same FLOTILLA_* settings as the real service; "gateway" answers GET /health on
+FLOTILLA_HOST:FLOTILLA_PORT, the others announce themselves and answer health on NATS (as the real
+services do through libs.common.service)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from libs.common.bus import Bus
+from libs.common.messages import Announcement
+from libs.common.service import Announcer, instance_id, run_forever
+from libs.common.settings import CommonSettings, GatewaySettings
+
+
+class StandIn:
+    def __init__(self, name: str, settings: CommonSettings, bus: Bus):
+        self.name, self.settings = name, settings
+        instance = instance_id(name)
+        self.announcer = Announcer(bus, name, instance, settings.discovery_interval_s,
+                                   lambda: Announcement(service=name, instance=instance))
+        self.http: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        if isinstance(self.settings, GatewaySettings):
+            self.http = await asyncio.start_server(self._health, self.settings.host,
+                                                   self.settings.port)
+        await self.announcer.start()
+
+    async def _health(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async def stop(self) -> None:
+        await self.announcer.stop()
+        if self.http is not None:
+            self.http.close()
+
+
+def main() -> None:
+    name = sys.argv[1]
+    settings = GatewaySettings() if name == "gateway" else CommonSettings()
+    run_forever(name, settings, lambda bus: StandIn(name, settings, bus))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The launcher's suite with stand-in services (the real model run is the e2e test's job):
+state file, readiness, restart of a killed service, clean shutdown, start-up failures, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from libs.common.settings import LauncherSettings
+from services.launcher.cli import build_parser, main
+from services.launcher.nats_server import free_port, reachable
+from services.launcher.state import SuiteState
+from services.launcher.suite import SERVICES, SuiteError, SuiteOptions, start_suite
+from services.launcher.supervisor import RestartPolicy
+from tests.launcher.helpers import children, gone, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+STANDINS = {name: [sys.executable, "-m", "tests.launcher.standin_service", name]
+            for name in SERVICES}
+
+
+@pytest.fixture
+def options(tmp_path, monkeypatch) -> SuiteOptions:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    model = tmp_path / "tiny-model.gguf"
+    model.write_bytes(b"")
+    return SuiteOptions(
+        model=str(model), port=0, nats_url=f"nats://127.0.0.1:{free_port()}",  # nothing there
+        state_file=tmp_path / "state.json", start_timeout_s=60, stop_grace_s=5,
+        restart=RestartPolicy(min_backoff_s=0.1), commands=dict(STANDINS))
+
+
+def test_suite_starts_restarts_and_stops_cleanly(options) -> None:
+    suite = start_suite(options)
+    try:
+        state = SuiteState.read(options.state_file)
+        assert state.ready and state.model == "tiny-model"
+        assert set(state.pids) == {"nats-server", *SERVICES}
+        assert all(not gone(pid) for pid in state.pids.values())
+        assert state.nats_url != options.nats_url and reachable(state.nats_url)  # our own NATS
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", state.gateway_url)
+        health = state.gateway_url.removesuffix("/v1") + "/health"
+        assert httpx.get(health).status_code == 200
+
+        env = Path(f"/proc/{state.pids['engine']}/environ").read_bytes().split(b"\0")
+        assert f"FLOTILLA_MODEL={state.model_path}".encode() in env
+        assert f"FLOTILLA_NATS_URL={state.nats_url}".encode() in env
+        assert b"FLOTILLA_SERVED_MODEL_NAME=tiny-model" in env
+
+        os.kill(state.pids["engine"], signal.SIGKILL)
+
+        seen_not_ready = []
+
+        def restarted_and_ready() -> bool:
+            suite.poll()
+            now = SuiteState.read(options.state_file)
+            seen_not_ready.append(not now.ready)
+            return now.ready and now.pids["engine"] != state.pids["engine"]
+
+        assert wait_until(restarted_and_ready, timeout=20)
+        assert any(seen_not_ready)  # `ready` dropped while the engine was down
+        now = SuiteState.read(options.state_file)
+        assert now.restarts["engine"] == 1 and not gone(now.pids["engine"])
+    finally:
+        suite.stop()
+    final = suite.supervisor.pids() if suite.supervisor else {}
+    assert all(gone(pid) for pid in [*final.values(), *state.pids.values()])
+    assert not reachable(state.nats_url)
+    assert not options.state_file.exists()
+
+
+def test_a_service_dying_at_start_fails_with_its_log_and_leaves_nothing(options) -> None:
+    options.commands["engine"] = [sys.executable, "-c",
+                                  "print('cannot load the model', flush=True); raise SystemExit(3)"]
+    before = children(os.getpid())
+    with pytest.raises(SuiteError, match="(?s)engine exited with code 3.*cannot load the model"):
+        start_suite(options)
+    assert not options.state_file.exists()
+    assert wait_until(lambda: children(os.getpid()) <= before)  # NATS and services all ended
+
+
+def test_a_missing_model_is_a_clear_error(options) -> None:
+    options.model = str(Path(options.state_file).parent / "nope" / "model.gguf")
+    with pytest.raises(SuiteError, match="neither an existing path"):
+        start_suite(options)
+
+
+def test_cli_aliases_all_set_the_same_options() -> None:
+    parser = build_parser(LauncherSettings())
+    for flag in ("--model", "--m", "-m", "--w", "--f"):
+        assert parser.parse_args(["up", flag, "x.gguf"]).model == "x.gguf"
+    for flag in ("--port", "--p", "-p"):
+        assert parser.parse_args(["up", flag, "9001"]).port == 9001
+    args = parser.parse_args(["up", "--host", "0.0.0.0", "--mcp-config", "m.json",
+                              "--nats-url", "nats://h:1", "--log-level", "DEBUG"])
+    assert (args.host, str(args.mcp_config), args.nats_url, args.log_level) == (
+        "0.0.0.0", "m.json", "nats://h:1", "DEBUG")
+
+
+def test_cli_defaults_come_from_launcher_settings(monkeypatch) -> None:
+    monkeypatch.setenv("FLOTILLA_PORT", "8123")
+    monkeypatch.setenv("FLOTILLA_MODEL", "org/name")
+    args = build_parser(LauncherSettings()).parse_args(["up"])
+    assert (args.port, args.model) == (8123, "org/name")
+
+
+def test_cli_help_and_up_failure() -> None:
+    out = subprocess.run([sys.executable, "-m", "services.launcher", "--help"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "up" in out.stdout and "status" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "services.launcher", "up", "--m",
+                          "/nonexistent/model.gguf", "--p", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "neither an existing path" in out.stderr
+
+
+def test_cli_status_reads_the_state_file(tmp_path, capsys) -> None:
+    path = tmp_path / "flotilla-8000.json"
+    SuiteState(launcher_pid=os.getpid(), gateway_url="http://127.0.0.1:8000/v1",
+               nats_url="nats://127.0.0.1:4222", model="m", model_path="/m", log_dir="/l",
+               pids={"engine": os.getpid()}, restarts={"engine": 2}, ready=True).write(path)
+    assert main(["status", "--state-file", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "running" in out and "http://127.0.0.1:8000/v1" in out and "restarts 2" in out
+    assert json.loads(path.read_text())["pids"]["engine"] == os.getpid()
+
+
+CLI_WITH_STANDINS = """
+import sys
+from services.launcher import cli, suite
+
+STANDINS = {n: [sys.executable, "-m", "tests.launcher.standin_service", n] for n in suite.SERVICES}
+cli.SuiteOptions = lambda **options: suite.SuiteOptions(**options, commands=STANDINS)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cli_up_serves_until_signalled_then_stops_everything(tmp_path, sig) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    state_file = tmp_path / "state.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLI_WITH_STANDINS, "up", "--p", "0", "--f", str(model),
+         "--nats-url", f"nats://127.0.0.1:{free_port()}", "--state-file", str(state_file)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        state = SuiteState.read(state_file)
+        assert line.strip() == f"flotilla is serving m at {state.gateway_url}"
+        assert state.launcher_pid == proc.pid and state.ready
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert all(gone(pid) for pid in state.pids.values())
+    assert not state_file.exists()

@@ -1,0 +1,142 @@
+"""Reasoning split and tool-call parsing over streamed text: any chunking gives what a plain
+whole-string reading gives; through the output processor with real token ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libs.common.messages import TextRequest, TokenDelta, TokenFinal
+from services.tokenizer.output import OutputProcessor
+from services.tokenizer.reasoning import END, START, ReasoningParser
+from services.tokenizer.tokenizer import Tokenizer
+from services.tokenizer.tool_calls import ToolCallParser
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+
+
+def chunked(text: str, cuts: list[int]) -> list[str]:
+    bounds = sorted({c for c in cuts if c <= len(text)} | {0, len(text)})
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def reasoning_reference(text: str, in_reasoning: bool) -> tuple[str, str]:
+    """The split read off the whole text at once."""
+    if not in_reasoning:
+        if not text.lstrip().startswith(START):
+            return "", text
+        text = text.lstrip()[len(START):]
+    idx = text.find(END)
+    if idx < 0:
+        return text, ""
+    return text[:idx], text[idx + len(END):].lstrip("\r\n")
+
+
+def run_reasoning(pieces: list[str], in_reasoning: bool) -> tuple[str, str]:
+    parser = ReasoningParser(in_reasoning)
+    splits = [parser.push(p) for p in pieces] + [parser.flush()]
+    return "".join(s.reasoning for s in splits), "".join(s.content for s in splits)
+
+
+REPLIES = ["<think>Let me think.\nOK.</think>\n\nThe answer is 4.",
+           "  <think>short</think>answer",
+           "Lets think: <think> is not at the start",
+           "<think>cut off by max_tokens",
+           "No reasoning at all",
+           "<thinking>close, but not the tag</thinking>",
+           "\n\n"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(reply=st.sampled_from(REPLIES), in_reasoning=st.booleans(),
+       cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=8))
+def test_reasoning_split_is_chunking_independent(reply: str, in_reasoning: bool,
+                                                 cuts: list[int]) -> None:
+    text = reply if not in_reasoning else reply.replace(START, "", 1)
+    assert run_reasoning(chunked(text, cuts), in_reasoning) == \
+        reasoning_reference(text, in_reasoning)
+
+
+def test_reasoning_examples() -> None:
+    assert run_reasoning([REPLIES[0]], False) == ("Let me think.\nOK.", "The answer is 4.")
+    assert run_reasoning(["Let me", " think.</th", "ink>\nFour."], True) == \
+        ("Let me think.", "Four.")
+    assert run_reasoning(["<th", "is is content"], False) == ("", "<this is content")
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def run_tools(pieces: list[str], parallel: bool = True) -> tuple[str, list[tuple[str, dict]]]:
+    parser = ToolCallParser(["get_weather"], parallel=parallel)
+    results = [parser.push(p) for p in pieces] + [parser.flush()]
+    calls = [c for r in results for c in r.calls]
+    assert [c.index for c in calls] == list(range(len(calls)))
+    assert all(c.id and c.id.startswith("call_") for c in calls)
+    return "".join(r.content for r in results), [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("reply,content,calls", [
+    ("I'll check. " + CALL, "I'll check. ", [("get_weather", {"city": "Paris"})]),
+    (CALL + "\n" + CALL.replace("Paris", "Oslo"), "",
+     [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]),
+    (CALL.removesuffix("</tool_call>"), "", [("get_weather", {"city": "Paris"})]),
+    (CALL.replace("get_weather", "rm_rf"), CALL.replace("get_weather", "rm_rf"), []),
+    ("<tool_call>{not json}</tool_call> ok", "<tool_call>{not json}</tool_call> ok", []),
+    ("a <tool_cal b", "a <tool_cal b", []),
+])
+def test_tool_call_parsing(reply: str, content: str, calls: list) -> None:
+    for cuts in ([], list(range(len(reply))), [3, 17, 40, 41]):
+        assert run_tools(chunked(reply, cuts)) == (content, calls)
+
+
+def test_parallel_tool_calls_false_keeps_the_first() -> None:
+    reply = CALL + CALL.replace("Paris", "Oslo")
+    assert run_tools([reply], parallel=False) == ("", [("get_weather", {"city": "Paris"})])
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(hf_reference, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """SmolLM2's vocabulary plus `<think>` / `</think>` as added tokens (as Qwen3 has them)."""
+    import copy
+
+    ref = copy.deepcopy(hf_reference)
+    ref.add_tokens(["<think>", "</think>"])
+    path: Path = tmp_path_factory.mktemp("thinking")
+    ref.save_pretrained(path)
+    return Tokenizer.from_path(path)
+
+
+def test_processor_splits_reasoning_and_tool_calls(thinking_tokenizer: Tokenizer) -> None:
+    tok = thinking_tokenizer
+    reply = "<think>The user wants weather.</think>\n\n" + CALL
+    ids = tok.encode(reply, add_special_tokens=False) + tok.encode("<|im_end|>", False)
+    assert ids.count(tok.encode("<think>", False)[0]) == 1
+    req = TextRequest(request_id="r", model="m", kind="chat", stream_subject="s",
+                      messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER])
+    proc = OutputProcessor.for_request(tok, req, prompt="<|im_start|>assistant\n",
+                                       prompt_tokens=9)
+    deltas = [d for i in ids if (d := proc.on_tokens(TokenDelta(token_ids=[i])))]
+    last, final = proc.on_final(TokenFinal(finish_reason="stop", prompt_tokens=9,
+                                           completion_tokens=len(ids)))
+    deltas += [last] if last else []
+    assert "".join(d.reasoning for d in deltas) == "The user wants weather."
+    assert "".join(d.text for d in deltas) == ""
+    calls = [c for d in deltas for c in d.tool_calls]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
+                                                                   {"city": "Paris"})]
+    assert final.finish_reason == "tool_calls"
+
+
+def test_processor_without_think_tokens_leaves_text_alone(smollm2: Tokenizer) -> None:
+    req = TextRequest(request_id="r", model="m", kind="chat", stream_subject="s",
+                      messages=[{"role": "user", "content": "x"}])
+    proc = OutputProcessor.for_request(smollm2, req, prompt="", prompt_tokens=1)
+    assert proc.reasoning is None and proc.tools is None
+    ids = smollm2.encode("<think>not a reasoning model</think>", add_special_tokens=False)
+    delta = proc.on_tokens(TokenDelta(token_ids=ids))
+    assert delta is not None and delta.text == "<think>not a reasoning model</think>"

@@ -1,0 +1,319 @@
+"""The tokenizer service on the real NATS server (loopback) with the real SmolLM2 tokenizer,
+between a test gateway (this file) and a scripted fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from libs.common import subjects
+from libs.common.bus import Bus
+from libs.common.errors import FlotillaError
+from libs.common.messages import (
+    Admission,
+    Announcement,
+    Cancel,
+    ErrorInfo,
+    Ping,
+    RenderReply,
+    SamplingOptions,
+    TextFrame,
+    TextRequest,
+)
+from libs.common.settings import TokenizerSettings
+from services.tokenizer.service import TokenizerService
+from services.tokenizer.tokenizer import Tokenizer
+from tests.tokenizer.fake_engine import FakeEngine, Script
+
+HELLO = [{"role": "user", "content": "Say hello"}]
+
+
+def settings_for(model_path: Path, **kw: Any) -> TokenizerSettings:
+    return TokenizerSettings(
+        model=str(model_path), served_model_name=f"test-tok-{uuid.uuid4().hex[:8]}",
+        heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5, request_timeout_s=2.0,
+        discovery_interval_s=0.2, template_timeout_s=0.5, **kw)
+
+
+@pytest.fixture
+async def service(bus: Bus, smollm2_path: Path, smollm2: Tokenizer):  # type: ignore[no-untyped-def]
+    svc = TokenizerService(settings_for(smollm2_path), bus, tokenizer=smollm2)
+    await svc.start()
+    yield svc
+    await svc.stop()
+
+
+@pytest.fixture
+async def engine(bus: Bus, service: TokenizerService):  # type: ignore[no-untyped-def]
+    fake = FakeEngine(bus, service.model)
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+@dataclass
+class Outcome:
+    admission: Admission
+    frames: list[TextFrame] = field(default_factory=list)
+    error: FlotillaError | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(f.data.text for f in self.frames if f.kind == "data" and f.data)
+
+
+def request(kind: str = "chat", **kw: Any) -> TextRequest:
+    rid = f"req-{uuid.uuid4().hex[:10]}"
+    if kind == "chat":
+        kw.setdefault("messages", HELLO)
+    return TextRequest(request_id=rid, model="m", kind=kind,  # type: ignore[arg-type]
+                       stream_subject=subjects.text_stream(rid), **kw)
+
+
+async def gateway(bus: Bus, model: str, req: TextRequest, timeout: float = 1.0,
+                  on_frame: Any = None) -> Outcome:
+    """What the gateway does: reader first, then the request, then read until final/error."""
+    req = req.model_copy(update={"model": model})
+    reader = await bus.open_reader(req.stream_subject, TextFrame, timeout)
+    try:
+        admission = await bus.request(subjects.tokenizer_generate(model), req, Admission, 5.0)
+        out = Outcome(admission)
+        if not admission.accepted:
+            return out
+        try:
+            async for frame in reader:
+                out.frames.append(frame)
+                if on_frame is not None and await on_frame(frame):
+                    break
+        except FlotillaError as exc:
+            out.error = exc
+        return out
+    finally:
+        await reader.close()
+
+
+async def test_chat_stream_end_to_end(bus: Bus, service: TokenizerService, engine: FakeEngine,
+                                      smollm2: Tokenizer, hf_reference) -> None:
+    reply = "Hello! 🤖 Ça va? 日本語"
+    ids = smollm2.encode(reply, add_special_tokens=False)
+    im_end = smollm2.encode("<|im_end|>", add_special_tokens=False)
+    engine.script = Script(chunks=[[i] for i in ids] + [im_end])
+    out = await gateway(bus, service.model, request(sampling=SamplingOptions(logprobs=2)))
+    assert out.admission.accepted and out.error is None
+    expected_prompt = hf_reference.apply_chat_template(HELLO, tokenize=True,
+                                                       add_generation_prompt=True)["input_ids"]
+    sent = engine.requests[-1]
+    assert sent.prompt_token_ids == list(expected_prompt)
+    assert out.admission.prompt_tokens == len(expected_prompt)
+    assert sent.sampling.max_tokens == 8192 - len(expected_prompt)
+    assert im_end[0] in sent.sampling.stop_token_ids
+    assert out.text == reply
+    assert all("\ufffd" not in f.data.text for f in out.frames if f.data)
+    final = out.frames[-1].final
+    assert final is not None and final.finish_reason == "stop"
+    assert final.usage.prompt_tokens == len(expected_prompt)
+    assert final.usage.completion_tokens == len(ids) + 1
+    logprobs = [lp for f in out.frames if f.data and f.data.logprobs for lp in f.data.logprobs]
+    assert [lp.token for lp in logprobs] == [smollm2.token_text(i) for i in ids]
+    assert bytes(b for lp in logprobs for b in lp.bytes or []) == reply.encode()
+    assert logprobs[0].top[1] == (smollm2.token_text(ids[0] + 1), -2.0)
+
+
+async def test_completion_echo_and_length(bus: Bus, service: TokenizerService,
+                                          engine: FakeEngine, smollm2: Tokenizer) -> None:
+    engine.script = Script(chunks=[smollm2.encode(" a dragon", add_special_tokens=False)],
+                           finish="length")
+    out = await gateway(bus, service.model, request(
+        "completion", prompt="Once upon a time", echo=True,
+        sampling=SamplingOptions(max_tokens=2)))
+    assert out.text == "Once upon a time a dragon"
+    assert out.frames[-1].final.finish_reason == "length"
+    assert engine.requests[-1].sampling.max_tokens == 2
+
+
+async def test_stop_string_across_tokens_cancels_the_engine(
+        bus: Bus, service: TokenizerService, engine: FakeEngine, smollm2: Tokenizer) -> None:
+    text = "The capital of France is Paris. It is lovely. " * 5
+    engine.script = Script(chunks=[[i] for i in smollm2.encode(text, add_special_tokens=False)],
+                           chunk_delay=0.01)
+    req = request(stop=["Paris. It"])
+    out = await gateway(bus, service.model, req)
+    assert out.text == "The capital of France is "
+    final = out.frames[-1].final
+    assert final is not None and final.finish_reason == "stop"
+    for _ in range(100):
+        if engine.finished.get(req.request_id):
+            break
+        await asyncio.sleep(0.02)
+    assert any(c.request_id == req.request_id and c.reason == "stop_string"
+               for c in engine.cancels)
+    assert engine.finished[req.request_id] == "cancelled"
+
+
+async def test_engine_error_frame_reaches_the_gateway(bus: Bus, service: TokenizerService,
+                                                      engine: FakeEngine) -> None:
+    engine.script = Script(chunks=[[28]], error=ErrorInfo(status=500, message="engine exploded",
+                                                          code="internal_error"))
+    out = await gateway(bus, service.model, request())
+    assert out.error is not None
+    assert out.error.status == 500 and out.error.info.message == "engine exploded"
+
+
+async def test_dead_engine_is_a_503_not_a_hang(bus: Bus, service: TokenizerService,
+                                               engine: FakeEngine) -> None:
+    engine.script = Script(chunks=[[28]], silent=True)
+    start = time.monotonic()
+    out = await gateway(bus, service.model, request(), timeout=3.0)
+    assert out.error is not None and out.error.status == 503
+    assert time.monotonic() - start < 2.0  # the tokenizer's 0.5 s liveness timeout, not ours
+
+
+async def test_long_prefill_is_kept_alive_by_heartbeats(bus: Bus, service: TokenizerService,
+                                                        engine: FakeEngine,
+                                                        smollm2: Tokenizer) -> None:
+    """1.5 s of silence from the engine, 3x every timeout on the way: heartbeats carry it."""
+    engine.script = Script(chunks=[smollm2.encode("late", add_special_tokens=False)],
+                           first_delay=1.5)
+    out = await gateway(bus, service.model, request(), timeout=0.5)
+    assert out.error is None and out.text == "late"
+    assert any(f.kind == "final" for f in out.frames)
+
+
+async def test_engine_refusal_and_no_engine(bus: Bus, service: TokenizerService) -> None:
+    out = await gateway(bus, service.model, request())
+    assert not out.admission.accepted and out.admission.error.status == 503
+    fake = FakeEngine(bus, service.model, Script(refuse=ErrorInfo(status=429, message="full")))
+    await fake.start()
+    try:
+        out = await gateway(bus, service.model, request())
+    finally:
+        await fake.stop()
+    assert not out.admission.accepted
+    assert (out.admission.error.status, out.admission.error.message) == (429, "full")
+
+
+async def test_context_length_is_refused_before_the_engine(
+        bus: Bus, service: TokenizerService, engine: FakeEngine) -> None:
+    out = await gateway(bus, service.model, request(sampling=SamplingOptions(max_tokens=9000)))
+    err = out.admission.error
+    assert not out.admission.accepted and err is not None
+    assert (err.status, err.code) == (400, "context_length_exceeded")
+    assert "8192" in err.message and "9000" in err.message
+    assert engine.requests == []
+
+
+async def test_gateway_cancel_drops_the_request(bus: Bus, service: TokenizerService,
+                                                engine: FakeEngine, smollm2: Tokenizer) -> None:
+    engine.script = Script(chunks=[[i] for i in smollm2.encode("word " * 200)], chunk_delay=0.02)
+    req = request()
+
+    async def cancel_after_first(frame: TextFrame) -> bool:
+        if frame.kind == "data":
+            await bus.publish(subjects.CANCEL,
+                              Cancel(request_id=req.request_id, reason="client_disconnect"))
+            return True
+        return False
+
+    out = await gateway(bus, service.model, req, on_frame=cancel_after_first)
+    assert out.admission.accepted
+    for _ in range(100):
+        if not service._active and engine.finished.get(req.request_id):
+            break
+        await asyncio.sleep(0.02)
+    assert req.request_id not in service._active
+    assert engine.finished[req.request_id] == "cancelled"
+
+
+async def test_render_reply(bus: Bus, service: TokenizerService, hf_reference) -> None:
+    req = request().model_copy(update={"model": service.model})
+    reply = await bus.request(subjects.tokenizer_render(service.model), req, RenderReply, 5.0)
+    assert reply.error is None and reply.max_model_len == 8192
+    assert reply.prompt == hf_reference.apply_chat_template(HELLO, tokenize=False,
+                                                            add_generation_prompt=True)
+    bad = request(messages=[{"role": "robot", "content": "x"}])
+    reply = await bus.request(subjects.tokenizer_render(service.model), bad, RenderReply, 5.0)
+    assert reply.error is not None and reply.error.param == "messages[0].role"
+
+
+async def test_endless_template_override_fails_fast_and_service_keeps_serving(
+        bus: Bus, smollm2_path: Path, smollm2: Tokenizer, tmp_path: Path) -> None:
+    template = tmp_path / "loop.jinja"
+    template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}"
+                        "{{ j }}{% endfor %}{% endfor %}")
+    svc = TokenizerService(settings_for(smollm2_path, chat_template=template), bus, smollm2)
+    await svc.start()
+    fake = FakeEngine(bus, svc.model, Script(chunks=[[28]]))
+    await fake.start()
+    try:
+        start = time.monotonic()
+        out = await gateway(bus, svc.model, request())
+        assert time.monotonic() - start < 1.5
+        assert not out.admission.accepted
+        assert out.admission.error.code == "chat_template_error"
+        assert "budget" in out.admission.error.message
+        out = await gateway(bus, svc.model, request("completion", prompt="still here"))
+        assert out.admission.accepted and out.frames[-1].kind == "final"
+    finally:
+        await fake.stop()
+        await svc.stop()
+
+
+async def test_announces_model_and_context_length(bus: Bus, service: TokenizerService) -> None:
+    seen: asyncio.Queue[Announcement] = asyncio.Queue()
+
+    async def on_announce(msg: Announcement) -> None:
+        if msg.model == service.model:
+            await seen.put(msg)
+
+    sub = await bus.subscribe(subjects.DISCOVERY_ANNOUNCE, Announcement, on_announce)
+    await bus.publish(subjects.DISCOVERY_PING, Ping())
+    msg = await asyncio.wait_for(seen.get(), 2.0)
+    await sub.unsubscribe()
+    assert (msg.service, msg.max_model_len) == ("tokenizer", 8192)
+
+
+async def test_trace_joins_gateway_tokenizer_and_engine(bus: Bus, service: TokenizerService,
+                                                        engine: FakeEngine,
+                                                        smollm2: Tokenizer) -> None:
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    engine.script = Script(chunks=[smollm2.encode("ok", add_special_tokens=False)])
+    with trace.get_tracer("test-gateway").start_as_current_span("gateway.request") as root:
+        out = await gateway(bus, service.model, request())
+    assert out.error is None
+    await asyncio.sleep(0.05)
+    spans = [s for s in exporter.get_finished_spans() if s.name == "tokenizer.generate"]
+    assert len(spans) == 1
+    span = spans[0]
+    assert span.context.trace_id == root.get_span_context().trace_id
+    assert span.parent is not None and span.parent.span_id == root.get_span_context().span_id
+    assert engine.parent_spans[-1].span_id == span.context.span_id
+
+
+async def test_tool_calls_stream_back_with_their_finish_reason(
+        bus: Bus, service: TokenizerService, engine: FakeEngine, smollm2: Tokenizer) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    reply = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    engine.script = Script(chunks=[[i] for i in smollm2.encode(reply, False)]
+                           + [smollm2.encode("<|im_end|>", False)])
+    out = await gateway(bus, service.model, request(tools=[tool]))
+    assert '"name": "get_weather"' in smollm2.decode(engine.requests[-1].prompt_token_ids)
+    calls = [c for f in out.frames if f.data for c in f.data.tool_calls]
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert out.text == "Checking."
+    assert out.frames[-1].final.finish_reason == "tool_calls"
