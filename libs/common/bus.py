@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -89,7 +89,7 @@ class Bus:
                                           headers=telemetry.inject_headers())
         except NoRespondersError as exc:
             raise unavailable(f"no service is serving {subject.split('.', 2)[-1]}") from exc
-        except (NatsTimeoutError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, NatsTimeoutError) as exc:
             raise unavailable(f"no reply on {subject} within {timeout:.1f}s") from exc
         return decode(reply.data, reply_cls)
 
@@ -148,7 +148,8 @@ class StreamWriter(Generic[D, F]):
     def closed(self) -> bool:
         return self._closed
 
-    async def _send(self, kind: str, **fields: Any) -> None:
+    async def _send(self, kind: Literal["data", "final", "error", "heartbeat"],
+                    **fields: Any) -> None:
         async with self._lock:
             if self._closed:
                 return
@@ -197,7 +198,7 @@ class StreamReader(Generic[D, F]):
         while True:
             try:
                 msg = await self.sub.next_msg(timeout=self.timeout)
-            except (NatsTimeoutError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, NatsTimeoutError) as exc:
                 raise unavailable(
                     f"the upstream service stopped responding (no frame for {self.timeout:.1f}s)"
                 ) from exc

@@ -25,7 +25,8 @@ def envelope(info: ErrorInfo) -> dict[str, Any]:
                       "code": info.code}}
 
 
-def invalid_request(message: str, param: str | None = None, code: str | None = None) -> FlotillaError:
+def invalid_request(message: str, param: str | None = None,
+                    code: str | None = None) -> FlotillaError:
     return FlotillaError(ErrorInfo(status=400, type="invalid_request_error", message=message,
                                    param=param, code=code))
 

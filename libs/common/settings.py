@@ -20,7 +20,8 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
+    nats_url: str = Field("nats://127.0.0.1:4222",
+                          description="NATS server URL(s), comma-separated")
     redis_url: str | None = Field(None, description="Redis URL; unset = in-process store")
     log_level: str = Field("INFO", description="Python logging level")
     otel_exporter: Literal["none", "console", "otlp"] = Field(
@@ -48,7 +49,8 @@ class CommonSettings(BaseSettings):
 class GatewaySettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API")
-    spec_path: Path | None = Field(None, description="OpenAPI spec file; default openapi/flotilla.yaml")
+    spec_path: Path | None = Field(None,
+                                   description="OpenAPI spec file; default openapi/flotilla.yaml")
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request) accepted")
     model_ttl_s: float = Field(5.0, gt=0, description="A model unseen for this long is unlisted")
     tools_timeout_s: float = Field(2.0, gt=0, description="How long to wait for the MCP tool list")
@@ -59,9 +61,6 @@ class TokenizerSettings(CommonSettings):
     served_model_name: str | None = Field(None, description="Name clients use; derived if unset")
     chat_template: Path | None = Field(None, description="Jinja file overriding the model template")
     max_model_len: int | None = Field(None, ge=16, description="Context length cap in tokens")
-    reasoning_field: Literal["reasoning_content", "reasoning", "both"] = Field(
-        "reasoning_content", description="Field name(s) that carry <think> text"
-    )
     template_timeout_s: float = Field(2.0, gt=0, description="Chat template rendering budget")
 
 
@@ -79,7 +78,8 @@ class EngineSettings(CommonSettings):
     prefill_chunk_size: int = Field(8192, ge=0, description="Prefill chunk; 0 = no chunking")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs")
-    tp: int = Field(1, ge=1, description="Tensor-parallel ranks in this pod")
+    quantization: str = Field("auto", description="Weights: auto (int8 on CPU) | none | int8")
+    num_threads: int | None = Field(None, ge=1, description="CPU threads for torch; unset = all")
 
 
 class ToolsSettings(CommonSettings):

@@ -57,7 +57,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     num_kv_blocks: int | None = None
-    quantization: str | None = None  # weight quantization by name (services/engine/quant)
+    # weight quantization by name (services/engine/quant); "auto": int8 weight-only on CPU (batch-1
+    # decode there is bound by weight bytes), none on GPU
+    quantization: str | None = None
+    load_format: str = "auto"  # "dummy": config.json only, random weights (benchmarks)
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
     seed: int | None = None  # seeds the shared RNG of unseeded requests
 
@@ -76,6 +79,12 @@ class EngineConfig:
         if self.device != "auto":
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_quantization(self) -> str | None:
+        if self.quantization != "auto":
+            return self.quantization
+        return None if self.resolved_device.startswith("cuda") else "int8"
 
     @property
     def resolved_dtype(self) -> torch.dtype:
@@ -198,8 +207,6 @@ class Engine:
         for sr, token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
             request = self.scheduler.requests[sr.request_id]
             status = request.append_token(token)
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
             self._counts.tokens_generated += 1
             if status is not None:
                 self.scheduler.finish_request(request.request_id, status)

@@ -4,34 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from libs.common.messages import SamplingOptions
 from libs.common.settings import EngineSettings
 from services.engine.engine import Engine, EngineConfig
 from services.engine.sampling_params import SamplingParams
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(setting: str) -> str:
-    if setting != "auto":
-        return setting
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def pick_dtype(setting: str, device: str) -> torch.dtype:
-    if setting != "auto":
-        return _DTYPES[setting]
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
-
 
 def build_engine(settings: EngineSettings, path: Path) -> Engine:
-    device = pick_device(settings.device)
     config = EngineConfig(
         model=str(path),
-        dtype=pick_dtype(settings.dtype, device),
-        device=device,
+        dtype=settings.dtype,
+        device=settings.device,
         block_size=settings.block_size,
         kvcache_mem_mib=settings.kvcache_mem_mib,
         gpu_memory_utilization=settings.gpu_memory_utilization,
@@ -40,11 +23,14 @@ def build_engine(settings: EngineSettings, path: Path) -> Engine:
         prefill_chunk_size=settings.prefill_chunk_size,
         enable_prefix_caching=settings.enable_prefix_caching,
         enforce_eager=settings.enforce_eager,
+        quantization=None if settings.quantization == "none" else settings.quantization,
+        num_threads=settings.num_threads,
     )
     return Engine(config)
 
 
-def to_sampling_params(opts: SamplingOptions, prompt_len: int, max_model_len: int) -> SamplingParams:
+def to_sampling_params(opts: SamplingOptions, prompt_len: int,
+                       max_model_len: int) -> SamplingParams:
     """Map the bus's sampling options onto the engine's; raises ValueError on bad values."""
     room = max_model_len - prompt_len
     if room < 1:

@@ -1,11 +1,12 @@
 """Runs the Engine's step loop on its own thread, next to the asyncio service.
 
 Rules:
-- Only the loop thread touches the Engine. The asyncio side submits commands (add, abort) through
-  a thread-safe queue and receives each step's outputs through `on_outputs`, called on the event
-  loop with `call_soon_threadsafe`.
+- Only the loop thread touches the Engine. The asyncio side submits commands (add, abort)
+  through a thread-safe queue and receives each step's outputs through `on_outputs`, called on
+  the event loop with `call_soon_threadsafe`.
 - When there is no work the thread blocks on the command queue, so an idle engine burns no CPU.
-- A crash inside `step()` fails every request in flight (through `on_crash`) instead of hanging them.
+- A crash inside `step()` fails every request in flight (through `on_crash`) rather than
+  leaving them hanging.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_tokens = config.max_num_batched_tokens
         self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device,
-                                                   quantization=config.quantization)
+                                                   quantization=config.resolved_quantization,
+                                                   load_format=config.load_format)
         self.vocab_size = self.model_config.vocab_size
         self.attention = self.model.attention_layers()
         self.sampler = Sampler()

@@ -76,7 +76,6 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
         self.num_preemptions = 0
-        self.logprobs: list[TokenLogprobs] = []
 
     @property
     def prompt_token_ids(self) -> list[int]:

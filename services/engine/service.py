@@ -20,8 +20,17 @@ from opentelemetry import trace
 from libs.common import subjects, telemetry
 from libs.common.bus import Bus, StreamWriter
 from libs.common.messages import (
-    Admission, Announcement, Cancel, EngineStats, ErrorInfo, StatsRequest, TokenDelta, TokenFinal,
-    TokenFrame, TokenLogprob, TokenRequest,
+    Admission,
+    Announcement,
+    Cancel,
+    EngineStats,
+    ErrorInfo,
+    StatsRequest,
+    TokenDelta,
+    TokenFinal,
+    TokenFrame,
+    TokenLogprob,
+    TokenRequest,
 )
 from libs.common.model_cache import resolve_model, served_name
 from libs.common.service import Announcer, instance_id

@@ -10,7 +10,13 @@ import pytest
 from libs.common.bus import Bus
 from libs.common.errors import FlotillaError
 from libs.common.messages import (
-    Admission, ErrorInfo, TokenDelta, TokenFinal, TokenFrame, TokenRequest, SamplingOptions,
+    Admission,
+    ErrorInfo,
+    SamplingOptions,
+    TokenDelta,
+    TokenFinal,
+    TokenFrame,
+    TokenRequest,
 )
 
 NATS_URL = "nats://127.0.0.1:4222"

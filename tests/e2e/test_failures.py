@@ -16,7 +16,8 @@ from libs.common.bus import Bus
 from libs.common.messages import HealthReply, HealthRequest
 from tests.e2e.conftest import MODEL
 
-LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a cat."}],
+LONG = {"model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story about a cat."}],
         "max_tokens": 400, "temperature": 0.7, "seed": 1, "stream": True}
 
 

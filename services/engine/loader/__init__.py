@@ -24,7 +24,7 @@ from services.engine.loader.safetensors_loader import (
     iter_safetensors,
     safetensors_files,
 )
-from services.engine.loader.weights import load_weights
+from services.engine.loader.weights import init_dummy_weights, load_weights
 from services.engine.model_config import ModelConfig
 from services.engine.models.base import CausalLM
 from services.engine.models.registry import get_model_class
@@ -63,10 +63,20 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
+    """load_format "dummy": only config.json is read and weights are random (benchmarks)."""
     path = Path(path)
     if dtype not in SUPPORTED_MODEL_DTYPES:
         raise ValueError(f"model dtype {dtype} not supported; use one of {SUPPORTED_MODEL_DTYPES}")
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    if load_format == "dummy":
+        config = ModelConfig.from_hf_dir(path)
+        with torch.device(device), _default_dtype(dtype):
+            dummy = get_model_class(config.architecture)(config, get_quant_config(quantization))
+        init_dummy_weights(dummy)
+        return LoadedModel(dummy.eval(), config)
     if is_hf_dir(path):
         files = safetensors_files(path)
         check_checkpoint(path, files)

@@ -52,6 +52,23 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
             method.process_after_loading(module)
 
 
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Random weights for benchmarks (speed does not depend on values): small normal matrices,
+    norm scales of one, so activations stay finite in bf16 through any depth. Runs where the
+    parameters live (fast on a GPU), then the quant post-processing as after a real load."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or param.dim() == 1:
+                param.fill_(1.0 if "norm" in name else 0.0)
+            elif param.is_floating_point():
+                param.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_after_loading(module)
+
+
 def _lookup(params: dict[str, nn.Parameter], pname: str, ckpt_name: str) -> nn.Parameter:
     try:
         return params[pname]
