@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--attn", default="sdpa_paged")
+    ap.add_argument("--attn", default="paged|sdpa")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/peer_transformers.json")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, LlamaConfig

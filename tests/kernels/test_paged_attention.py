@@ -76,14 +76,15 @@ def test_reference_matches_naive_attention() -> None:
     v_flat = case.v_cache.flatten(0, 1)
     for i, (q_len, seq_len) in enumerate([(2, 5), (1, 3)]):
         table = case.meta.block_tables[i].long()
-        slots = table[torch.arange(seq_len) // 2] * 2 + torch.arange(seq_len) % 2
+        pos_ids = torch.arange(seq_len, device=table.device)
+        slots = table[pos_ids // 2] * 2 + pos_ids % 2
         for j in range(q_len):
             pos = seq_len - q_len + j
             row = case.meta.query_start_loc_cpu[i] + j
             for h in range(4):
                 scores = (k_flat[slots, h // 2] @ case.q[row, h]) * 0.5
                 scores = 2.0 * torch.tanh(scores / 2.0)
-                visible = (torch.arange(seq_len) <= pos) & (torch.arange(seq_len) > pos - 3)
+                visible = (pos_ids <= pos) & (pos_ids > pos - 3)
                 weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), 0)
                 torch.testing.assert_close(ref[row, h], weights @ v_flat[slots, h // 2])
 
