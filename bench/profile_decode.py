@@ -58,7 +58,8 @@ def main() -> None:
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                    max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import os
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.rms_norm import (
@@ -29,6 +30,7 @@ from kernels.rms_norm import (
     rms_norm_triton,
 )
 from kernels.rotary import RotaryOutput, rotary_embedding_ref, rotary_embedding_triton
+from kernels.rotary_kv import rotary_write_kv_cache_ref, rotary_write_kv_cache_triton
 from kernels.sampling import (
     apply_penalties,
     apply_temperature,
@@ -46,9 +48,11 @@ __all__ = [
     "apply_temperature",
     "apply_top_k_top_p_min_p",
     "fused_add_rms_norm",
+    "fused_moe",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "rotary_write_kv_cache",
     "sample",
     "silu_and_mul",
     "token_counts",
@@ -77,6 +81,20 @@ def fused_add_rms_norm(
     return fn(x, residual, weight, eps)
 
 
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture of experts, x [T, H] -> [T, H]: sum over k of topk_weights[t, k] *
+    W2[e] @ silu_and_mul(W13[e] @ x[t]) with e = topk_ids[t, k]; w13 [E, 2I, H] (gate rows, then
+    up rows), w2 [E, H, I]. Ids outside [0, E) (other ranks' experts) contribute nothing."""
+    fn = fused_moe_triton if use_triton(x) else fused_moe_ref
+    return fn(x, w13, w2, topk_weights, topk_ids)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -87,6 +105,22 @@ def rotary_embedding(
     """Rotate q [T, Hq, D] and k [T, Hk, D] by positions [T]; returns new (q, k)."""
     fn = rotary_embedding_triton if use_triton(q) else rotary_embedding_ref
     return fn(positions, q, k, cos_sin_cache, is_neox)
+
+
+def rotary_write_kv_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rotary_embedding + write_kv_cache of the rotated k and v in one pass; returns rotated q."""
+    fn = rotary_write_kv_cache_triton if use_triton(q) else rotary_write_kv_cache_ref
+    return fn(positions, q, k, v, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

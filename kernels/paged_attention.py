@@ -94,6 +94,8 @@ def _decode_split_kernel(
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
     out_ptr,  # NUM_SPLITS == 1: final output [T, Hq, D]; else partial fp32 [B, Hq, NUM_SPLITS, D]
     lse_ptr,  # fp32 [B, Hq, NUM_SPLITS] log2-sum-exp of each split (unused if NUM_SPLITS == 1)
+    counter_ptr,  # int32 [>= B * Hk] zeros: splits done per (seq, kv head) (FUSED_REDUCE only)
+    final_ptr,  # [T, Hq, D] final output when FUSED_REDUCE (out_ptr then holds the partials)
     block_tables_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]
@@ -110,6 +112,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,  # the last split of each (seq, kv head) to finish reduces
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -117,6 +120,9 @@ def _decode_split_kernel(
     # Grid (B, Hk, NUM_SPLITS): the visible keys of a sequence are cut into NUM_SPLITS equal
     # ranges (rounded to BLOCK_N); each program reads its range of one KV head once and serves
     # all GROUP query heads from it. Empty ranges (short sequences) record lse = -inf.
+    # FUSED_REDUCE: every program then bumps its (seq, kv head) counter; the one that sees
+    # NUM_SPLITS - 1 (the last to finish) merges the splits and resets the counter to 0, so no
+    # second launch is needed and the counters are ready for the next launch (CUDA-graph safe).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,6 +176,48 @@ def _decode_split_kernel(
         tl.store(out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=h_mask)
+        if FUSED_REDUCE:
+            # Release: every thread's stores above are done (barrier) before the counter moves.
+            tl.debug_barrier()
+            counter = counter_ptr + seq * (num_q_heads // GROUP) + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                _merge_splits(out_ptr, lse_ptr, final_ptr,
+                              (seq.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS,
+                              row * stride_ot + heads * stride_oh, h_mask, offs_d, d_mask,
+                              HEAD_DIM, BLOCK_H, NUM_SPLITS)
+                tl.store(counter, 0)
+
+
+@triton.jit
+def _merge_splits(
+    partial_ptr, lse_ptr, out_ptr,
+    base,  # [BLOCK_H] index of each head's split 0 in lse / partial
+    out_offs,  # [BLOCK_H] offset of each head's output row
+    h_mask, offs_d, d_mask,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Weight each split's normalised output by 2^(lse - max lse); no keys at all -> zeros.
+    Loads bypass L1 (.cg): other programs wrote these values during this launch."""
+    offs_s = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(lse_ptr + base[:, None] + offs_s[None, :], mask=h_mask[:, None],
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, offs_d.shape[0]], tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_ptr + base + s, mask=h_mask, other=float("-inf"),
+                            cache_modifier=".cg") - m)
+        part = tl.load(partial_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=(w > 0)[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        acc += part * w[:, None]
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + out_offs[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit

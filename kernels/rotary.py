@@ -49,9 +49,9 @@ def rotary_embedding_ref(
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, out_ptr,  # one token's heads: x [H, D] with head stride stride_h; out contiguous
-    stride_h,
+def rotate_heads(
+    x_ptr, out_ptr,  # one token's heads: x [H, D] with head stride stride_h; out likewise
+    stride_h, out_stride_h,
     num_heads, head_dim, rot_half,
     cos, sin,  # [1, BLOCK_R] fp32, this token's cos/sin (zero past rot_half)
     IS_NEOX: tl.constexpr,
@@ -75,13 +75,15 @@ def _rotate_heads(
     x2f = x2.to(tl.float32)
     o1 = x1f * cos - x2f * sin
     o2 = x2f * cos + x1f * sin
-    tl.store(out_ptr + h * head_dim + i1, o1.to(x1.dtype), mask=mask)
-    tl.store(out_ptr + h * head_dim + i2, o2.to(x1.dtype), mask=mask)
+    # Round to x's dtype first (as the unfused reference does), then to the output's.
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + h * out_stride_h + i1, o1.to(x1.dtype).to(out_ty), mask=mask)
+    tl.store(out_ptr + h * out_stride_h + i2, o2.to(x1.dtype).to(out_ty), mask=mask)
     if HAS_PASS:
         p = 2 * rot_half + tl.arange(0, BLOCK_P)[None, :]
         pmask = (h < num_heads) & (p < head_dim)
         rest = tl.load(x_ptr + h * stride_h + p, mask=pmask)
-        tl.store(out_ptr + h * head_dim + p, rest, mask=pmask)
+        tl.store(out_ptr + h * out_stride_h + p, rest.to(out_ty), mask=pmask)
 
 
 @triton.jit
@@ -105,27 +107,23 @@ def _rotary_kernel(
     r = tl.arange(0, BLOCK_R)[None, :]
     cos = tl.load(cache_ptr + pos * 2 * rot_half + r, mask=r < rot_half, other=0.0)
     sin = tl.load(cache_ptr + pos * 2 * rot_half + rot_half + r, mask=r < rot_half, other=0.0)
-    _rotate_heads(
-        q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * head_dim, stride_qh,
+    rotate_heads(
+        q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * head_dim, stride_qh, head_dim,
         num_q_heads, head_dim, rot_half, cos, sin, IS_NEOX, BLOCK_HQ, BLOCK_R, BLOCK_P, HAS_PASS,
     )
-    _rotate_heads(
-        k_ptr + t * stride_kt, k_out_ptr + t * num_k_heads * head_dim, stride_kh,
+    rotate_heads(
+        k_ptr + t * stride_kt, k_out_ptr + t * num_k_heads * head_dim, stride_kh, head_dim,
         num_k_heads, head_dim, rot_half, cos, sin, IS_NEOX, BLOCK_HK, BLOCK_R, BLOCK_P, HAS_PASS,
     )
 
 
-def rotary_embedding_triton(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool = True,
-) -> RotaryOutput:
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, num_k_heads, k_head_dim = k.shape
+def check_rotary_args(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Shape / dtype / layout contract of the rotary launchers."""
+    num_tokens, _, head_dim = q.shape
     rot_dim = cos_sin_cache.shape[1]
-    if k.shape[0] != num_tokens or k_head_dim != head_dim:
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree")
     if positions.shape != (num_tokens,) or positions.dtype != torch.int64:
         raise ValueError("positions must be int64 [T]")
@@ -135,6 +133,19 @@ def rotary_embedding_triton(
         raise ValueError(f"rot_dim {rot_dim} must be even and <= head_dim {head_dim}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q and k must have a contiguous last dim")
+
+
+def rotary_embedding_triton(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> RotaryOutput:
+    check_rotary_args(positions, q, k, cos_sin_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    rot_dim = cos_sin_cache.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:

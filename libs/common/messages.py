@@ -45,6 +45,23 @@ class ErrorInfo(BaseModel):
 # ---------------------------------------------------------------- sampling
 
 
+class GuidedDecoding(BaseModel):
+    """A constraint on what the engine may generate, compiled by xgrammar in the engine.
+
+    `value` is JSON text for json_schema (a JSON Schema) and structural_tag (xgrammar's
+    structural tag: tool calls, reasoning before JSON), EBNF for grammar, unused for json_object.
+    `special_tokens`: texts of control tokens the grammar writes (e.g. `[TOOL_CALLS]`); every
+    other special token is never allowed under a constraint. The tokenizer service validates the
+    spec before admission (400 on a bad one); an engine that still fails to compile it ends the
+    request instead of crashing.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["json_schema", "json_object", "structural_tag", "grammar"]
+    value: str | None = None
+    special_tokens: list[str] = Field(default_factory=list)
+
+
 class SamplingOptions(BaseModel):
     """What the engine needs to pick tokens. temperature 0 = greedy."""
 
@@ -61,6 +78,7 @@ class SamplingOptions(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    guided: GuidedDecoding | None = None
 
 
 # ---------------------------------------------------------------- gateway → tokenizer

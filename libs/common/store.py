@@ -86,7 +86,8 @@ class RedisStore:
         if not keys:
             return {}
         values = await self._redis.mget(keys)
-        return {k[len(self._ns):]: v for k, v in zip(keys, values, strict=True) if v is not None}
+        return {k[len(self._ns):]: str(v) for k, v in zip(keys, values, strict=True)
+                if v is not None}
 
     async def close(self) -> None:
         await self._redis.aclose()

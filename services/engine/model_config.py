@@ -4,7 +4,12 @@ Rules:
 - `ModelConfig` is plain data, built once by the loader and exposed as `model.config`; layers and
   models read only these fields (plus `hf_config` for architecture-specific flags).
 - Rope parameters are accepted both as top-level `rope_theta`/`rope_scaling` (transformers 4.x)
-  and as nested `rope_parameters` (transformers 5.x). `rope_scaling` is None for plain RoPE.
+  and as nested `rope_parameters` (transformers 5.x), also keyed by layer type (gemma3:
+  {"full_attention": ..., "sliding_attention": ...}, or legacy `rope_local_base_freq`).
+  `rope_scaling` is None for plain RoPE. Multimodal configs are read through `text_config`.
+- Sliding windows: `sliding_window` (None when `use_sliding_window` is false) applies to every
+  layer unless `layer_types` (or a legacy `sliding_window_pattern`, or qwen2's
+  `max_window_layers`) says which layers slide; `layer_sliding_window(i)` answers per layer.
 - `eos_token_ids` is always a list: config.json's eos (int or list) merged with
   generation_config.json's, or GGUF's eos/eot/eom ids.
 """
@@ -51,7 +56,44 @@ class ModelConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     mlp_bias: bool = False
+    partial_rotary_factor: float = 1.0
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    # Rope of "sliding_attention" layers where it differs from the global one (gemma3).
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict[str, Any] | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.is_sliding_layer(layer) else None
+
+    def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of layer `layer`."""
+        if self.sliding_rope_theta is not None and self.is_sliding_layer(layer):
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
+    def default_layer_types(self, pattern: int) -> None:
+        """Fill in `layer_types` for configs that leave the alternation implicit: every
+        `pattern`-th layer is global, the others slide (gemma2: 2, gemma3: 6)."""
+        if self.layer_types is None and self.sliding_window is not None:
+            self.layer_types = _pattern_layer_types(self.num_layers, pattern)
 
     @classmethod
     def from_hf_dir(cls, model_dir: Path) -> ModelConfig:
@@ -67,9 +109,15 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
-        rope_theta, rope_scaling = _rope_from_hf(cfg)
+        rope = _rope_by_layer_type(cfg)
+        rope_theta, rope_scaling = rope.get("full_attention") or _rope_from_hf(cfg)
+        sliding_rope = rope.get("sliding_attention")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        num_layers = int(cfg["num_hidden_layers"])
+        sliding_window = cfg.get("sliding_window")
+        if cfg.get("use_sliding_window") is False:
+            sliding_window = None
         eos = _as_list(cfg.get("eos_token_id")) + _as_list((generation or {}).get("eos_token_id"))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         return cls(
@@ -77,11 +125,12 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            # LayerNorm models (stablelm) name their epsilon layer_norm_eps.
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -89,9 +138,18 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=list(dict.fromkeys(eos)),
             dtype=_torch_dtype(str(dtype_name)),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
+            # Gemma's `hidden_activation` is the one its MLP uses (`hidden_act` is legacy).
+            hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            partial_rotary_factor=_partial_rotary_factor(cfg),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            layer_types=_layer_types(cfg, num_layers, sliding_window),
+            sliding_rope_theta=sliding_rope[0] if sliding_rope else None,
+            sliding_rope_scaling=sliding_rope[1] if sliding_rope else None,
+            attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping")),
+            final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
+            query_pre_attn_scalar=_optional_float(cfg.get("query_pre_attn_scalar")),
             hf_config=cfg,
         )
 
@@ -134,11 +192,17 @@ class ModelConfig:
         )
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = dict(cfg.get("rope_parameters") or {})
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Keys of rope_parameters that are not part of the frequency schedule.
+_NOT_SCALING = ("rope_theta", "partial_rotary_factor")
+
+
+def _rope_from_hf(cfg: dict[str, Any], params: dict[str, Any] | None = None
+                  ) -> tuple[float, dict[str, Any] | None]:
+    params = dict(cfg.get("rope_parameters") or {}) if params is None else dict(params)
     legacy = dict(cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = {**legacy, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = {k: v for k, v in {**legacy, **params}.items() if k not in _NOT_SCALING}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -147,6 +211,45 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             "original_max_position_embeddings" in cfg:
         scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     return theta, scaling
+
+
+def _rope_by_layer_type(cfg: dict[str, Any]) -> dict[str, tuple[float, dict[str, Any] | None]]:
+    """Per-layer-type rope (gemma3), from v5's nested rope_parameters or the legacy
+    `rope_local_base_freq`; empty when every layer shares one rope."""
+    params = cfg.get("rope_parameters") or {}
+    if any(t in params for t in _LAYER_TYPES):
+        return {t: _rope_from_hf(cfg, params[t]) for t in _LAYER_TYPES if t in params}
+    if "rope_local_base_freq" in cfg:
+        return {"full_attention": _rope_from_hf(cfg),
+                "sliding_attention": (float(cfg["rope_local_base_freq"]), None)}
+    return {}
+
+
+def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    nested = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return float(nested or cfg.get("partial_rotary_factor") or 1.0)
+
+
+def _pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)]
+
+
+def _layer_types(cfg: dict[str, Any], num_layers: int, sliding_window: Any) -> list[str] | None:
+    if cfg.get("layer_types"):
+        return [str(t) for t in cfg["layer_types"]]
+    if sliding_window and cfg.get("sliding_window_pattern"):  # legacy gemma3 configs
+        return _pattern_layer_types(num_layers, int(cfg["sliding_window_pattern"]))
+    if sliding_window and cfg.get("use_sliding_window") and "max_window_layers" in cfg:
+        first = int(cfg["max_window_layers"])  # qwen2: layers from max_window_layers on slide
+        return ["sliding_attention" if i >= first else "full_attention"
+                for i in range(num_layers)]
+    return None
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _as_list(value: Any) -> list[int]:

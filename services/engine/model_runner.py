@@ -1,9 +1,10 @@
 """Owns the model, its paged KV cache and the sampler; runs one scheduled step at a time.
 
 Rules:
-- The runner allocates the KV cache once: one [2, num_blocks, block_size, Hk, D] tensor per layer
-  in the model dtype, bound to the layer's Attention. Its size is an explicit block count, an
-  explicit MiB size, or (on CUDA) what `gpu_memory_utilization` of the GPU leaves after the
+- The runner allocates the KV cache once: per layer a K and a V tensor [num_blocks, block_size,
+  *shape] in the model dtype with the shapes the layer declares (`kv_cache_shape()`: (Hk, D) for
+  both, or MLA's latent K and empty V), bound to the layer. Its size is an explicit block count,
+  an explicit MiB size, or (on CUDA) what `gpu_memory_utilization` of the GPU leaves after the
   weights and a profiling forward at the largest batch.
 - It knows only the SchedulerOutput (plain data), never the scheduler. For each step it builds the
   flattened inputs (step_inputs.py), runs the model, takes logits only on the last row of every
@@ -14,6 +15,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,7 +81,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self.attention) * elem
+        per_token = sum(math.prod(k) + math.prod(v)
+                        for k, v in (a.kv_cache_shape() for a in self.attention)) * elem
         return per_token * self.block_size
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
@@ -100,10 +103,11 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         caches = []
         for layer in self.attention:
-            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
-                                layer.head_dim, dtype=self.dtype, device=self.device)
-            layer.bind_kv_cache(cache[0], cache[1])
-            caches.append(cache)
+            k_shape, v_shape = layer.kv_cache_shape()
+            k, v = (torch.zeros(num_blocks, self.block_size, *shape, dtype=self.dtype,
+                                device=self.device) for shape in (k_shape, v_shape))
+            layer.bind_kv_cache(k, v)
+            caches += [k, v]
         return caches
 
     @torch.inference_mode()
@@ -138,8 +142,9 @@ class ModelRunner:
         torch.cuda.synchronize()
         del hidden, logits, inputs, builder
         for layer in self.attention:  # drop the layers' references to the profiling cache
-            empty = torch.empty(0, 1, layer.num_kv_heads, layer.head_dim, device=self.device)
-            layer.bind_kv_cache(empty, empty)
+            k_shape, v_shape = layer.kv_cache_shape()
+            layer.bind_kv_cache(torch.empty(0, 1, *k_shape, device=self.device),
+                                torch.empty(0, 1, *v_shape, device=self.device))
         self.kv_cache = []
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()

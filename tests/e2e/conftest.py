@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,7 +62,10 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteHandle]:
     state_file = tmp / "state.json"
     env = dict(os.environ, FLOTILLA_REDIS_URL="redis://127.0.0.1:6379/0", PYTHONUNBUFFERED="1",
                FLOTILLA_RUN_DIR=str(tmp))
-    cmd = [sys.executable, "-m", "services.launcher", "up", "--port", "0",
+    # The console script a user runs (installed by `pip install -e .`); the module otherwise.
+    exe = shutil.which("flotilla")
+    launcher = [exe] if exe else [sys.executable, "-m", "services.launcher"]
+    cmd = [*launcher, "up", "--port", "0",
            "--state-file", str(state_file), "--mcp-config", str(mcp)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -41,9 +41,10 @@ class SingleSequenceRunner:
         param = next(model.parameters())
         self.device = param.device
         for attn in model.attention_layers():
-            shape = (self.num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-            attn.bind_kv_cache(torch.zeros(shape, dtype=param.dtype, device=self.device),
-                               torch.zeros(shape, dtype=param.dtype, device=self.device))
+            k_shape, v_shape = attn.kv_cache_shape()
+            attn.bind_kv_cache(*(torch.zeros(self.num_blocks, block_size, *shape,
+                                             dtype=param.dtype, device=self.device)
+                                 for shape in (k_shape, v_shape)))
         self.block_table = torch.arange(self.num_blocks, dtype=torch.int32,
                                         device=self.device)[None]
 

@@ -1,9 +1,9 @@
 """Shared model layers: every architecture file is built from these."""
 
-from services.engine.layers.activation import SiluAndMul, get_gated_activation
+from services.engine.layers.activation import GeluAndMul, SiluAndMul, get_gated_activation
 from services.engine.layers.attention import Attention
 from services.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from services.engine.layers.layernorm import RMSNorm
+from services.engine.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
 from services.engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -11,11 +11,14 @@ from services.engine.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from services.engine.layers.rotary import RotaryEmbedding
+from services.engine.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
     "Attention",
     "ColumnParallelLinear",
+    "GeluAndMul",
+    "GemmaRMSNorm",
+    "LayerNorm",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
@@ -26,4 +29,5 @@ __all__ = [
     "SiluAndMul",
     "VocabParallelEmbedding",
     "get_gated_activation",
+    "get_rope",
 ]

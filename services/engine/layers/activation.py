@@ -1,8 +1,15 @@
-"""Gated activations over the kernels API."""
+"""Gated activations [T, 2I] -> act(x[:, :I]) * x[:, I:] (gate first, as HF's gate_up order).
+
+Names are HF `hidden_act` / `hidden_activation` values. SiLU runs through the kernels API; the
+GELU variants are plain torch (one fused elementwise op either way).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -15,7 +22,25 @@ class SiluAndMul(nn.Module):
         return kernels.silu_and_mul(x)
 
 
-_ACTIVATIONS = {"silu": SiluAndMul}
+class GeluAndMul(nn.Module):
+    """[T, 2I] -> gelu(x[:, :I]) * x[:, I:]; approximate "tanh" for gelu_pytorch_tanh (Gemma)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu": GeluAndMul,
+    "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
+    "gelu_tanh": lambda: GeluAndMul("tanh"),
+}
 
 
 def get_gated_activation(name: str) -> nn.Module:

@@ -2,8 +2,9 @@
 
 Rules:
 - The layer never allocates its KV cache. The ModelRunner allocates one pair of tensors
-  [num_blocks, block_size, num_kv_heads, head_dim] per layer and binds it with
-  `bind_kv_cache` before the first forward; the runner owns and frees that memory.
+  [num_blocks, block_size, *kv_cache_shape()[0 / 1]] per layer ([..., num_kv_heads, head_dim]
+  for both here; MLA declares a latent K and an empty V) and binds it with `bind_kv_cache` before
+  the first forward; the runner owns and frees that memory.
 - Batch layout, positions and slots come from `get_forward_context()` (see forward_context.py).
 - q/k/v arrive already projected and rotated, flattened as [T, heads * head_dim]; the output is
   [T, num_heads * head_dim]. `num_heads` / `num_kv_heads` are this rank's head counts.
@@ -16,6 +17,7 @@ from torch import nn
 
 import kernels
 from services.engine.forward_context import get_forward_context
+from services.engine.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -30,6 +32,10 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    def kv_cache_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-token shapes of this layer's K and V cache entries (a 0 in V's: no V cache)."""
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         expected = (self.num_kv_heads, self.head_dim)
         if tuple(k_cache.shape[2:]) != expected or k_cache.shape != v_cache.shape:
@@ -37,7 +43,11 @@ class Attention(nn.Module):
                              f"does not end in (num_kv_heads, head_dim) = {expected}")
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rotary: RotaryEmbedding | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """With `rotary` (and `positions`), q and k arrive unrotated: one fused kernel rotates
+        them and writes the cache (saves a launch per layer in decode)."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("Attention.forward before bind_kv_cache(): the ModelRunner binds it")
         meta = get_forward_context()
@@ -45,7 +55,13 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if rotary is None:
+            kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            assert positions is not None, "a fused rotary needs the positions"
+            q = kernels.rotary_write_kv_cache(positions, q, k, v, rotary.cos_sin_cache,
+                                              rotary.is_neox, self.k_cache, self.v_cache,
+                                              meta.slot_mapping)
         out = kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
                                       sliding_window=self.sliding_window,
                                       logit_softcap=self.logit_softcap)

@@ -1,8 +1,17 @@
-"""RMSNorm over the kernels API, optionally fused with the residual add."""
+"""Normalisation layers, optionally fused with the residual add.
+
+Rules:
+- `norm(x)` returns the normalised x; `norm(x, residual)` first forms residual + x and returns
+  (normalised sum, sum), so decoder layers carry the residual stream without extra adds.
+- GemmaRMSNorm checkpoints store w with the scale applied as (1 + w); its loader stores 1 + w so
+  the forward is the plain RMSNorm kernel.
+- x is [T, H]; per-head norms (q/k norms) are applied on [T * heads, head_dim] views.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -23,3 +32,35 @@ class RMSNorm(nn.Module):
             return kernels.rms_norm(x, self.weight, self.eps)
         out, residual = kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return out, residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: y = x / rms(x) * (1 + w), w as stored in the checkpoint."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.shape != loaded.shape:
+            raise ValueError(f"norm weight shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+        param.data.copy_(loaded.float() + 1.0)
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean) / std * weight + bias (torch LayerNorm), with the same residual contract."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            residual = x + residual
+            return self.forward(residual), residual
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

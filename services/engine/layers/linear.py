@@ -7,7 +7,8 @@ Rules:
 - Column-parallel layers split the output dimension across ranks; their output stays sharded.
   Row-parallel layers split the input dimension and all-reduce the output (bias added once).
 - Fused layers: `QKVParallelLinear` packs q, k, v (shard ids "q", "k", "v");
-  `MergedColumnParallelLinear` packs several column blocks (shard ids 0, 1, ...).
+  `MergedColumnParallelLinear` packs several column blocks (shard ids 0, 1, ...). Shard id None
+  means the checkpoint tensor is already fused in the same order; it is split and loaded per block.
 - Parameters are created in the torch default dtype and device, so the loader sets those once.
 """
 
@@ -84,8 +85,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, quant_config, prefix)
 
     def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
     ) -> None:
+        if shard_id is None:  # checkpoint already fused (phi3 / glm gate_up_proj)
+            for i, block in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, block, i)
+            return
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         dst = param.data.narrow(0, offset, size)
@@ -115,9 +120,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output, bias, quant_config, prefix)
 
     def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
     ) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id is None:  # checkpoint already fused (phi3 qkv_proj): split the full q, k, v
+            full_kv = kv_size * self.tp_size // self.kv_replicas
+            blocks = loaded.split([q_size * self.tp_size, full_kv, full_kv], dim=0)
+            for sid, block in zip("qkv", blocks, strict=True):
+                self.weight_loader(param, block, sid)
+            return
         if shard_id == "q":
             offset, size, src_index = 0, q_size, self.tp_rank
         elif shard_id in ("k", "v"):

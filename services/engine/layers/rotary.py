@@ -1,57 +1,37 @@
 """Rotary position embedding: builds the cos/sin cache once, applies it through the kernels API.
 
-Supported `rope_scaling` types (HF names, key "rope_type" or legacy "type"): default, linear,
-llama3, and "freq_factors" (per-frequency divisors, as GGUF files store for llama 3.1 in the
-`rope_freqs` tensor). Anything else is rejected at construction with the supported list.
+Rules:
+- Only the first `rotary_dim` dims of each head turn (partial rotary: stablelm, phi, glm); the
+  rest pass through. `is_neox=True` rotates halves (HF llama's rotate_half), False interleaved
+  pairs (GPT-J / GLM style).
+- Frequency schedules (default, linear, llama3, yarn, longrope, freq_factors) live in
+  rope_scaling.py; anything else is rejected at construction with the supported list.
+- `get_rope` hands out one module per distinct parameter set and device, so all layers of a
+  model share one cos/sin table instead of one per layer.
 """
 
 from __future__ import annotations
 
-import math
+import json
 from typing import Any
 
 import torch
 from torch import nn
 
 import kernels
+from services.engine.layers.rope_scaling import (
+    ROPE_SCALINGS,
+    cos_sin_cache,
+    inv_freq_and_attention_factor,
+    rope_type,
+)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+SUPPORTED_ROPE_TYPES = tuple(ROPE_SCALINGS)
 
 
-def rope_type(scaling: dict[str, Any] | None) -> str:
-    if not scaling:
-        return "default"
-    return str(scaling.get("rope_type", scaling.get("type", "default")))
-
-
-def compute_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-    inv_freq = 1.0 / (base**exponents)
-    kind = rope_type(scaling)
-    if kind == "default":
-        return inv_freq
-    assert scaling is not None
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    if kind == "freq_factors":
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: "
-                     f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+def compute_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None,
+                     max_position: int = 2048) -> torch.Tensor:
+    return inv_freq_and_attention_factor(rotary_dim, base, scaling, max_position)[0]
 
 
 class RotaryEmbedding(nn.Module):
@@ -62,11 +42,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None, is_neox: bool = True) -> None:
         super().__init__()
+        if rotary_dim > head_dim or rotary_dim % 2:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
         self.head_dim, self.rotary_dim, self.is_neox = head_dim, rotary_dim, is_neox
-        inv_freq = compute_inv_freq(rotary_dim, base, rope_scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.float32)
+        self.rope_type = rope_type(rope_scaling)
+        cache = cos_sin_cache(rotary_dim, base, rope_scaling, max_position)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
@@ -74,3 +54,20 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
         return q, k
+
+
+_ROPES: dict[tuple[Any, ...], RotaryEmbedding] = {}
+
+
+def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
+             rope_scaling: dict[str, Any] | None = None, is_neox: bool = True) -> RotaryEmbedding:
+    """A shared RotaryEmbedding on the current default device (models are built under
+    `torch.device(...)`, so the table lands where the model does)."""
+    device = torch.get_default_device()
+    key = (head_dim, rotary_dim, max_position, base, json.dumps(rope_scaling, sort_keys=True),
+           is_neox, str(device))
+    rope = _ROPES.get(key)
+    if rope is None:
+        rope = _ROPES[key] = RotaryEmbedding(head_dim, rotary_dim, max_position, base,
+                                             rope_scaling, is_neox)
+    return rope

@@ -28,7 +28,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for name, tensor in weights:
+    for ckpt_name, tensor in weights:
+        name = model.checkpoint_name(ckpt_name)
         if model.skip_weight(name):
             continue
         for ckpt_key, (param_key, shard_id) in model.packed_modules_mapping.items():

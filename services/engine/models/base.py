@@ -10,8 +10,9 @@ Rules:
 - Constructor: `(config: ModelConfig, quant_config: QuantConfig | None)`; layers read the
   tensor-parallel rank/size at construction, so `init_tensor_parallel` comes first.
 - Weight loading is declarative: `packed_modules_mapping` maps a checkpoint sub-name onto a fused
-  parameter and its shard id (q_proj -> qkv_proj/"q"); `skip_weight(name)` drops checkpoint
-  tensors the model does not use (e.g. a tied lm_head saved anyway).
+  parameter and its shard id (q_proj -> qkv_proj/"q"); `checkpoint_name(name)` renames first;
+  `skip_weight(name)` drops checkpoint tensors the model does not use (e.g. a tied lm_head saved
+  anyway, a vision tower).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class CausalLM(nn.Module):
         if self._attention_layers is None:
             self._attention_layers = [m for m in self.modules() if isinstance(m, Attention)]
         return self._attention_layers
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this model's naming (identity; multimodal checkpoints
+        served text-only strip their language-model prefix here)."""
+        return name
 
     def skip_weight(self, name: str) -> bool:
         if "rotary_emb.inv_freq" in name:

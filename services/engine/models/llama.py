@@ -1,4 +1,18 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, ...) built from the shared layers."""
+"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, ...) built from the shared layers.
+
+It is also the base the other dense architectures specialise (STYLE rule 8: variants are flags or
+subclasses). The hooks, each a class attribute or small method:
+- `LlamaAttention.biases(config)` -> (qkv bias, o_proj bias); `qk_norm_cls` (per-head norm of
+  q and k before the rotary, e.g. qwen3) and `norm_qk`; `rope_is_neox` (False: interleaved pairs,
+  GLM); `rotate` (what happens between projection and attention: rotary, plus e.g. ministral3's
+  query scaling). Sliding window, softcap, scale, partial rotary and per-layer rope come from
+  `ModelConfig` (`layer_sliding_window`, `attn_logit_softcapping`, `attention_scale`,
+  `rotary_dim`, `layer_rope`).
+- `LlamaDecoderLayer.norm_names`: checkpoint names of the four norm slots (before attention,
+  after attention, before the MLP, after the MLP); None leaves a slot out. Llama uses the first
+  and third; gemma2/glm4 all four. `norm_cls` picks RMSNorm / GemmaRMSNorm / LayerNorm.
+- `LlamaModel.embed` (gemma scales embeddings); `LlamaForCausalLM.model_cls` / `layer_cls`.
+"""
 
 from __future__ import annotations
 
@@ -18,33 +32,72 @@ from services.engine.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     get_gated_activation,
+    get_rope,
 )
 from services.engine.model_config import ModelConfig
 from services.engine.models.base import CausalLM
 from services.engine.quant.base import QuantConfig
 
+# Decoder-layer norm slots, in the order they run.
+NORM_SLOTS = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+    qk_norm_cls: ClassVar[type[nn.Module] | None] = None
+    rope_is_neox: ClassVar[bool] = True
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
+                 layer: int) -> None:
         super().__init__()
-        d = config.head_dim
+        d = self.head_dim = config.head_dim
+        qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_heads,
-                                          config.num_kv_heads, config.attention_bias,
-                                          quant_config, f"{prefix}.qkv_proj")
+                                          config.num_kv_heads, qkv_bias, quant_config,
+                                          f"{prefix}.qkv_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size,
-                                        config.attention_bias, quant_config, f"{prefix}.o_proj")
-        self.rotary_emb = RotaryEmbedding(d, d, config.max_position_embeddings, config.rope_theta,
-                                          config.rope_scaling)
-        self.attn = Attention(self.num_heads, d, d**-0.5, self.num_kv_heads)
+        self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, o_bias,
+                                        quant_config, f"{prefix}.o_proj")
+        if self.qk_norm_cls is not None:
+            self.q_norm = self.qk_norm_cls(d, config.rms_norm_eps)
+            self.k_norm = self.qk_norm_cls(d, config.rms_norm_eps)
+        theta, scaling = config.layer_rope(layer)
+        self.rotary_emb = get_rope(d, config.rotary_dim, config.max_position_embeddings, theta,
+                                   scaling, self.rope_is_neox)
+        self.attn = Attention(self.num_heads, d, config.attention_scale, self.num_kv_heads,
+                              sliding_window=config.layer_sliding_window(layer),
+                              logit_softcap=config.attn_logit_softcapping)
+
+    @staticmethod
+    def biases(config: ModelConfig) -> tuple[bool, bool]:
+        return config.attention_bias, config.attention_bias
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D] -> per-head normalised (when the model has q/k norms)."""
+        if self.qk_norm_cls is None:
+            return q, k
+        d = self.head_dim
+        return self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(
+            k.shape)
+
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(positions, q, k)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q.reshape(t, self.num_heads, -1),
-                               k.reshape(t, self.num_kv_heads, -1))
+        q, k = self.norm_qk(q.reshape(t, self.num_heads, -1), k.reshape(t, self.num_kv_heads, -1))
+        if self.fused_rotary:  # one kernel rotates q, k and writes the KV cache
+            return self.o_proj(self.attn(q, k, v, self.rotary_emb, positions))
+        q, k = self.rotate(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
+
+    @property
+    def fused_rotary(self) -> bool:
+        """The plain rotary with nothing else in `rotate`: Attention may fuse it."""
+        plain_rope = type(self.rotary_emb) is RotaryEmbedding
+        return plain_rope and type(self).rotate is LlamaAttention.rotate
 
 
 class LlamaMLP(nn.Module):
@@ -63,36 +116,62 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    mlp_cls: ClassVar[type[nn.Module]] = LlamaMLP
+    norm_cls: ClassVar[type[nn.Module]] = RMSNorm
+    norm_names: ClassVar[tuple[str | None, ...]] = (
+        "input_layernorm", None, "post_attention_layernorm", None)
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
+                 layer: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, quant_config, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self.attention_cls(config, quant_config, f"{prefix}.self_attn", layer)
+        self.mlp = self.mlp_cls(config, quant_config, f"{prefix}.mlp")
+        self.norms: dict[str, nn.Module | None] = {}
+        for slot, name in zip(NORM_SLOTS, self.norm_names, strict=True):
+            norm = None
+            if name is not None:
+                norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+                self.add_module(name, norm)
+            self.norms[slot] = norm
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, residual stream before it); their sum is the state."""
+        pre_attn, post_attn = self.norms["pre_attn"], self.norms["post_attn"]
+        pre_mlp, post_mlp = self.norms["pre_mlp"], self.norms["post_mlp"]
+        assert pre_attn is not None and pre_mlp is not None
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, pre_attn(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = pre_attn(hidden, residual)
         hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if post_attn is not None:
+            hidden = post_attn(hidden)
+        hidden, residual = pre_mlp(hidden, residual)
+        hidden = self.mlp(hidden)
+        if post_mlp is not None:
+            hidden = post_mlp(hidden)
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None,
+                 layer_cls: type[nn.Module] = LlamaDecoderLayer,
+                 norm_cls: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, quant_config, f"model.layers.{i}")
+            layer_cls(config, quant_config, f"model.layers.{i}", i)
             for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self.embed(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
@@ -107,11 +186,14 @@ class LlamaForCausalLM(CausalLM):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    model_cls: ClassVar[type[LlamaModel]] = LlamaModel
+    layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None) -> None:
         super().__init__(config, quant_config)
         self.tp_size = get_tp_size()
-        self.model = LlamaModel(config, quant_config)
+        self.model = self.model_cls(config, quant_config, self.layer_cls,
+                                    self.layer_cls.norm_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -1,0 +1,125 @@
+"""Rotary embedding fused with the KV-cache write: one launch instead of two per layer.
+
+Rotates q (returned as a new contiguous tensor) and k by their positions, and scatters the rotated
+k and the unchanged v into the paged cache at their slots (slot -1 = skip, as write_kv_cache).
+The rotated k is not returned: attention reads keys from the cache. Same arithmetic as
+rotary_embedding followed by write_kv_cache (rotation in fp32, rounded to k's dtype, then to the
+cache's), so the two paths agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_cache import write_kv_cache_ref
+from kernels.rotary import check_rotary_args, rotary_embedding_ref, rotate_heads
+
+
+def rotary_write_kv_cache_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
+    write_kv_cache_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot
+
+
+@triton.jit
+def _rotary_kv_kernel(
+    pos_ptr,  # int64 [T] positions
+    slot_ptr,  # int64 [T] flat cache slot = block * BLOCK_SIZE + offset; < 0 skips the K/V write
+    q_ptr, k_ptr, v_ptr,  # [T, Hq, D], [T, Hk, D], [T, Hk, D]; token/head strides free
+    q_out_ptr,  # [T, Hq, D] contiguous
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D], sharing strides
+    cache_ptr,  # fp32 [max_pos, 2 * rot_half] contiguous: cos then sin
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_ch,  # cache strides: block, token, head
+    num_q_heads, num_k_heads, head_dim, rot_half,
+    IS_NEOX: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,  # next power of two >= Hq
+    BLOCK_HK: tl.constexpr,  # next power of two >= Hk
+    BLOCK_R: tl.constexpr,  # next power of two >= rot_half
+    BLOCK_P: tl.constexpr,  # pass-through width (rot_dim < D), else 1
+    BLOCK_D: tl.constexpr,  # next power of two >= D
+    HAS_PASS: tl.constexpr,
+):
+    # One program per token: its cos/sin are read once; q heads go to q_out, k and v heads to
+    # the cache slot of the token.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    r = tl.arange(0, BLOCK_R)[None, :]
+    cos = tl.load(cache_ptr + pos * 2 * rot_half + r, mask=r < rot_half, other=0.0)
+    sin = tl.load(cache_ptr + pos * 2 * rot_half + rot_half + r, mask=r < rot_half, other=0.0)
+    rotate_heads(
+        q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * head_dim, stride_qh, head_dim,
+        num_q_heads, head_dim, rot_half, cos, sin, IS_NEOX, BLOCK_HQ, BLOCK_R, BLOCK_P, HAS_PASS,
+    )
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        rotate_heads(
+            k_ptr + t * stride_kt, k_cache_ptr + row, stride_kh, stride_ch,
+            num_k_heads, head_dim, rot_half, cos, sin, IS_NEOX, BLOCK_HK, BLOCK_R, BLOCK_P,
+            HAS_PASS,
+        )
+        h = tl.arange(0, BLOCK_HK)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < num_k_heads) & (d < head_dim)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(v_cache_ptr + row + h * stride_ch + d, v.to(v_cache_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def rotary_write_kv_cache_triton(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    check_rotary_args(positions, q, k, cos_sin_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if v.shape != k.shape or v.stride(-1) != 1:
+        raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)}, last dim contiguous")
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (num_k_heads, head_dim):
+        raise ValueError(f"caches {tuple(k_cache.shape)} do not match k {tuple(k.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides with a contiguous last dim")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
+        raise ValueError("slot_mapping must be int64 [T]")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    rot_dim = cos_sin_cache.shape[1]
+    rot_half = rot_dim // 2
+    _rotary_kv_kernel[(num_tokens,)](
+        positions, slot_mapping, q, k, v, q_out, k_cache, v_cache, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_q_heads, num_k_heads, head_dim, rot_half,
+        IS_NEOX=is_neox,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HK=triton.next_power_of_2(num_k_heads),
+        BLOCK_R=triton.next_power_of_2(rot_half),
+        BLOCK_P=triton.next_power_of_2(max(head_dim - rot_dim, 1)),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_PASS=rot_dim < head_dim,
+        num_warps=4,
+    )
+    return q_out
