@@ -1,19 +1,48 @@
 #!/usr/bin/env bash
-# One device call: GPU facts, kernel + engine GPU tests, kernel micro-benchmarks, engine benchmarks
-# with their peers. Usage (device tool): bash bench/gpu_run.sh [quick|full]
+# One device call: GPU facts, GPU tests, attention tilings, decode/prefill profiles, engine
+# benchmarks (async scheduling on, and off as the A/B), the suite through gateway -> NATS ->
+# engine, and transformers' continuous batching as B3's peer.
+# Usage (device tool): bash bench/gpu_run.sh [quick|perf|full]   (default full)
+#   quick: tests only; perf: no suite / peer; full: everything.
+# Missing packages (nats, fastapi, ...) travel as wheels in .whl (see docs/benchmarks.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOG="$OUT/all.log"
 mode=${1:-full}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+fi
+step() { echo; echo "=== $* ($(date +%T))"; }
+{
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-step() { echo; echo "=== $*"; }
 step "GPU tests"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-if [[ $mode == quick ]]; then exit 0; fi
-step "kernel benchmarks"
-timeout 240 python3 bench/kernels.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -30
-step "engine benchmarks"
-timeout 420 python3 bench/engine_bench.py 2>&1 | tee "$OUT/engine_bench.log" | tail -20
-step "peer: transformers continuous batching"
-timeout 300 python3 bench/peer_transformers.py --requests 256 --prompt 128 --new 128 2>&1 | tail -5
+timeout 300 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels tests/engine/test_gpu_engine.py} 2>&1 | tail -15
+} 2>&1 | tee "$LOG"
+[[ $mode == quick ]] && exit 0
+{
+step "attention tilings"
+timeout 150 python3 bench/attention_tiles.py 2>&1
+step "profile: batch-1 decode"
+timeout 120 python3 bench/profile_decode.py --batch 1 2>&1 | head -60
+step "profile: batch-256 decode"
+timeout 150 python3 bench/profile_decode.py --batch 256 2>&1 | head -45
+step "profile: 4096-token prefill"
+timeout 120 python3 bench/profile_decode.py --prefill 4096 2>&1
+step "engine benchmarks, async scheduling"
+timeout 300 python3 bench/engine_bench.py --out "$OUT/engine_bench.json" 2>&1 | tail -12
+step "engine benchmarks, synchronous (A/B)"
+timeout 200 python3 bench/engine_bench.py --sync --only B1,B3 --out "$OUT/engine_bench_sync.json" 2>&1 | tail -6
+} 2>&1 | tee -a "$LOG"
+[[ $mode == perf ]] && exit 0
+{
+step "suite: gateway -> NATS -> tokenizer -> engine, 64 streams"
+if ! timeout 420 python3 bench/suite_bench.py --out "$OUT/suite_bench.json" 2>&1 | tail -8; then
+  for f in "$OUT"/suite_logs/*.log; do echo "--- $f"; tail -30 "$f"; done
+fi
+rm -rf "$OUT/suite_logs"
+step "peer: transformers continuous batching (B3 shape)"
+timeout 300 python3 bench/peer_transformers.py --requests 256 --prompt 128 --new 128 2>&1 | tail -3
+} 2>&1 | tee -a "$LOG"

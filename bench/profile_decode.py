@@ -1,9 +1,12 @@
-"""Where does a batch-1 decode step go? Graph replay (GPU) vs the engine's host work per step.
+"""Where does a decode step go? Graph replay (GPU) vs the engine's host work per step; or, with
+--prefill N, the kernels of one N-token prefill.
 
-    python bench/profile_decode.py [--layers 32] [--batch 1]
+    python bench/profile_decode.py [--layers 32] [--batch 1] [--sync] [--prefill 4096]
 
-Prints: GPU time of one captured decode graph replay, the full Engine.step() time, their gap
-(host overhead not hidden), and the top CUDA kernels of one replay from torch.profiler.
+Decode prints: GPU time of one captured decode graph replay, the full Engine.step() time, their
+gap (host work not hidden: with async scheduling the host prepares step N+1 while the device
+runs step N, so the gap should shrink to the launch of the step), and the top CUDA kernels of one
+replay from torch.profiler. Prefill prints the top CUDA kernels of one eager prefill.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -22,15 +26,14 @@ from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=1)
-    args = ap.parse_args()
-    engine = Engine(EngineConfig(model=model_dir(args.layers), load_format="dummy",
-                                 dtype="bfloat16", device="cuda", kvcache_mem_mib=8192))
+def table(prof: profile, rows: int = 16) -> str:
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows,
+                                     max_name_column_width=60)
+
+
+def decode(engine: Engine, batch: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    for i, p in enumerate(rand_prompts(args.batch, 128, 128256, 0)):
+    for i, p in enumerate(rand_prompts(batch, 128, 128256, 0)):
         engine.add_request(f"r{i}", p, params)
     for _ in range(20):
         engine.step()
@@ -42,7 +45,9 @@ def main() -> None:
     step_ms = (time.perf_counter() - t) / n * 1e3
     graphs = engine.runner.graphs
     assert graphs is not None
-    graph, _ = graphs.graphs[graphs.bucket_for(args.batch)]
+    bucket = graphs.bucket_for(batch)
+    assert bucket is not None
+    graph, _ = graphs.graphs[bucket]
     s, e = torch.cuda.Event(True), torch.cuda.Event(True)
     s.record()
     for _ in range(n):
@@ -50,16 +55,57 @@ def main() -> None:
     e.record()
     torch.cuda.synchronize()
     replay_ms = s.elapsed_time(e) / n
-    print(f"batch {args.batch}: Engine.step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
-          f"host gap {step_ms - replay_ms:.3f} ms")
-    from torch.profiler import ProfilerActivity, profile
-
+    print(f"batch {batch} (async {engine.async_scheduling}): Engine.step {step_ms:.3f} ms, "
+          f"graph replay {replay_ms:.3f} ms, host gap {step_ms - replay_ms:.3f} ms")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+    print(table(prof))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+    print("five Engine.step() calls, by CPU time:")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20,
                                     max_name_column_width=60))
+
+
+def prefill(engine: Engine, length: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def once(tag: str) -> None:
+        engine.reset_prefix_cache()
+        engine.add_request(tag, rand_prompts(1, length, 128256, hash(tag) % 1000)[0], params)
+        while engine.has_unfinished():
+            engine.step()
+
+    once("warm")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    once("timed")
+    torch.cuda.synchronize()
+    print(f"prefill {length}: {(time.perf_counter() - t) * 1e3:.1f} ms wall")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        once("profiled")
+        torch.cuda.synchronize()
+    print(table(prof, 20))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of N tokens")
+    ap.add_argument("--sync", action="store_true", help="async scheduling off")
+    args = ap.parse_args()
+    engine = Engine(EngineConfig(model=model_dir(args.layers), load_format="dummy",
+                                 dtype="bfloat16", device="cuda", kvcache_mem_mib=16384,
+                                 async_scheduling=not args.sync))
+    if args.prefill:
+        prefill(engine, args.prefill)
+    else:
+        decode(engine, args.batch)
 
 
 if __name__ == "__main__":

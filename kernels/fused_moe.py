@@ -68,7 +68,9 @@ def moe_align_block_size(
                            block_m) * block_m
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, num_experts)  # invalid pairs sort last and are dropped
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # scatter_add, not bincount: bincount reads its max on the host (a sync, no CUDA graphs).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     tile_ends = torch.cumsum(padded, 0)
     tile_starts = tile_ends - padded

@@ -54,6 +54,9 @@ class GatewaySettings(CommonSettings):
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request) accepted")
     model_ttl_s: float = Field(5.0, gt=0, description="A model unseen for this long is unlisted")
     tools_timeout_s: float = Field(2.0, gt=0, description="How long to wait for the MCP tool list")
+    reasoning_field: Literal["reasoning_content", "reasoning", "both"] = Field(
+        "reasoning_content",
+        description="Name of the reasoning text in chat messages and deltas (both: send both)")
 
 
 class TokenizerSettings(CommonSettings):
@@ -80,6 +83,16 @@ class EngineSettings(CommonSettings):
     enforce_eager: bool = Field(False, description="Disable CUDA graphs")
     quantization: str = Field("auto", description="Weights: auto (int8 on CPU) | none | int8")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch; unset = all")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="Weights: auto (from the files) | dummy (random; benchmarks)")
+    async_scheduling: bool | None = Field(
+        None, description="Prepare step N+1 while the device runs step N; unset = on CUDA")
+    tp: int | None = Field(
+        None, ge=1, description="Tensor-parallel ranks of this pod; unset = one per device id "
+        "(or torchrun's WORLD_SIZE), else 1")
+    device_ids: str | None = Field(
+        None, pattern=r"^\d+(,\d+)*$",
+        description="GPU of each rank, comma-separated (e.g. 0,1); unset = GPUs 0..tp-1")
 
 
 class ToolsSettings(CommonSettings):

@@ -1,13 +1,48 @@
-"""`python -m services.engine`: run one engine pod until SIGTERM."""
+"""`python -m services.engine`: run one engine pod until SIGTERM, or until its engine breaks
+(exit status 1, so a supervisor restarts it).
 
+Under torchrun (multi-host tensor parallelism) every rank runs this module: rank 0 serves as
+usual, the other ranks become workers of rank 0's pod (docs/tensor_parallel.md).
+"""
+
+import os
+import signal
+import sys
+
+from libs.common import telemetry
+from libs.common.bus import Bus
 from libs.common.service import run_forever
 from libs.common.settings import EngineSettings
 from services.engine.service import EngineService
 
 
+def _torchrun_worker(settings: EngineSettings) -> None:
+    from libs.common.model_cache import resolve_model
+    from services.engine.executor import run_torchrun_worker
+    from services.engine.factory import engine_config
+
+    telemetry.setup_logging(settings.log_level)
+    path = resolve_model(settings.model)
+    run_torchrun_worker(engine_config(settings, path), str(path))
+
+
 def main() -> None:
     settings = EngineSettings()
-    run_forever("engine", settings, lambda bus: EngineService(settings, bus))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0:
+        _torchrun_worker(settings)
+        return
+    services: list[EngineService] = []
+
+    def build(bus: Bus) -> EngineService:
+        service = EngineService(settings, bus,
+                                on_fatal=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        services.append(service)
+        return service
+
+    run_forever("engine", settings, build)
+    if services and services[0].crashed is not None:
+        sys.stdout.flush()
+        os._exit(1)  # the engine thread may still sit in a dead collective: do not wait for it
 
 
 if __name__ == "__main__":

@@ -2,18 +2,31 @@
 
 Rules:
 - World size 1 is the default and needs no torch.distributed; every helper is a no-op there.
-- The launcher (or a test) calls `init_tensor_parallel(rank, size, group)` once, before building
-  the model. Layers read `get_tp_rank()` / `get_tp_size()` at construction time to size their
-  shards, so the group must not change after a model is built.
-- Collectives run on the group given at init (None = the default process group).
+- A pod's ranks join with `init_distributed` (torch.distributed: NCCL on CUDA, gloo on CPU, plus
+  a gloo group for host-side agreement); tests that build models by hand may call
+  `init_tensor_parallel(rank, size, group)` on a group of their own. Either happens once, before
+  building the model: layers read `get_tp_rank()` / `get_tp_size()` at construction time to size
+  their shards, so the group must not change after a model is built. `destroy_distributed`
+  returns the process to world size 1.
+- Collectives run on the group given at init (None = the default process group). Every rank
+  issues the same collectives in the same order; the device collectives of a forward come from
+  the layers, the rest (KV block count, sampled tokens) from the executor and the runner.
+- NVLink multicast (NVLS) stays off in every rank: `disable_multicast_env` sets the variables
+  before NCCL starts.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass
@@ -21,17 +34,67 @@ class _TPState:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None  # gloo: host tensors and objects
+    backend: str | None = None  # set when init_distributed created the process group
 
 
 _STATE = _TPState()
 
 
-def init_tensor_parallel(rank: int, size: int, group: dist.ProcessGroup | None = None) -> None:
+def init_tensor_parallel(rank: int, size: int, group: dist.ProcessGroup | None = None,
+                         cpu_group: dist.ProcessGroup | None = None) -> None:
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"invalid tensor-parallel rank {rank} for size {size}")
     if size > 1 and not dist.is_initialized():
         raise RuntimeError("tensor parallelism > 1 needs torch.distributed initialised first")
-    _STATE.rank, _STATE.size, _STATE.group = rank, size, group
+    _STATE.rank, _STATE.size, _STATE.group, _STATE.cpu_group = rank, size, group, cpu_group
+
+
+def disable_multicast_env() -> None:
+    for key, value in MULTICAST_OFF_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
+                     timeout_s: float) -> None:
+    """Join the pod's process group (NCCL on CUDA, gloo on CPU) and make it the tensor-parallel
+    group. `init_method`: "tcp://host:port" (ranks started by the executor) or "env://"
+    (torchrun's MASTER_ADDR / MASTER_PORT). `timeout_s` bounds every collective."""
+    disable_multicast_env()
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout, device_id=device)
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        _STATE.backend = "nccl"
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)
+        cpu_group = None  # the default group is gloo already
+        _STATE.backend = "gloo"
+    init_tensor_parallel(rank, world_size, None, cpu_group)
+
+
+def abort_distributed() -> None:
+    """Best effort: make NCCL operations waiting on a dead rank fail instead of hanging (gloo
+    ones fail by themselves when a peer's connection closes)."""
+    if _STATE.backend == "nccl" and dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - already aborting; nothing better to do
+            pass
+
+
+def destroy_distributed(failed: bool = False) -> None:
+    """Leave the process group and return to world size 1 (so the process can build a
+    single-rank model again). After a failure an NCCL group (aborted) is dropped without a
+    teardown that could wait on the dead rank."""
+    if _STATE.backend is not None and dist.is_initialized():
+        if not (failed and _STATE.backend == "nccl"):
+            dist.destroy_process_group()
+    _STATE.rank, _STATE.size, _STATE.group, _STATE.cpu_group = 0, 1, None, None
+    _STATE.backend = None
 
 
 def get_tp_rank() -> int:
@@ -63,3 +126,28 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_STATE.size)]
     dist.all_gather(parts, x.contiguous(), group=_STATE.group)
     return torch.cat(parts, dim=dim)
+
+
+def tp_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s `x` on every rank (device tensors: in place, queued on the stream)."""
+    if _STATE.size > 1:
+        dist.broadcast(x, src=src, group=_STATE.group)
+    return x
+
+
+def tp_min(value: int) -> int:
+    """The smallest of every rank's `value` (host ints, e.g. the KV blocks each rank can hold)."""
+    if _STATE.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_STATE.cpu_group)
+    return int(t.item())
+
+
+def tp_broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s picklable `obj` on every rank, over the host (gloo) group."""
+    if _STATE.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_STATE.cpu_group)
+    return box[0]

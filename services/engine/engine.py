@@ -3,6 +3,13 @@
 Rules:
 - `step()` reads as schedule -> run -> postprocess. It returns one RequestOutput per request that
   produced a token or finished in that step (aborts included).
+- Async scheduling (default on CUDA): `step()` launches step N, then waits for step N-1's tokens
+  and postprocesses them, so the host's scheduling and input building overlap the device's work.
+  Step N is scheduled before step N-1's tokens are known: each such token is PLACEHOLDER_TOKEN
+  in request.token_ids until it arrives, and the device feeds it to step N directly. Outputs
+  thus come one `step()` later. Requests whose sampling reads their generated tokens on the host
+  (penalties, grammars) make that step wait first. A request found finished when its token
+  arrives wastes at most the one step already launched for it.
 - Single-threaded: add_request / abort / step / prompt_logits are called from one thread, between
   steps. `abort` frees the request's KV blocks at once; its final output comes with the next step.
 - A request finishes with 'stop' on an eos token (unless ignore_eos) or one of its stop ids,
@@ -18,16 +25,17 @@ from typing import Any
 import torch
 
 from libs.common.model_cache import resolve_model
+from services.engine.executor import make_executor
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.model_config import ModelConfig
-from services.engine.model_runner import ModelRunner, RunnerOutput
+from services.engine.model_runner import LaunchedStep
 from services.engine.request import Request, RequestStatus, TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import (
+    PLACEHOLDER_TOKEN,
     ScheduledRequest,
     Scheduler,
     SchedulerConfig,
-    SchedulerOutput,
 )
 
 log = logging.getLogger(__name__)
@@ -61,8 +69,13 @@ class EngineConfig:
     # decode there is bound by weight bytes), none on GPU
     quantization: str | None = None
     load_format: str = "auto"  # "dummy": config.json only, random weights (benchmarks)
+    async_scheduling: bool | None = None  # overlap host work with the device (None: on CUDA)
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
     seed: int | None = None  # seeds the shared RNG of unseeded requests
+    # tensor parallelism (services/engine/executor.py): tp ranks (None: one per device id, or
+    # torchrun's WORLD_SIZE, else 1); rank r on GPU device_ids[r] (None: GPU r)
+    tp: int | None = None
+    device_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -73,6 +86,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype}")
+        if self.tp is not None and self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
 
     @property
     def resolved_device(self) -> str:
@@ -111,6 +126,15 @@ class RequestOutput:
 
 
 @dataclass
+class _InFlight:
+    """A launched step whose tokens have not been postprocessed: for each sampling request (in
+    row order) the index of its placeholder in token_ids."""
+
+    launched: LaunchedStep
+    slots: list[tuple[Request, int]]
+
+
+@dataclass
 class _Counters:
     finished: int = 0
     aborted: int = 0
@@ -127,7 +151,8 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         path = resolve_model(config.model)
-        self.runner = ModelRunner(config, str(path))
+        self.executor = make_executor(config, str(path))
+        self.runner = self.executor.runner  # rank 0's
         self.model_config: ModelConfig = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         if config.prefill_chunk_size == 0 and config.max_num_batched_tokens < self.max_model_len:
@@ -144,6 +169,9 @@ class Engine:
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._pending: list[RequestOutput] = []  # abort outputs, returned by the next step
+        self._inflight: _InFlight | None = None
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
         self._counts = _Counters()
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  path, self.runner.device, self.runner.dtype, self.runner.num_blocks,
@@ -183,41 +211,81 @@ class Engine:
         if request is None:
             return False
         self._counts.aborted += 1
+        while request.token_ids[-1] == PLACEHOLDER_TOKEN:  # tokens still on their way
+            request.token_ids.pop()
         self._pending.append(self._output(request, []))
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._pending)
+                or self._inflight is not None)
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self._inflight is not None and not self._can_overlap():
+            outputs.extend(self._postprocess())
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return outputs
-        result = self.runner.execute(scheduled.requests, scheduled.is_decode_only)
-        outputs.extend(self._postprocess(scheduled, result))
-        self._counts.steps += 1
+        inflight = None
+        if not scheduled.is_empty:
+            prev = self._inflight.launched if self._inflight is not None else None
+            launched = self.executor.launch(scheduled.requests, scheduled.is_decode_only, prev)
+            inflight = _InFlight(launched, self._add_placeholders(scheduled.requests))
+            self._counts.steps += 1
+        if self._inflight is not None:  # the device now runs `launched`: collect the step before
+            outputs.extend(self._postprocess())
+        self._inflight = inflight
+        if inflight is not None and not self.async_scheduling:
+            outputs.extend(self._postprocess())
         return outputs
 
-    def _postprocess(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the in-flight step's tokens are known:
+        not if a running request's sampling reads its generated tokens on the host (penalties,
+        a grammar's bitmask)."""
+        return self.async_scheduling and not any(
+            r.sampling_params.has_penalties or r.sampling_params.guided is not None
+            for r in self.scheduler.running)
+
+    def _add_placeholders(self, requests: list[ScheduledRequest]) -> list[tuple[Request, int]]:
+        slots = []
+        for sr in requests:
+            if sr.samples:
+                request = self.scheduler.requests[sr.request_id]
+                slots.append((request, len(request.token_ids)))
+                request.token_ids.append(PLACEHOLDER_TOKEN)
+        return slots
+
+    def _postprocess(self) -> list[RequestOutput]:
+        """Wait for the in-flight step's tokens and write them over their placeholders."""
+        assert self._inflight is not None
+        inflight, self._inflight = self._inflight, None
+        result = inflight.launched.result()
         outputs = []
-        sampling = (r for r in scheduled.requests if r.samples)
-        for sr, token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
-            request = self.scheduler.requests[sr.request_id]
-            status = request.append_token(token)
+        for (request, index), token, logprobs in zip(inflight.slots, result.token_ids,
+                                                     result.logprobs, strict=True):
+            if self.scheduler.requests.get(request.request_id) is not request:
+                continue  # aborted (or finished) while its step ran
+            request.token_ids[index] = token
             self._counts.tokens_generated += 1
+            num_output = index + 1 - request.num_prompt_tokens
+            status = None
+            if token in request.stop_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif num_output >= request.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
             if status is not None:
+                del request.token_ids[index + 1:]  # a placeholder of a step launched since
                 self.scheduler.finish_request(request.request_id, status)
                 self._counts.finished += 1
             lps = None if logprobs is None else [logprobs]
-            outputs.append(self._output(request, [token], lps))
+            outputs.append(self._output(request, [token], lps, num_output))
         return outputs
 
     def _output(
         self, request: Request, new_token_ids: list[int],
-        logprobs: list[TokenLogprobs] | None = None,
+        logprobs: list[TokenLogprobs] | None = None, num_output_tokens: int | None = None,
     ) -> RequestOutput:
         stop_id = None
         if request.status is RequestStatus.FINISHED_STOPPED:
@@ -229,7 +297,8 @@ class Engine:
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=(request.num_output_tokens if num_output_tokens is None
+                               else num_output_tokens),
             logprobs=logprobs,
             stop_token_id=stop_id,
         )
@@ -238,6 +307,8 @@ class Engine:
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every prompt position, float32 [T, vocab] on the host (runs between steps)."""
+        if self._inflight is not None:  # the runner's buffers must be free; keep its outputs
+            self._pending.extend(self._postprocess())
         n = len(token_ids)
         if not 0 < n <= self.max_model_len:
             raise ValueError(f"prompt_logits needs 1..{self.max_model_len} tokens, got {n}")
@@ -249,7 +320,7 @@ class Engine:
                 end = min(start + chunk, n)
                 if not self.kv.allocate_slots(request, end - start):
                     raise RuntimeError("prompt_logits: the KV cache has no room for this prompt")
-                parts.append(self.runner.all_logits(ScheduledRequest(
+                parts.append(self.executor.all_logits(ScheduledRequest(
                     request_id=request.request_id, token_ids=request.token_ids[start:end],
                     num_computed_tokens=start, block_ids=request.block_ids, is_prefill=True,
                     samples=False, sampling_params=request.sampling_params, generator=None,
@@ -259,6 +330,10 @@ class Engine:
         finally:
             self.kv.free(request)
         return torch.cat(parts)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine is unusable afterwards."""
+        self.executor.shutdown()
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from libs.common.messages import SamplingOptions
 from libs.common.settings import EngineSettings
@@ -11,7 +12,11 @@ from services.engine.sampling_params import SamplingParams
 
 
 def build_engine(settings: EngineSettings, path: Path) -> Engine:
-    config = EngineConfig(
+    return Engine(engine_config(settings, path))
+
+
+def engine_config(settings: EngineSettings, path: Path) -> EngineConfig:
+    return EngineConfig(
         model=str(path),
         dtype=settings.dtype,
         device=settings.device,
@@ -25,13 +30,18 @@ def build_engine(settings: EngineSettings, path: Path) -> Engine:
         enforce_eager=settings.enforce_eager,
         quantization=None if settings.quantization == "none" else settings.quantization,
         num_threads=settings.num_threads,
+        load_format=settings.load_format,
+        async_scheduling=settings.async_scheduling,
+        tp=settings.tp,
+        device_ids=(tuple(int(i) for i in settings.device_ids.split(","))
+                    if settings.device_ids else None),
     )
-    return Engine(config)
 
 
-def to_sampling_params(opts: SamplingOptions, prompt_len: int,
-                       max_model_len: int) -> SamplingParams:
-    """Map the bus's sampling options onto the engine's; raises ValueError on bad values."""
+def to_sampling_params(opts: SamplingOptions, prompt_len: int, max_model_len: int,
+                       engine: Any = None) -> SamplingParams:
+    """Map the bus's sampling options onto the engine's; raises ValueError on bad values.
+    A guided request (structured output) needs the `engine` its grammar compiles for."""
     room = max_model_len - prompt_len
     if room < 1:
         raise ValueError(f"the prompt has {prompt_len} tokens; the context holds {max_model_len}")
@@ -39,10 +49,18 @@ def to_sampling_params(opts: SamplingOptions, prompt_len: int,
     if max_tokens > room:
         raise ValueError(f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the "
                          f"context length ({max_model_len})")
-    return SamplingParams(
+    params = SamplingParams(
         temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
         seed=opts.seed, max_tokens=max_tokens, stop_token_ids=list(opts.stop_token_ids),
         ignore_eos=opts.ignore_eos, presence_penalty=opts.presence_penalty,
         frequency_penalty=opts.frequency_penalty, repetition_penalty=opts.repetition_penalty,
         logprobs=opts.logprobs,
     )
+    if opts.guided is not None:
+        if engine is None:
+            raise ValueError("structured output needs an engine to compile its grammar")
+        from services.engine.structured import for_engine
+
+        params.guided = for_engine(engine).request(opts.guided, opts.stop_token_ids,
+                                                   opts.ignore_eos)
+    return params

@@ -35,6 +35,17 @@ GGUF_ARCHITECTURES = {
 }
 
 
+# Defaults of transformers' config classes that published config.json files rely on (the
+# text_config of gemma-3-4b-it names only its sizes), by the text model_type.
+_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": dict(
+        vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+        sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0),
+}
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -105,7 +116,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None
                      ) -> ModelConfig:
-        cfg = {**cfg.get("text_config", {}), **cfg}
+        text = cfg.get("text_config") or {}
+        defaults = _CONFIG_DEFAULTS.get(str(text.get("model_type", cfg.get("model_type"))), {})
+        cfg = {**defaults, **text, **cfg}
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
@@ -155,21 +168,35 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], tie_word_embeddings: bool,
-                           rope_freq_factors: list[float] | None = None) -> ModelConfig:
+                           rope_freq_factors: list[float] | None = None,
+                           longrope_factors: tuple[list[float], list[float]] | None = None
+                           ) -> ModelConfig:
         """`meta` maps GGUF keys to plain values (with `{arch}.vocab_size` filled in by the reader);
-        tying and llama-3 rope factors are decided by the tensors present."""
+        tying, llama-3 rope factors and LongRoPE (long, short) factors are decided by the tensors
+        present."""
         arch = str(meta["general.architecture"])
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
 
         hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", hidden // heads))
+        context = int(get("context_length", 2048))
         scaling: dict[str, Any] | None = None
         if get("rope.scaling.type") not in (None, "none"):
             scaling = {"rope_type": str(get("rope.scaling.type")),
                        "factor": float(get("rope.scaling.factor", 1.0))}
+        if get("rope.scaling.original_context_length") is not None and scaling is not None:
+            scaling["original_max_position_embeddings"] = int(
+                get("rope.scaling.original_context_length"))
         if rope_freq_factors is not None:
             scaling = {"rope_type": "freq_factors", "factors": rope_freq_factors}
+        if longrope_factors is not None:  # phi3: rope_factors_long / rope_factors_short tensors
+            scaling = {"rope_type": "longrope", "long_factor": longrope_factors[0],
+                       "short_factor": longrope_factors[1],
+                       "original_max_position_embeddings": int(
+                           get("rope.scaling.original_context_length", context)),
+                       "attention_factor": get("rope.scaling.attn_factor")}
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if k in meta]
         return cls(
@@ -180,15 +207,19 @@ class ModelConfig:
             num_layers=int(get("block_count")),
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
-            max_position_embeddings=int(get("context_length", 2048)),
+            max_position_embeddings=context,
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=list(dict.fromkeys(int(e) for e in eos)),
             dtype=torch.float32,
+            partial_rotary_factor=int(get("rope.dimension_count", head_dim)) / head_dim,
+            sliding_window=int(get("attention.sliding_window", 0)) or None,
+            attn_logit_softcapping=_optional_float(get("attn_logit_softcapping")),
+            final_logit_softcapping=_optional_float(get("final_logit_softcapping")),
         )
 
 

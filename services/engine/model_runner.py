@@ -8,7 +8,10 @@ Rules:
   weights and a profiling forward at the largest batch.
 - It knows only the SchedulerOutput (plain data), never the scheduler. For each step it builds the
   flattened inputs (step_inputs.py), runs the model, takes logits only on the last row of every
-  sequence that samples, samples, and returns the tokens as host ints (the step's one sync).
+  sequence that samples, and samples. `launch` returns at once with a LaunchedStep (tokens on the
+  device, host copies on their way); `execute` also waits for them (the step's one sync).
+- A decode input may be PLACEHOLDER_TOKEN: the token that `prev` (the step launched just before)
+  sampled for that request; the runner takes it from prev's device tokens.
 - Decode-only steps replay CUDA graphs on CUDA (unless enforce_eager); everything else is eager.
 """
 
@@ -16,19 +19,19 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.distributed import tp_min
 from services.engine.forward_context import forward_context
 from services.engine.loader import load_model
-from services.engine.request import TokenLogprobs
-from services.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from services.engine.sampler import Sampler, SamplingBatch
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
+from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
 from services.engine.step_inputs import StepInputBuilder, StepInputs
+from services.engine.step_output import LaunchedStep, RunnerOutput
 
 if TYPE_CHECKING:
     from services.engine.engine import EngineConfig
@@ -38,12 +41,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KVCACHE_MIB = 512
 
 
-@dataclass
-class RunnerOutput:
-    """Per sampling request of the step, in SchedulerOutput order."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+__all__ = ["LaunchedStep", "ModelRunner", "RunnerOutput"]
 
 
 class ModelRunner:
@@ -61,7 +59,7 @@ class ModelRunner:
         self.sampler = Sampler()
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.num_blocks = self._num_kv_blocks(config)
+        self.num_blocks = tp_min(self._num_kv_blocks(config))  # one count for every TP rank
         if self.num_blocks * self.block_size < self.max_model_len:
             log.warning("the KV cache holds %d tokens: max_model_len lowered from %d",
                         self.num_blocks * self.block_size, self.max_model_len)
@@ -160,22 +158,56 @@ class ModelRunner:
     def _logits_all_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions))
 
-    def _logits(self, inputs: StepInputs, decode_only: bool) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor, inputs: StepInputs, decode_only: bool
+                ) -> torch.Tensor:
         """Logits of the sampling rows of the step, [S, vocab] float32."""
         if decode_only and self.graphs is not None:
-            logits = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
-            return logits[inputs.logits_rows]
+            # Every row of a decode-only step samples, in order: no row gather needed.
+            return self.graphs.replay(input_ids, inputs.positions, inputs.meta)
         with forward_context(inputs.meta):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            hidden = self.model(input_ids, inputs.positions)
         return self.model.compute_logits(hidden[inputs.logits_rows])
+
+    def _input_ids(self, inputs: StepInputs, requests: list[ScheduledRequest],
+                   prev: LaunchedStep | None) -> torch.Tensor:
+        """The step's token ids, each PLACEHOLDER_TOKEN replaced by prev's device token."""
+        waiting = [i for i, r in enumerate(requests) if r.token_ids[-1] == PLACEHOLDER_TOKEN]
+        if not waiting:
+            return inputs.input_ids
+        if prev is None or prev.tokens is None:
+            raise RuntimeError("a placeholder token without the step that samples it")
+        if (len(waiting) == len(requests) == len(prev.request_ids) == inputs.num_tokens
+                and all(r.request_id == rid for r, rid in zip(requests, prev.request_ids,
+                                                              strict=True))):
+            return prev.tokens  # steady decode: the same requests in the same order
+        qsl = inputs.meta.query_start_loc_cpu
+        dst = torch.tensor([qsl[i + 1] - 1 for i in waiting]).to(self.device, non_blocking=True)
+        src = torch.tensor([prev.rows[requests[i].request_id] for i in waiting])
+        ids = inputs.input_ids
+        ids[dst] = prev.tokens[src.to(self.device, non_blocking=True)]
+        return ids
 
     @torch.inference_mode()
     def execute(self, requests: list[ScheduledRequest], decode_only: bool) -> RunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.launch(requests, decode_only).result()
+
+    @torch.inference_mode()
+    def forward_step(self, requests: list[ScheduledRequest], decode_only: bool,
+                     prev: LaunchedStep | None = None) -> torch.Tensor:
+        """The step's forward up to the logits of its sampling rows, without sampling (what a
+        tensor-parallel worker runs; `launch` samples them)."""
         inputs = self.inputs.build(requests)
-        logits = self._logits(inputs, decode_only)
+        return self._logits(self._input_ids(inputs, requests, prev), inputs, decode_only)
+
+    @torch.inference_mode()
+    def launch(self, requests: list[ScheduledRequest], decode_only: bool,
+               prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step on the device; its tokens come from the returned LaunchedStep."""
+        logits = self.forward_step(requests, decode_only, prev)
         sampling = [r for r in requests if r.samples]
         if not sampling:
-            return RunnerOutput([], [])
+            return LaunchedStep.empty()
         batch = SamplingBatch.build(
             [r.sampling_params for r in sampling],
             [r.generator for r in sampling],
@@ -185,8 +217,8 @@ class ModelRunner:
             self.device,
         )
         out = self.sampler(logits, batch)
-        token_ids = out.token_ids.tolist()
-        return RunnerOutput(token_ids, _logprobs_to_host(out, token_ids, sampling))
+        return LaunchedStep.start([r.request_id for r in sampling],
+                                  [r.sampling_params.logprobs for r in sampling], out)
 
     @torch.inference_mode()
     def all_logits(self, request: ScheduledRequest) -> torch.Tensor:
@@ -195,27 +227,6 @@ class ModelRunner:
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return self.model.compute_logits(hidden).float().cpu()
-
-
-def _logprobs_to_host(
-    out: SamplerOutput, token_ids: list[int], sampling: list[ScheduledRequest]
-) -> list[TokenLogprobs | None]:
-    if out.logprobs is None:
-        return [None] * len(sampling)
-    logprobs = out.logprobs.tolist()
-    top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-    result: list[TokenLogprobs | None] = []
-    for i, r in enumerate(sampling):
-        n = r.sampling_params.logprobs
-        if n is None:
-            result.append(None)
-            continue
-        top = []
-        if n and top_ids is not None and top_lps is not None:
-            top = list(zip(top_ids[i][:n], top_lps[i][:n], strict=True))
-        result.append(TokenLogprobs(token_ids[i], logprobs[i], top))
-    return result
 
 
 def _dummy_request(request_id: str, num_tokens: int, block_ids: list[int]) -> ScheduledRequest:

@@ -5,7 +5,8 @@ Rules:
   samples). It is built on the host from the sampling params; `Sampler.__call__` then runs only
   tensor ops on the logits' device, with no host synchronisation (on CPU one cheap check may
   widen the top-p candidate set; syncs cost nothing there).
-- Order: penalties -> greedy argmax | (temperature -> top-k -> top-p -> min-p -> sample).
+- Order: penalties -> structured-output bitmask (structured.py: disallowed tokens of constrained
+  rows to -inf) -> greedy argmax | (temperature -> top-k -> top-p -> min-p -> sample).
 - Greedy rows (temperature 0) take the exact argmax of the penalised logits.
 - Random rows are split into "plain" rows (no top-k / top-p: softmax over the whole vocabulary)
   and "filtered" rows, which work on their candidates sorted by logit (the top max(top_k) when
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured import GuidedBatch
 
 CPU_CANDIDATES = (256, 2048)  # candidate widths tried on CPU before a full sort
 
@@ -67,6 +69,7 @@ class SamplingBatch:
     filtered: RowGroup | None
     penalties: Penalties | None
     max_logprobs: int | None  # the largest top-n asked for in the batch (None: no logprobs)
+    guided: GuidedBatch | None = None  # bitmask rows of requests under a grammar
 
     @classmethod
     def build(
@@ -107,6 +110,7 @@ class SamplingBatch:
             filtered=group([i for i in random if params[i].needs_top_k_top_p], True),
             penalties=_penalties(params, token_ids, prompt_lens, vocab_size, tensor),
             max_logprobs=max(logprobs) if logprobs else None,
+            guided=GuidedBatch.build(params, token_ids, prompt_lens, vocab_size),
         )
 
 
@@ -135,6 +139,8 @@ class Sampler:
         raw = logits
         if batch.penalties is not None:
             logits = apply_penalties(logits.clone(), batch.penalties)
+        if batch.guided is not None:
+            logits = batch.guided.apply(logits)
         tokens = logits.argmax(dim=-1)
         for grp, fn in ((batch.plain, _sample_plain), (batch.filtered, _sample_filtered)):
             if grp is None:

@@ -11,11 +11,17 @@ Rules:
   over prompt and generated tokens).
 - `logprobs=n` returns the sampled token's log-probability plus the n most likely tokens
   (n == 0: only the sampled token), all from the model's unmodified distribution.
+- `guided` (structured.py) constrains the tokens to a grammar; it is per-request state, never
+  shared between requests (`structured.for_engine(engine).request(spec, stop_ids)`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.engine.structured import GuidedRequest
 
 MAX_LOGPROBS = 20
 
@@ -34,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    guided: GuidedRequest | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:

@@ -12,7 +12,9 @@ Rules:
   the waiting queue, to be recomputed (prompt + generated tokens) when it is admitted again.
   No waiting request is admitted in a step that preempted.
 - The scheduler advances num_computed_tokens when it schedules; the Engine appends sampled tokens
-  and calls finish_request. Finishing (stop, length or abort) frees the request's blocks at once.
+  (PLACEHOLDER_TOKEN until a step's results arrive: the next step may be scheduled before, with
+  the placeholder as a decode's input) and calls finish_request. Finishing (stop, length or
+  abort) frees the request's blocks at once.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.prefill_chunk_size < 0:
             raise ValueError(f"invalid scheduler limits: {self}")
+
+
+# Stands in request.token_ids for a token sampled by a step still running on the device (async
+# scheduling): the next step reads it from that step's device output; the Engine writes the real
+# id over it when the step's results arrive.
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -97,8 +105,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        # Running requests: decodes first, then unfinished prefill chunks.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        # Running requests: decodes first, then unfinished prefill chunks. A request whose
+        # last token is still being sampled (async scheduling) waits for it.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1
+                   and r.num_output_tokens < r.max_tokens]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
             if budget == 0:

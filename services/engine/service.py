@@ -12,6 +12,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,10 +54,15 @@ class _Live:
 
 
 class EngineService:
-    def __init__(self, settings: EngineSettings, bus: Bus, engine: Any | None = None):
+    def __init__(self, settings: EngineSettings, bus: Bus, engine: Any | None = None,
+                 on_fatal: Callable[[], None] | None = None):
+        """`on_fatal` runs once when the engine breaks (the process's cue to exit)."""
         self.settings, self.bus = settings, bus
         self.instance = settings.engine_id or instance_id("engine")
         self._engine = engine
+        self._owns_engine = engine is None  # an injected engine is its owner's to shut down
+        self._on_fatal = on_fatal
+        self.crashed: BaseException | None = None
         self._live: dict[str, _Live] = {}
         self._aborted: collections.deque[str] = collections.deque(maxlen=1000)
         self._counts = collections.Counter[str]()
@@ -78,6 +84,10 @@ class EngineService:
         self.loop = EngineLoop(self._engine, asyncio.get_running_loop(), self._on_outputs,
                                self._on_crash)
         self.loop.start()
+        executor = getattr(self._engine, "executor", None)
+        if executor is not None:  # a dead tensor-parallel rank fails the pod at once
+            loop = asyncio.get_running_loop()
+            executor.on_failure(lambda exc: loop.call_soon_threadsafe(self._on_crash, exc))
         self._subs.append(await self.bus.serve(subjects.engine_generate(self.model_name),
                                                TokenRequest, self._on_generate, queue="engine"))
         self._subs.append(await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel))
@@ -102,11 +112,16 @@ class EngineService:
                                             message="the engine is shutting down"))
         if self.loop:
             await asyncio.to_thread(self.loop.stop)
+        shutdown = getattr(self._engine, "shutdown", None)
+        if self._owns_engine and shutdown is not None:
+            await asyncio.to_thread(shutdown)
 
     # ------------------------------------------------------------------ handlers
 
     async def _on_generate(self, req: TokenRequest) -> Admission:
         assert self.loop is not None and self._engine is not None
+        if self.crashed is not None:
+            return self._refuse(req, 503, f"the engine failed: {self.crashed}")
         vocab = self._engine.vocab_size
         if not req.prompt_token_ids:
             return self._refuse(req, 400, "the prompt is empty")
@@ -116,7 +131,7 @@ class EngineService:
             return self._refuse(req, 400, f"request id {req.request_id} is already running")
         try:
             params = to_sampling_params(req.sampling, len(req.prompt_token_ids),
-                                        self._engine.max_model_len)
+                                        self._engine.max_model_len, self._engine)
         except ValueError as exc:
             return self._refuse(req, 400, str(exc))
         span = _tracer.start_span("engine.request", attributes={
@@ -184,9 +199,18 @@ class EngineService:
         live.span.end()
 
     def _on_crash(self, exc: BaseException) -> None:
+        """The engine is broken (its loop crashed, or a tensor-parallel rank died): fail every
+        live request, stop announcing (health stops answering) and call on_fatal once."""
+        first = self.crashed is None
+        self.crashed = self.crashed or exc
         for rid in list(self._live):
             self.bus.spawn(self._fail(rid, ErrorInfo(
                 status=500, type="server_error", message=f"the engine failed: {exc}")))
+        if first:
+            if self.announcer is not None:
+                self.bus.spawn(self.announcer.stop())
+            if self._on_fatal is not None:
+                self._on_fatal()
 
     async def _fail(self, rid: str, info: ErrorInfo) -> None:
         live = self._live.pop(rid, None)

@@ -6,8 +6,9 @@ Rules:
 - Row order follows `SchedulerOutput.requests`; sequence i owns rows
   query_start_loc[i]:query_start_loc[i+1], and `logits_rows` lists, in order, the last row of
   every sequence that samples this step.
-- The host buffers are reused by the next step: consumers copy what they keep (on CPU the
-  tensors alias the buffers).
+- Two sets of host buffers alternate between steps: a step's (non-blocking) host-to-device copies
+  may still be pending while the next step is built (async scheduling), never two steps later.
+  Consumers copy what they keep (on CPU the tensors alias the buffers).
 """
 
 from __future__ import annotations
@@ -38,54 +39,49 @@ class StepInputBuilder:
     ) -> None:
         self.block_size = block_size
         self.device = device
-        pin = device.type == "cuda"
-
-        def buf(shape: int | tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin).numpy()
-
-        self.input_ids = buf(max_num_tokens, torch.int64)
-        self.positions = buf(max_num_tokens, torch.int64)
-        self.slot_mapping = buf(max_num_tokens, torch.int64)
-        self.query_start_loc = buf(max_num_seqs + 1, torch.int32)
-        self.seq_lens = buf(max_num_seqs, torch.int32)
-        self.block_tables = buf(max_num_seqs * max_blocks_per_seq, torch.int32)
-        self.logits_rows = buf(max_num_seqs, torch.int64)
-        longest = max(max_num_tokens, max_num_seqs, max_blocks_per_seq)
-        self._arange = np.arange(longest, dtype=np.int64)
+        sizes = (max_num_tokens, max_num_seqs, max_blocks_per_seq)
+        self._buffers = [_HostBuffers(*sizes, pin=device.type == "cuda") for _ in range(2)]
+        self._step = 0
+        self._arange = np.arange(max(sizes), dtype=np.int64)
 
     def build(self, requests: list[ScheduledRequest]) -> StepInputs:
+        self._step += 1
+        buffers = self._buffers[self._step % 2]
+        return self._build(requests, buffers)
+
+    def _build(self, requests: list[ScheduledRequest], b: _HostBuffers) -> StepInputs:
         n = len(requests)
         bs = self.block_size
         num_new = np.fromiter((len(r.token_ids) for r in requests), np.int64, n)
         start = np.fromiter((r.num_computed_tokens for r in requests), np.int64, n)
-        qsl = self.query_start_loc[: n + 1]
+        qsl = b.query_start_loc[: n + 1]
         qsl[0] = 0
         np.cumsum(num_new, out=qsl[1:])
         t = int(qsl[n])
-        self.input_ids[:t] = np.fromiter(
+        b.input_ids[:t] = np.fromiter(
             itertools.chain.from_iterable(r.token_ids for r in requests), np.int64, t
         )
         seq_of_row = np.repeat(self._arange[:n], num_new)
-        positions = self.positions[:t]
+        positions = b.positions[:t]
         np.subtract(self._arange[:t], qsl[seq_of_row], out=positions)
         positions += start[seq_of_row]
-        seq_lens = self.seq_lens[:n]
+        seq_lens = b.seq_lens[:n]
         np.add(start, num_new, out=seq_lens, casting="unsafe")
         max_seq_len = int(seq_lens.max())
         num_cols = -(-max_seq_len // bs)
-        table = self.block_tables[: n * num_cols].reshape(n, num_cols)  # contiguous
+        table = b.block_tables[: n * num_cols].reshape(n, num_cols)  # contiguous
         table.fill(0)
         num_ids = np.fromiter((min(len(r.block_ids), num_cols) for r in requests), np.int64, n)
         table[self._arange[:num_cols] < num_ids[:, None]] = np.fromiter(
             itertools.chain.from_iterable(r.block_ids[:num_cols] for r in requests), np.int32,
             int(num_ids.sum()),
         )
-        slots = self.slot_mapping[:t]
+        slots = b.slot_mapping[:t]
         np.multiply(table[seq_of_row, positions // bs], bs, out=slots, casting="unsafe")
         slots += positions % bs
         samples = np.fromiter((r.samples for r in requests), np.bool_, n)
         num_logits = int(samples.sum())
-        rows = self.logits_rows[:num_logits]
+        rows = b.logits_rows[:num_logits]
         np.subtract(qsl[1:][samples], 1, out=rows, casting="unsafe")
 
         def dev(a: np.ndarray) -> torch.Tensor:
@@ -102,9 +98,26 @@ class StepInputBuilder:
             seq_lens_cpu=seq_lens.tolist(),
         )
         return StepInputs(
-            input_ids=dev(self.input_ids[:t]),
+            input_ids=dev(b.input_ids[:t]),
             positions=dev(positions),
             meta=meta,
             logits_rows=dev(rows),
             num_tokens=t,
         )
+
+
+class _HostBuffers:
+    """One step's host staging arrays (pinned on CUDA, for asynchronous copies)."""
+
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 pin: bool) -> None:
+        def buf(size: int, dtype: torch.dtype) -> np.ndarray:
+            return torch.zeros(size, dtype=dtype, pin_memory=pin).numpy()
+
+        self.input_ids = buf(max_num_tokens, torch.int64)
+        self.positions = buf(max_num_tokens, torch.int64)
+        self.slot_mapping = buf(max_num_tokens, torch.int64)
+        self.query_start_loc = buf(max_num_seqs + 1, torch.int32)
+        self.seq_lens = buf(max_num_seqs, torch.int32)
+        self.block_tables = buf(max_num_seqs * max_blocks_per_seq, torch.int32)
+        self.logits_rows = buf(max_num_seqs, torch.int64)

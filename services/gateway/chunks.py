@@ -2,8 +2,9 @@
 
 Rules:
 - Chat: each choice's first chunk is `delta: {role: assistant, content: ""}` (sent as soon as
-  every choice is admitted); then content / reasoning_content / tool_calls deltas; its last chunk
-  has an empty delta and the finish_reason.
+  every choice is admitted); then content / reasoning (named by the `reasoning_field` setting) /
+  tool_calls deltas (a call's first delta has its index, id and name, later ones argument
+  fragments); its last chunk has an empty delta and the finish_reason.
 - Completions: `text` deltas with `finish_reason: null`, then a last chunk per choice with `""`
   and the finish reason (OpenAI sends null on non-final chunks although its schema omits it).
 - `usage_chunk()` (for `stream_options.include_usage`) has empty `choices` and the usage of all
@@ -66,8 +67,7 @@ class ChatChunks(ChunkBuilder):
         body: dict[str, Any] = {}
         if delta.text:
             body["content"] = delta.text
-        if delta.reasoning:
-            body["reasoning_content"] = delta.reasoning
+        body.update(self.plan.reasoning(delta.reasoning))
         if delta.tool_calls:
             body["tool_calls"] = [tool_call_chunk(c) for c in delta.tool_calls]
         logprobs = chat_logprobs(delta.logprobs) if self.plan.logprobs and delta.logprobs else None

@@ -7,7 +7,10 @@ Rules:
   cannot (the server's `max_n`, option combinations) and maps OpenAI names onto SamplingOptions.
 - Chat messages reach the tokenizer normalised: text-part arrays joined into one string, and the
   response-only fields a client may echo back (`refusal`, `annotations`, null `audio` /
-  `function_call` / `tool_calls`) dropped.
+  `function_call` / `tool_calls` / reasoning) dropped; reasoning sent back as `reasoning` reaches
+  templates as `reasoning_content` (the name templates read).
+- `response_format` passes through to the tokenizer (which turns it into the engine's grammar and
+  refuses a bad schema); `json_schema` needs its `schema` (checked here).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from libs.common.messages import SamplingOptions, TextRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 _ECHOED_FIELDS = ("refusal", "annotations", "audio", "function_call")
+ReasoningField = Literal["reasoning_content", "reasoning", "both"]
 
 
 @dataclass
@@ -36,6 +40,15 @@ class Plan:
     logprobs: bool
     requests: list[TextRequest]
     prompt_of: list[int]  # choice index → index of its prompt (usage counts each prompt once)
+    reasoning_field: ReasoningField = "reasoning_content"
+
+    def reasoning(self, text: str) -> dict[str, str]:
+        """The reasoning text under the configured name(s); {} when there is none."""
+        if not text:
+            return {}
+        if self.reasoning_field == "both":
+            return {"reasoning_content": text, "reasoning": text}
+        return {self.reasoning_field: text}
 
     @property
     def response_id(self) -> str:
@@ -93,8 +106,11 @@ def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in message.items() if k not in _ECHOED_FIELDS}
     if out.get("tool_calls") is None:
         out.pop("tool_calls", None)
+    reasoning = out.pop("reasoning", None)
     if out.get("reasoning_content") is None:
         out.pop("reasoning_content", None)
+        if isinstance(reasoning, str):
+            out["reasoning_content"] = reasoning
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = "\n".join(part["text"] for part in content)
@@ -115,11 +131,24 @@ def _check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> None:
                                   "among the tools.", param="tool_choice.function.name")
 
 
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    fmt = body.get("response_format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt["type"] == "json_schema" and not isinstance(
+            (fmt.get("json_schema") or {}).get("schema"), dict):
+        raise invalid_request("`response_format.json_schema.schema` is required for type "
+                              "json_schema.", param="response_format.json_schema.schema")
+    return dict(fmt)
+
+
 def chat_plan(body: dict[str, Any], tools: list[dict[str, Any]] | None, max_n: int,
-              rid: str | None = None) -> Plan:
+              rid: str | None = None,
+              reasoning_field: ReasoningField = "reasoning_content") -> Plan:
     rid = rid or new_request_id()
     n = _check_n(body, max_n)
     _check_tool_choice(body.get("tool_choice"), tools)
+    response_format = _response_format(body)
     want_logprobs = bool(_get(body, "logprobs", False))
     top = body.get("top_logprobs")
     if top is not None and not want_logprobs:
@@ -137,9 +166,10 @@ def chat_plan(body: dict[str, Any], tools: list[dict[str, Any]] | None, max_n: i
             tools=tools, tool_choice=body.get("tool_choice") if tools else None,
             parallel_tool_calls=bool(_get(body, "parallel_tool_calls", True)),
             chat_template_kwargs=body.get("chat_template_kwargs"), stop=_stop(body),
+            response_format=response_format,
             sampling=_seeded(base, i), stream_subject=subjects.text_stream(request_id)))
     return Plan("chat", rid, body["model"], bool(_get(body, "stream", False)),
-                _include_usage(body), want_logprobs, requests, [0] * n)
+                _include_usage(body), want_logprobs, requests, [0] * n, reasoning_field)
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -156,6 +186,7 @@ def completion_plan(body: dict[str, Any], max_n: int, rid: str | None = None) ->
     prompts = _prompts(body["prompt"])
     logprobs = body.get("logprobs")
     base = sampling(body, _get(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), logprobs)
+    response_format = _response_format(body)
     requests, prompt_of = [], []
     for p, prompt in enumerate(prompts):
         for j in range(n):
@@ -164,7 +195,8 @@ def completion_plan(body: dict[str, Any], max_n: int, rid: str | None = None) ->
             requests.append(TextRequest(
                 request_id=request_id, model=body["model"], kind="completion", prompt=prompt,
                 echo=bool(_get(body, "echo", False)), stop=_stop(body),
-                sampling=_seeded(base, i), stream_subject=subjects.text_stream(request_id)))
+                response_format=response_format, sampling=_seeded(base, i),
+                stream_subject=subjects.text_stream(request_id)))
             prompt_of.append(p)
     return Plan("completion", rid, body["model"], bool(_get(body, "stream", False)),
                 _include_usage(body), logprobs is not None, requests, prompt_of)

@@ -125,8 +125,7 @@ def chat_completion(plan: Plan, results: list[ChoiceResult], created: int) -> di
         message: dict[str, Any] = {"role": "assistant",
                                    "content": None if calls and not r.text else r.text,
                                    "refusal": None}
-        if r.reasoning:
-            message["reasoning_content"] = r.reasoning
+        message.update(plan.reasoning(r.reasoning))
         if calls:
             message["tool_calls"] = calls
         choices.append({"index": index, "message": message,

@@ -115,7 +115,8 @@ async def create_chat_completion(request: Request) -> Response:
     gw.spec.validate("createChatCompletion", body)
     await gw.require_model(body["model"])
     tools = await tools_for(body, gw.bus, gw.settings.tools_timeout_s)
-    return await generate(request, chat_plan(body, tools, gw.settings.max_n))
+    return await generate(request, chat_plan(body, tools, gw.settings.max_n,
+                                             reasoning_field=gw.settings.reasoning_field))
 
 
 @router.post("/v1/completions")

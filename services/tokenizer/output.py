@@ -3,7 +3,9 @@
 The text passes four stages, each holding back what it cannot decide yet:
 detokenize (detokenizer.py: never half a character, no special tokens) → stop strings
 (stop_strings.py) → reasoning split (reasoning.py: `<think>` text to `reasoning`) → tool calls
-(tool_calls.py: `<tool_call>` blocks to `tool_calls`, chat requests with tools only).
+(tool_calls.py: calls in any known format to `tool_calls`, chat requests with tools only,
+unless tool_choice is "none"). Control tokens that these stages read (`<think>`, `[TOOL_CALLS]`,
+...) are detokenized as text for them.
 
 Rules:
 - once a stop string matched, `stopped` is set; the caller cancels the engine request and sends
@@ -34,6 +36,7 @@ from services.tokenizer.reasoning import ReasoningParser
 from services.tokenizer.stop_strings import StopStringMatcher
 from services.tokenizer.tokenizer import Tokenizer
 from services.tokenizer.tool_calls import ToolCallParser
+from services.tokenizer.tool_formats import ALL_MARKERS, HERMES, ToolFormat
 from services.tokenizer.tool_prompt import tool_names
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
@@ -57,7 +60,9 @@ class OutputProcessor:
                  tools: ToolCallParser | None = None):
         self.tokenizer = tokenizer
         keep = ReasoningParser.tag_ids(tokenizer) if reasoning is not None else frozenset()
-        self.detok = IncrementalDetokenizer(tokenizer, keep_ids=keep)
+        if tools is not None:
+            keep |= {i for i in tokenizer.special_ids if tokenizer.text_of(i) in ALL_MARKERS}
+        self.detok = IncrementalDetokenizer(tokenizer, keep_ids=frozenset(keep))
         self.stops = StopStringMatcher(stop)
         self.reasoning, self.tools = reasoning, tools
         self.want_logprobs = logprobs
@@ -66,12 +71,13 @@ class OutputProcessor:
 
     @classmethod
     def for_request(cls, tokenizer: Tokenizer, req: TextRequest, prompt: str,
-                    prompt_tokens: int) -> OutputProcessor:
+                    prompt_tokens: int, tool_format: ToolFormat = HERMES) -> OutputProcessor:
         reasoning = tools = None
         if req.kind == "chat":
             reasoning = ReasoningParser.for_prompt(tokenizer, prompt)
             if req.tools and req.tool_choice != "none":
-                tools = ToolCallParser(tool_names(req.tools), parallel=req.parallel_tool_calls)
+                tools = ToolCallParser(tool_names(req.tools), parallel=req.parallel_tool_calls,
+                                       new_id=tool_format.new_call_id)
         return cls(tokenizer, req.stop, logprobs=req.sampling.logprobs is not None,
                    prompt_tokens=prompt_tokens, reasoning=reasoning, tools=tools)
 

@@ -182,7 +182,7 @@ class TokenizerService:
         assert self.builder is not None
         rid = req.request_id
         prepared = await self._prepare(req)
-        sampling = self.builder.sampling(req, len(prepared.token_ids))
+        sampling = self.builder.sampling(req, len(prepared.token_ids), prepared.guided)
         span.set_attribute("flotilla.prompt_tokens", len(prepared.token_ids))
         stream = subjects.token_stream(rid)
         reader = await self.bus.open_reader(stream, TokenFrame, self.settings.heartbeat_timeout_s)
@@ -214,8 +214,9 @@ class TokenizerService:
         """Engine token frames -> gateway text frames, until a final, a stop string or an error."""
         assert self.tokenizer is not None
         rid, writer = req.request_id, active.writer
+        assert self.builder is not None
         proc = OutputProcessor.for_request(self.tokenizer, req, prepared.text,
-                                           len(prepared.token_ids))
+                                           len(prepared.token_ids), self.builder.tool_format())
         try:
             if prepared.echo:
                 await writer.data(TextDelta(text=prepared.echo))

@@ -1,4 +1,4 @@
-"""Making tools visible to a model whose chat template ignores `tools`.
+"""Making tools, and earlier tool calls, visible to a model whose chat template ignores them.
 
 A template that never reads the `tools` variable would silently drop the request's tools. Then the
 tool descriptions (their JSON schemas) and the calling convention are written into the system
@@ -8,6 +8,10 @@ style that the tool-call parser understands:
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
+
+A template that does not render `tool_calls` would likewise drop the calls of earlier assistant
+turns: `inline_tool_history` writes them into the assistant's content in the model's format, and
+turns tool results into user turns wrapped in `<tool_response>` (consecutive results share one).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 from typing import Any
 
 from libs.common.errors import invalid_request
+from services.tokenizer.tool_formats import ToolFormat
 
 _HEADER = (
     "# Tools\n\n"
@@ -72,12 +77,46 @@ def tools_text(tools: list[dict[str, Any]], tool_choice: Any = None) -> str:
 
 
 def inject_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                 tool_choice: Any = None) -> list[dict[str, Any]]:
+                 tool_choice: Any = None, as_system: bool = True) -> list[dict[str, Any]]:
     """Messages with the tool section in the system message (messages are already normalized:
-    content is a string)."""
+    content is a string); `as_system` false: in front of the first user message instead, for
+    templates that refuse a system turn."""
     section = tools_text(tools, tool_choice)
-    if messages and messages[0].get("role") == "system":
-        first = dict(messages[0])
-        first["content"] = f"{first['content']}\n\n{section}" if first["content"] else section
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": section}, *messages]
+    if as_system:
+        if messages and messages[0].get("role") == "system":
+            text = messages[0]["content"]
+            first = {**messages[0], "content": f"{text}\n\n{section}" if text else section}
+            return [first, *messages[1:]]
+        return [{"role": "system", "content": section}, *messages]
+    for i, msg in enumerate(messages):
+        if msg.get("role") == "user":
+            first = {**msg, "content": f"{section}\n\n{msg['content']}"}
+            return [*messages[:i], first, *messages[i + 1:]]
+    return [{"role": "user", "content": section}, *messages]
+
+
+def inline_tool_history(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, Any]]:
+    """Normalized messages with tool calls and tool results written as text (see above)."""
+    out: list[dict[str, Any]] = []
+    merge = False  # the last message is a user turn made of tool results
+    for msg in messages:
+        if msg["role"] == "assistant" and msg.get("tool_calls"):
+            calls = [(c["function"]["name"],
+                      json.dumps(c["function"]["arguments"], ensure_ascii=False))
+                     for c in msg["tool_calls"]]
+            text = fmt.calls_text(calls)
+            new = {k: v for k, v in msg.items() if k != "tool_calls"}
+            new["content"] = f"{msg['content']}\n{text}" if msg["content"] else text
+            out.append(new)
+            merge = False
+        elif msg["role"] == "tool":
+            block = f"<tool_response>\n{msg['content']}\n</tool_response>"
+            if merge:
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{block}"}
+            else:
+                out.append({"role": "user", "content": block})
+            merge = True
+        else:
+            out.append(msg)
+            merge = False
+    return out

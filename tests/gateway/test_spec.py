@@ -16,7 +16,8 @@ from services.gateway.routes import router
 from services.gateway.spec import Spec, find_spec
 from tests.gateway.schemas import OFFICIAL_SPEC, validate_openai
 
-VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_template_kwargs"}
+VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_template_kwargs",
+                   "response_format"}  # vLLM accepts response_format on completions too
 
 GOOD_CHAT: list[dict[str, Any]] = [
     {"model": "m", "messages": [{"role": "user", "content": "hi"}]},

@@ -28,13 +28,21 @@ ATTN_PTRS |= {"sm_scale": "fp32", "softcap": "fp32"}
 
 
 def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, Any],
-                 num_warps: int) -> str:
-    """Compile for sm_90 and return ptxas -v's report (scalars default to i32)."""
+                 num_warps: int, num_stages: int = 2) -> str:
+    """Compile for sm_90 and return ptxas -v's report (scalars default to i32).
+
+    Like the JIT at run time, pointers and strides are hinted 16-divisible (torch allocations
+    are aligned; head/token strides of real models are multiples of 16): without the hints the
+    loads are not vectorised or pipelined, and register use differs from the real kernels.
+    Block-table row strides vary with the batch and get no hint."""
     fn = getattr(sys.modules[f"kernels.{module}"], kernel)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn, signature, constexprs),
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in constexprs and (signature[n].startswith("*")
+                                         or (n.startswith("stride_") and n != "stride_bt"))}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": 2})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
         ptx.flush()
@@ -54,16 +62,18 @@ def spill_report() -> dict[str, int]:
         for extras in (False, True):
             constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_SIZE=16, BLOCK_M=128,
                               BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_D=head_dim,
+                              LONGEST_FIRST=True,
                               USE_SOFTCAP=extras, USE_WINDOW=extras, DOT_PRECISION="tf32")
             report = compile_sm90("prefill_attention", "_prefill_kernel", ATTN_PTRS,
                                   constexprs, 8)
             spills[f"prefill d={head_dim} softcap+window={extras}"] = spill_bytes(report)
         for num_splits in (1, 8):
-            types = ATTN_PTRS | {"lse_ptr": "*fp32"}
+            types = ATTN_PTRS | {"lse_ptr": "*fp32", "counter_ptr": "*i32", "final_ptr": "*bf16"}
             if num_splits > 1:
                 types["out_ptr"] = "*fp32"
             constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_H=16, BLOCK_SIZE=16, BLOCK_N=64,
-                              BLOCK_D=head_dim, NUM_SPLITS=num_splits, USE_SOFTCAP=True,
+                              BLOCK_D=head_dim, NUM_SPLITS=num_splits,
+                              FUSED_REDUCE=num_splits > 1, USE_SOFTCAP=True,
                               USE_WINDOW=True, DOT_PRECISION="tf32")
             report = compile_sm90("paged_attention", "_decode_split_kernel", types, constexprs,
                                   4 if head_dim <= 64 else 8)
@@ -83,6 +93,12 @@ def spill_report() -> dict[str, int]:
         ("kv_cache", "_write_kv_kernel",
          {n: bf16 for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
          | {"slot_ptr": "*i64"}, dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), 2),
+        ("rotary_kv", "_rotary_kv_kernel",
+         {n: bf16 for n in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr",
+                            "v_cache_ptr")} | {"pos_ptr": "*i64", "slot_ptr": "*i64",
+                                               "cache_ptr": "*fp32"},
+         dict(IS_NEOX=True, BLOCK_SIZE=16, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_P=1,
+              BLOCK_D=128, HAS_PASS=False), 4),
         ("rotary", "_rotary_kernel",
          {n: bf16 for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")}
          | {"pos_ptr": "*i64", "cache_ptr": "*fp32"},

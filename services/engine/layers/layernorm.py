@@ -60,7 +60,7 @@ class LayerNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            residual = x + residual
-            return self.forward(residual), residual
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        if residual is None:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        residual = x + residual
+        return F.layer_norm(residual, self.weight.shape, self.weight, self.bias, self.eps), residual

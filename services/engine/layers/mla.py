@@ -29,6 +29,8 @@ import kernels
 from services.engine.forward_context import AttentionMetadata, get_forward_context
 from services.engine.layers.attention import Attention
 
+SCORES_BYTES = 1 << 28  # bound on the prefill path's fp32 score block per query chunk
+
 
 def yarn_softmax_mscale(rope_scaling: dict[str, Any] | None) -> float:
     """DeepSeek's YaRN correction of the softmax scale: mscale(factor, mscale_all_dim)^2."""
@@ -77,7 +79,8 @@ class MLAAttention(Attention):
         return out.reshape(q_nope.shape[0], self.num_heads * self.v_dim)
 
     def _context(self, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent and k_pe of every slot of `block_table` [..., n]: [..., n * block_size, r|rope]."""
+        """Latent and k_pe of every slot of `block_table` [..., n]:
+        [..., n * block_size, kv_lora_rank] and [..., n * block_size, rope_dim]."""
         entries = self.k_cache[block_table.long()]  # [..., n, block_size, 1, r + rope]
         entries = entries.flatten(-4, -2)
         return entries[..., : self.kv_lora_rank], entries[..., self.kv_lora_rank :]
@@ -110,11 +113,16 @@ class MLAAttention(Attention):
             k_nope = torch.einsum("lr,hdr->hld", latent, w_uk)
             v = torch.einsum("lr,hvr->hlv", latent, w_uv)
             k = torch.cat([k_nope, k_pe[None].expand(self.num_heads, -1, -1)], dim=-1)
-            q = torch.cat([q_nope[lo:hi], q_pe[lo:hi]], dim=-1).transpose(0, 1)
-            q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-            visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            scores = torch.matmul(q, k.transpose(1, 2)).float() * self.scale
-            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-            out[lo:hi] = torch.matmul(probs.to(v.dtype), v).transpose(0, 1)
+            keys = torch.arange(seq_len, device=k.device)
+            # Query rows in chunks, so the fp32 scores [H, rows, L] stay under SCORES_BYTES.
+            rows = max(1, SCORES_BYTES // (4 * self.num_heads * seq_len))
+            for a in range(lo, hi, rows):
+                b = min(a + rows, hi)
+                q = torch.cat([q_nope[a:b], q_pe[a:b]], dim=-1).transpose(0, 1)
+                q_pos = seq_len - (hi - a) + torch.arange(b - a, device=k.device)
+                scores = torch.matmul(q, k.transpose(1, 2)).float() * self.scale
+                hidden = keys[None, :] > q_pos[:, None]
+                probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+                out[a:b] = torch.matmul(probs.to(v.dtype), v).transpose(0, 1)
         return out
 

@@ -66,9 +66,19 @@ class Router(nn.Module):
         self.routing = routing
         self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size),
                                    requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if routing.correction_bias:
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(routing.num_experts, dtype=torch.float32), requires_grad=False)
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | int | None = None) -> None:
+        """Replicated; accepts a (ignored) shard id so a model can rename the router through
+        packed_modules_mapping (mixtral's block_sparse_moe.gate -> mlp.gate)."""
+        if param.shape != loaded.shape:
+            raise ValueError(f"router weight shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+        param.data.copy_(loaded)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
@@ -107,7 +117,8 @@ class ExpertStack(nn.Module):
     def __init__(self, num_local: int, first_expert: int, out_size: int, in_size: int,
                  parts: int) -> None:
         super().__init__()
-        self.first_expert, self.num_local, self.part_rows = first_expert, num_local, out_size // parts
+        self.first_expert, self.num_local = first_expert, num_local
+        self.part_rows = out_size // parts
         self.weight = nn.Parameter(torch.empty(num_local, out_size, in_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
@@ -170,7 +181,7 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden)
         out = self.experts(hidden, topk_weights, topk_ids)
-        out = tp_all_reduce(out) if get_tp_size() > 1 else out
+        out = tp_all_reduce(out)  # identity at world size 1
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(hidden)
             if self.shared_expert_gate is not None:
@@ -179,12 +190,16 @@ class FusedMoE(nn.Module):
         return out
 
 
-def expert_weights_mapping(num_experts: int, gate: str = "gate_proj", up: str = "up_proj",
-                           down: str = "down_proj") -> dict[str, tuple[str, str | int]]:
-    """packed_modules_mapping entries routing experts.{e}.{gate,up,down} onto the stacks."""
+def expert_weights_mapping(
+    num_experts: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    source: str = "experts", target: str = "experts",
+) -> dict[str, tuple[str, str | int]]:
+    """packed_modules_mapping entries routing `{source}.{e}.{gate|up|down}` checkpoint tensors
+    onto the stacks `{target}.w13` / `{target}.w2` (shard ids "e:part")."""
+    gate, up, down = names
     mapping: dict[str, tuple[str, str | int]] = {}
     for e in range(num_experts):
-        mapping[f"experts.{e}.{gate}"] = ("experts.w13", f"{e}:0")
-        mapping[f"experts.{e}.{up}"] = ("experts.w13", f"{e}:1")
-        mapping[f"experts.{e}.{down}"] = ("experts.w2", f"{e}:0")
+        mapping[f"{source}.{e}.{gate}"] = (f"{target}.w13", f"{e}:0")
+        mapping[f"{source}.{e}.{up}"] = (f"{target}.w13", f"{e}:1")
+        mapping[f"{source}.{e}.{down}"] = (f"{target}.w2", f"{e}:0")
     return mapping

@@ -6,11 +6,12 @@ the attention factor multiplies cos and sin (YaRN's mscale, LongRoPE's sqrt(1 + 
 exactly as transformers' `ROPE_INIT_FUNCTIONS` do. "freq_factors" holds per-frequency divisors
 (how GGUF stores llama-3 scaling, in its `rope_freqs` tensor).
 
-LongRoPE (phi3; legacy name "su") has two schedules: the short factors for positions below
-`original_max_position_embeddings`, the long ones from there on. transformers switches on the
-current sequence length, which for cached decoding is the same as switching on the position;
-only a prompt that itself crosses the threshold differs (HF rotates its early tokens with the long
-factors as well).
+LongRoPE (phi3; legacy name "su") has two schedules: short factors for sequences of at most
+`original_max_position_embeddings` tokens, long factors for every token of a longer sequence.
+`cos_sin_cache` stacks both tables ([short; long], 2 * max_position rows) and the rotary picks
+the long half per sequence (see RotaryEmbedding). transformers' `generate` re-prefills a sequence
+whose length crosses the threshold while decoding so its earlier keys turn long as well; a paged
+engine keeps those cached keys (rotated short), so only that crossing differs.
 """
 
 from __future__ import annotations
@@ -146,15 +147,23 @@ def _table(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: fl
 
 def cos_sin_cache(rotary_dim: int, base: float, scaling: Scaling | None, max_position: int
                   ) -> torch.Tensor:
-    """float32 [max_position, rotary_dim]: cos in the first half of each row, sin in the second."""
+    """float32 [max_position, rotary_dim]: cos in the first half of each row, sin in the second
+    (LongRoPE: [2 * max_position, rotary_dim], the short table then the long one)."""
     inv_freq, attention_factor = inv_freq_and_attention_factor(rotary_dim, base, scaling,
                                                                max_position)
     positions = torch.arange(max_position, dtype=torch.float32)
     cache = _table(positions, inv_freq, attention_factor)
     if rope_type(scaling) == "longrope":
         assert scaling is not None
-        old_len = min(_original_max(scaling, max_position), max_position)
         long_inv = base_inv_freq(rotary_dim, base) / torch.tensor(scaling["long_factor"],
                                                                  dtype=torch.float32)
-        cache[old_len:] = _table(positions[old_len:], long_inv, attention_factor)
+        cache = torch.cat((cache, _table(positions, long_inv, attention_factor)))
     return cache.to(torch.float32)
+
+
+def longrope_threshold(scaling: Scaling | None, max_position: int) -> int | None:
+    """Sequences longer than this use LongRoPE's long table; None for other rope types."""
+    if rope_type(scaling) != "longrope":
+        return None
+    assert scaling is not None
+    return _original_max(scaling, max_position)

@@ -8,6 +8,9 @@ Rules:
   rope_scaling.py; anything else is rejected at construction with the supported list.
 - `get_rope` hands out one module per distinct parameter set and device, so all layers of a
   model share one cos/sin table instead of one per layer.
+- LongRoPE (`LongRopeRotaryEmbedding`): every token of a sequence longer than the original
+  context reads the long table (rows offset by max_position); sequence lengths come from the
+  forward context.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import torch
 from torch import nn
 
 import kernels
+from services.engine.forward_context import get_forward_context
 from services.engine.layers.rope_scaling import (
     ROPE_SCALINGS,
     cos_sin_cache,
     inv_freq_and_attention_factor,
+    longrope_threshold,
     rope_type,
 )
 
@@ -45,7 +50,7 @@ class RotaryEmbedding(nn.Module):
         if rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
         self.head_dim, self.rotary_dim, self.is_neox = head_dim, rotary_dim, is_neox
-        self.rope_type = rope_type(rope_scaling)
+        self.max_position = max_position
         cache = cos_sin_cache(rotary_dim, base, rope_scaling, max_position)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
@@ -54,6 +59,33 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
         return q, k
+
+
+class LongRopeRotaryEmbedding(RotaryEmbedding):
+    """LongRoPE: the table holds [short; long]; tokens of sequences longer than `threshold` read
+    the long half. Not a plain table lookup by position, so attention never fuses it."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None = None, is_neox: bool = True) -> None:
+        super().__init__(head_dim, rotary_dim, max_position, base, rope_scaling, is_neox)
+        threshold = longrope_threshold(rope_scaling, max_position)
+        assert threshold is not None
+        self.threshold = threshold
+
+    def table_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions, offset by max_position for tokens of sequences past the threshold."""
+        meta = get_forward_context()
+        tokens = torch.arange(positions.shape[0], device=positions.device,
+                              dtype=meta.query_start_loc.dtype)
+        seq = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True)
+        seq = seq.clamp(max=meta.seq_lens.shape[0] - 1)  # CUDA-graph padding rows
+        long = (meta.seq_lens[seq] > self.threshold).to(positions.dtype)
+        return positions + long * self.max_position
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(self.table_rows(positions), q, k)
 
 
 _ROPES: dict[tuple[Any, ...], RotaryEmbedding] = {}
@@ -68,6 +100,7 @@ def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
            is_neox, str(device))
     rope = _ROPES.get(key)
     if rope is None:
-        rope = _ROPES[key] = RotaryEmbedding(head_dim, rotary_dim, max_position, base,
-                                             rope_scaling, is_neox)
+        cls = LongRopeRotaryEmbedding if rope_type(rope_scaling) == "longrope" else \
+            RotaryEmbedding
+        rope = _ROPES[key] = cls(head_dim, rotary_dim, max_position, base, rope_scaling, is_neox)
     return rope

@@ -5,19 +5,23 @@ Rules:
   snapshot of a GGUF repo does) goes through gguf_loader, a directory with config.json and
   *.safetensors through safetensors_loader.
 - The architecture is checked against the registry before any weight is read.
-- Parameters are created directly in `dtype` on `device`; quantization is chosen by name.
+- Parameters are created directly in `dtype` on `device`; quantization is chosen by name, or by
+  the checkpoint: a config.json `quantization_config` (gptq, awq, fp8) selects its format, and a
+  quantized GGUF keeps its blocks on CUDA (or with quantization "gguf"; quant/gguf.py).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import safe_open
 
-from services.engine.loader.gguf_loader import iter_gguf, read_gguf
+from services.engine.loader.gguf_loader import GGUFCheckpoint, iter_gguf, read_gguf, tensor_types
 from services.engine.loader.safetensors_loader import (
     check_checkpoint,
     is_hf_dir,
@@ -28,7 +32,7 @@ from services.engine.loader.weights import init_dummy_weights, load_weights
 from services.engine.model_config import ModelConfig
 from services.engine.models.base import CausalLM
 from services.engine.models.registry import get_model_class
-from services.engine.quant import get_quant_config
+from services.engine.quant import GGUFConfig, QuantConfig, get_quant_config, quant_config_from_hf
 
 SUPPORTED_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -58,6 +62,32 @@ def _find_gguf(path: Path) -> Path | None:
     return found[0] if found else None
 
 
+def _hf_quant_config(path: Path, files: list[Path], quantization: str | None
+                     ) -> QuantConfig | None:
+    qcfg = json.loads((path / "config.json").read_text()).get("quantization_config")
+    if not qcfg:
+        check_checkpoint(path, files)
+        return get_quant_config(quantization)
+    if quantization not in (None, "int8"):  # int8: the CPU default, not a choice
+        raise ValueError(f"{path} is already quantized ({qcfg.get('quant_method')}); "
+                         f"quantization {quantization!r} cannot be applied on top")
+    names: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.extend(f.keys())  # noqa: SIM118 - safe_open is not a mapping
+    return quant_config_from_hf(qcfg, names)
+
+
+def _gguf_quant_config(checkpoint: GGUFCheckpoint, packed: dict[str, tuple[str, str | int]],
+                       quantization: str | None, device: torch.device | str
+                       ) -> QuantConfig | None:
+    """Blocks stay quantized on CUDA by default, anywhere with "gguf"; else they are dequantized
+    and `quantization` (int8 on CPU, an --isq type) applies to the floats."""
+    if quantization == "gguf" or (quantization is None and torch.device(device).type == "cuda"):
+        return GGUFConfig(tensor_types(checkpoint), packed)
+    return get_quant_config(quantization)
+
+
 def load_model(
     path: Path | str,
     dtype: torch.dtype = torch.float32,
@@ -79,19 +109,23 @@ def load_model(
         return LoadedModel(dummy.eval(), config)
     if is_hf_dir(path):
         files = safetensors_files(path)
-        check_checkpoint(path, files)
+        quant_config = _hf_quant_config(path, files, quantization)
         config = ModelConfig.from_hf_dir(path)
         weights = iter_safetensors(files)
+        model_cls = get_model_class(config.architecture)
     elif (gguf_path := _find_gguf(path)) is not None:
         checkpoint = read_gguf(gguf_path)
         config = checkpoint.config
-        weights = iter_gguf(checkpoint)
+        model_cls = get_model_class(config.architecture)
+        quant_config = _gguf_quant_config(checkpoint, model_cls.packed_modules_mapping,
+                                          quantization, device)
+        keep = quant_config.keeps_quantized if isinstance(quant_config, GGUFConfig) else None
+        weights = iter_gguf(checkpoint, keep)
     else:
         raise FileNotFoundError(f"{path} is neither a GGUF file nor a directory with config.json "
                                 "and *.safetensors")
-    model_cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(config, get_quant_config(quantization))
+        model = model_cls(config, quant_config)
     load_weights(model, weights)
     return LoadedModel(model.eval(), config)
 

@@ -1,18 +1,20 @@
-"""GGUF files: metadata -> ModelConfig, tensors dequantized to float with gguf.quants.
+"""GGUF files: metadata -> ModelConfig, tensors as quantized blocks or dequantized floats.
 
 Rules:
-- Every tensor is dequantized to float32 on the host (`gguf.quants.dequantize`) and then loaded
-  like a float checkpoint, so any quant type the gguf package knows is accepted.
-- GGUF tensor names are translated to HF names; llama.cpp's converter permutes the rows of q/k
-  projections for llama-family models (interleaved rotary pairs), which is undone here so the
-  HF-layout (neox) rotary applies.
+- A tensor the quant config keeps quantized (`keep(hf_name)`, quant/gguf.py) is passed as its raw
+  blocks, a `QuantBytes` uint8 [rows, row_bytes] tagged with its ggml type; every other tensor is
+  dequantized to float32 on the host (`gguf.quants.dequantize`) and loaded like a float
+  checkpoint, so any quant type the gguf package knows is accepted.
+- GGUF tensor names are translated to HF names per architecture (gguf_names.py); llama.cpp's
+  converter permutes the rows of q/k projections for llama-family models (interleaved rotary
+  pairs), which is undone here so the HF-layout (neox) rotary applies. Architectures without a
+  verified name map are refused.
 - Tied embeddings are inferred from the absence of an `output.weight` tensor.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,47 +23,18 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from services.engine.loader.gguf_names import MAPPED_ARCHS, PERMUTED_ARCHS, hf_name
 from services.engine.model_config import ModelConfig
+from services.engine.quant.gguf import QuantBytes
 
 # Arrays too large to turn into Python lists just to build a config.
 _SKIPPED_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                    "tokenizer.ggml.merges"}
-# Architectures whose llama.cpp converter applies the q/k row permutation.
-_PERMUTED_ARCHS = {"llama", "mistral"}
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
 class GGUFCheckpoint(NamedTuple):
     config: ModelConfig
     reader: GGUFReader
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """HF checkpoint name of a GGUF tensor, or None for tensors the model does not load."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _BLOCK_RE.match(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
-        return None
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -84,30 +57,53 @@ def _dequantized(tensor: Any) -> np.ndarray:
     return np.asarray(array, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
 
 
+def _vector(reader: GGUFReader, name: str) -> list[float] | None:
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    return None if tensor is None else _dequantized(tensor).reshape(-1).tolist()
+
+
 def read_gguf(path: Path) -> GGUFCheckpoint:
     reader = GGUFReader(path)
+    arch = str(reader.fields["general.architecture"].contents())
+    if arch not in MAPPED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported GGUF "
+                         f"architectures: {', '.join(sorted(MAPPED_ARCHS))}")
     names = {t.name for t in reader.tensors}
-    factors = None
-    if "rope_freqs.weight" in names:
-        rope = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        factors = _dequantized(rope).reshape(-1).tolist()
-    config = ModelConfig.from_gguf_metadata(_metadata(reader), "output.weight" not in names,
-                                            factors)
+    long, short = _vector(reader, "rope_factors_long.weight"), _vector(reader,
+                                                                       "rope_factors_short.weight")
+    config = ModelConfig.from_gguf_metadata(
+        _metadata(reader), "output.weight" not in names, _vector(reader, "rope_freqs.weight"),
+        longrope_factors=(long, short) if long is not None and short is not None else None)
     return GGUFCheckpoint(config, reader)
 
 
-def iter_gguf(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+def _arch(reader: GGUFReader) -> str:
+    return str(reader.fields["general.architecture"].contents())
+
+
+def tensor_types(checkpoint: GGUFCheckpoint) -> dict[str, int]:
+    """HF name -> ggml type id of every matrix the model loads."""
+    arch = _arch(checkpoint.reader)
+    return {name: int(t.tensor_type) for t in checkpoint.reader.tensors
+            if (name := hf_name(t.name, arch)) is not None and len(t.shape) == 2}
+
+
+def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = None
+              ) -> Iterator[tuple[str, torch.Tensor]]:
     config, reader = checkpoint
-    permuted = reader.fields["general.architecture"].contents() in _PERMUTED_ARCHS
+    arch = _arch(reader)
+    permuted = arch in PERMUTED_ARCHS
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
-        array = _dequantized(tensor)
+        raw = keep is not None and keep(name)
+        array = np.asarray(tensor.data) if raw else _dequantized(tensor)
         if permuted and ".q_proj." in name:
             array = unpermute_qk(array, config.num_heads)
         elif permuted and ".k_proj." in name:
             array = unpermute_qk(array, config.num_kv_heads)
         if not (array.flags.writeable and array.flags.c_contiguous):  # F32 tensors are mmap views
             array = array.copy()
-        yield name, torch.from_numpy(array)
+        out = torch.from_numpy(array)
+        yield name, (QuantBytes.wrap(out, int(tensor.tensor_type)) if raw else out)

@@ -11,7 +11,8 @@ subclasses). The hooks, each a class attribute or small method:
 - `LlamaDecoderLayer.norm_names`: checkpoint names of the four norm slots (before attention,
   after attention, before the MLP, after the MLP); None leaves a slot out. Llama uses the first
   and third; gemma2/glm4 all four. `norm_cls` picks RMSNorm / GemmaRMSNorm / LayerNorm.
-- `LlamaModel.embed` (gemma scales embeddings); `LlamaForCausalLM.model_cls` / `layer_cls`.
+- `LlamaModel.embed` (gemma scales embeddings); `LlamaForCausalLM.model_cls` / `layer_cls`
+  (or `decoder_layer_cls(config)` where the config picks the layer, stablelm).
 """
 
 from __future__ import annotations
@@ -192,11 +193,15 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None) -> None:
         super().__init__(config, quant_config)
         self.tp_size = get_tp_size()
-        self.model = self.model_cls(config, quant_config, self.layer_cls,
-                                    self.layer_cls.norm_cls)
+        layer_cls = self.decoder_layer_cls(config)
+        self.model = self.model_cls(config, quant_config, layer_cls, layer_cls.norm_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def decoder_layer_cls(cls, config: ModelConfig) -> type[LlamaDecoderLayer]:
+        return cls.layer_cls
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -9,6 +9,26 @@ from services.engine.models.base import CausalLM
 # name -> (module, class). Adding an architecture = one line here + one small model file.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("services.engine.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("services.engine.models.mistral", "MistralForCausalLM"),
+    "MinistralForCausalLM": ("services.engine.models.mistral", "MistralForCausalLM"),
+    "Ministral3ForCausalLM": ("services.engine.models.mistral", "Ministral3ForCausalLM"),
+    "Mistral3ForConditionalGeneration": ("services.engine.models.mistral",
+                                         "Mistral3ForConditionalGeneration"),
+    "Phi3ForCausalLM": ("services.engine.models.phi3", "Phi3ForCausalLM"),
+    "Qwen2ForCausalLM": ("services.engine.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("services.engine.models.qwen3", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("services.engine.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("services.engine.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("services.engine.models.gemma3",
+                                       "Gemma3ForConditionalGeneration"),
+    "StableLmForCausalLM": ("services.engine.models.stablelm", "StableLmForCausalLM"),
+    "GlmForCausalLM": ("services.engine.models.glm4", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("services.engine.models.glm4", "Glm4ForCausalLM"),
+    "MixtralForCausalLM": ("services.engine.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("services.engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("services.engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("services.engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("services.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -1,7 +1,18 @@
-"""Quantization strategies, selected by name (`--quantization`), never by model code."""
+"""Quantization strategies, selected by name (`--quantization` / `--isq`) or by the checkpoint,
+never by model code.
+
+- By name: "none", "int8" (CPU weight-only), the in-situ names of quant/isq.py (q4_0 .. q6k,
+  fp8), "gptq" / "awq" (default layouts: random-weight benchmarks).
+- By checkpoint: config.json's `quantization_config` (gptq, awq, fp8, compressed-tensors fp8)
+  through `quant_config_from_hf`; GGUF files through quant/gguf.py's GGUFConfig (the loader).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from typing import Any
+
+from services.engine.quant.awq import AWQConfig
 from services.engine.quant.base import (
     QuantConfig,
     QuantMethod,
@@ -9,11 +20,25 @@ from services.engine.quant.base import (
     UnquantizedLinearMethod,
     get_quant_method,
 )
+from services.engine.quant.fp8 import FP8Config
+from services.engine.quant.gguf import GGUFConfig, GGUFLinearMethod, QuantBytes
+from services.engine.quant.gptq import GPTQConfig
 from services.engine.quant.int8 import Int8WeightOnlyConfig, Int8WeightOnlyMethod
+from services.engine.quant.isq import ISQ_NAMES, ISQConfig
 
-QUANT_CONFIGS: dict[str, type[QuantConfig]] = {
+QUANT_CONFIGS: dict[str, Callable[[], QuantConfig]] = {
     "none": UnquantizedConfig,
     "int8": Int8WeightOnlyConfig,
+    "gptq": GPTQConfig,
+    "awq": AWQConfig,
+    **{name: (lambda name=name: ISQConfig(name)) for name in ISQ_NAMES},
+}
+# quantization_config["quant_method"] -> config reader
+HF_QUANT_METHODS: dict[str, Callable[[dict[str, Any], Collection[str]], QuantConfig]] = {
+    "gptq": GPTQConfig.from_hf,
+    "awq": AWQConfig.from_hf,
+    "fp8": FP8Config.from_hf,
+    "compressed-tensors": FP8Config.from_hf,
 }
 
 
@@ -28,6 +53,19 @@ def get_quant_config(name: str | None) -> QuantConfig | None:
                          f"{', '.join(sorted(QUANT_CONFIGS))}") from None
 
 
-__all__ = ["QUANT_CONFIGS", "Int8WeightOnlyConfig", "Int8WeightOnlyMethod", "QuantConfig",
-           "QuantMethod", "UnquantizedConfig", "UnquantizedLinearMethod", "get_quant_config",
-           "get_quant_method"]
+def quant_config_from_hf(qcfg: dict[str, Any], tensor_names: Collection[str]) -> QuantConfig:
+    """The config of a pre-quantized checkpoint (`quantization_config` of config.json)."""
+    method = str(qcfg.get("quant_method", "?")).lower()
+    try:
+        reader = HF_QUANT_METHODS[method]
+    except KeyError:
+        raise ValueError(f"pre-quantized checkpoints ({method}) are not supported; supported: "
+                         f"{', '.join(sorted(HF_QUANT_METHODS))}") from None
+    return reader(qcfg, tensor_names)
+
+
+__all__ = ["HF_QUANT_METHODS", "ISQ_NAMES", "QUANT_CONFIGS", "AWQConfig", "FP8Config",
+           "GGUFConfig", "GGUFLinearMethod", "GPTQConfig", "ISQConfig", "Int8WeightOnlyConfig",
+           "Int8WeightOnlyMethod", "QuantBytes", "QuantConfig", "QuantMethod",
+           "UnquantizedConfig", "UnquantizedLinearMethod", "get_quant_config",
+           "get_quant_method", "quant_config_from_hf"]

@@ -11,11 +11,17 @@ Rules:
 - `process_after_loading` runs once after every weight is loaded (repack, quantize, drop the
   float copy). After it, `apply` is the only way the layer's weight is used.
 - `apply(layer, x, bias)` computes `x @ W.T (+ bias)` in `x.dtype`.
+- Quantized formats (GGUF blocks, GPTQ/AWQ int4, fp8) keep their packed weights and run Triton
+  kernels when the weights live on CUDA; elsewhere they dequantize once after loading and serve
+  float weights. `FLOTILLA_QUANT_KERNELS=triton` forces the kernels (on CPU: the Triton
+  interpreter, for tests), `=torch` forces the dequantized path.
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -76,6 +82,21 @@ class UnquantizedConfig(QuantConfig):
 def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
     """A parameter or buffer of `layer`, typed as a tensor."""
     return cast(torch.Tensor, getattr(layer, name))
+
+
+def use_kernels(device: torch.device) -> bool:
+    """Whether quantized layers on `device` run their Triton kernels (see the module rules)."""
+    mode = os.environ.get("FLOTILLA_QUANT_KERNELS", "auto").lower()
+    if mode not in ("auto", "triton", "torch"):
+        raise ValueError(f"FLOTILLA_QUANT_KERNELS must be auto, triton or torch, got {mode!r}")
+    return mode == "triton" or (mode == "auto" and device.type == "cuda")
+
+
+def linear_2d(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """fn(x as [M, K]) -> [M, N], reshaped back to x's leading dims, plus the bias."""
+    y = fn(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+    return y if bias is None else y + bias
 
 
 def get_quant_method(config: QuantConfig | None, layer: nn.Module, prefix: str) -> QuantMethod:

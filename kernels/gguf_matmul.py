@@ -1,0 +1,199 @@
+"""y = x @ W.T with W a GGUF block matrix kept quantized (kernels/gguf_dequant.py): the weights
+are decoded to float in registers, never written out.
+
+Two kernels:
+- GEMV (decode, M <= GEMV_MAX_M): each program owns BLOCK_N rows and walks K a chunk of NSB
+  blocks at a time; the tile is [BLOCK_N, NSB, 32] per 32-weight group, so block scales are
+  decoded once per (row, block) and all loads of a chunk are independent (in flight together).
+  Products accumulate element-wise in fp32; one reduction at the end. One program row per x row.
+- GEMM (prefill): [BLOCK_M, BLOCK_N] output tiles; each 32-weight group is decoded to a
+  [BLOCK_N, 32] tile in x's dtype and multiplied on the tensor cores. With few output tiles (small
+  M, narrow N) the K blocks are split over SPLIT_K programs that add into an fp32 buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.gguf_dequant import dequant_group, dequantize_ref, gguf_in_features, gguf_type
+
+GEMV_MAX_M = 2
+_DOT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def gguf_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Dequantize-then-matmul in x's dtype (float32 decode, as gguf.quants does)."""
+    return F.linear(x, dequantize_ref(qweight, qtype).to(x.dtype))
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] activations, unit stride along K
+    w_ptr,  # uint8 [N, row_bytes] blocks
+    w16_ptr,  # the same bytes viewed as f16
+    out_ptr,  # [M, N] in x's dtype
+    N,
+    K,
+    stride_xm,
+    stride_wn,  # bytes between weight rows
+    stride_om,
+    QTYPE: tl.constexpr,
+    QK: tl.constexpr,  # weights per block
+    TYPE_SIZE: tl.constexpr,  # bytes per block
+    BLOCK_N: tl.constexpr,
+    NSB: tl.constexpr,  # blocks per loop step
+):
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    row_off = rows.to(tl.int64) * stride_wn
+    nblocks = K // QK
+    sb = tl.arange(0, NSB)
+    l = tl.arange(0, 32)
+    x_row = x_ptr + m * stride_xm
+    acc = tl.zeros([BLOCK_N, NSB, 32], dtype=tl.float32)
+    for kb in range(0, nblocks, NSB):
+        bidx = kb + sb
+        b_ok = bidx < nblocks
+        blk = row_off[:, None] + (bidx * TYPE_SIZE)[None, :]
+        ok = row_ok[:, None] & b_ok[None, :]
+        for g in tl.static_range(QK // 32):
+            w = dequant_group(w_ptr, w16_ptr, blk, ok, g, QTYPE)
+            xk = (bidx * QK + g * 32)[:, None] + l[None, :]
+            x = tl.load(x_row + xk, mask=b_ok[:, None], other=0.0).to(tl.float32)
+            acc += w * x[None, :, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr,  # [M, K] activations, unit stride along K
+    w_ptr,  # uint8 [N, row_bytes] blocks
+    w16_ptr,  # the same bytes viewed as f16
+    out_ptr,  # [M, N]: x's dtype, or fp32 (zero-filled) when SPLIT_K > 1
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    QTYPE: tl.constexpr,
+    QK: tl.constexpr,
+    TYPE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile, each a run of K blocks
+    DOT_PRECISION: tl.constexpr,  # for float32 x: "tf32" or "ieee"
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    l = tl.arange(0, 32)
+    nblocks = K // QK
+    per_split = tl.cdiv(nblocks, SPLIT_K)
+    kb_start = pid_k * per_split
+    kb_end = tl.minimum(kb_start + per_split, nblocks)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    row_off = (rn.to(tl.int64) * stride_wn)[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(kb_start, kb_end):
+        blk = row_off + kb * TYPE_SIZE
+        for g in tl.static_range(QK // 32):
+            w = dequant_group(w_ptr, w16_ptr, blk, n_ok[:, None], g, QTYPE)
+            w = tl.reshape(w, [BLOCK_N, 32]).to(x_ptr.dtype.element_ty)
+            x = tl.load(x_rows + (kb * QK + g * 32) + l[None, :], mask=m_ok[:, None], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> int:
+    k = gguf_in_features(qweight, qtype)
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the {gguf_type(qtype).name} weight {k}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.stride(1) != 1:
+        raise ValueError("qweight must be uint8 [N, row_bytes] with contiguous rows")
+    if qweight.stride(0) % 2 or qweight.storage_offset() % 2:
+        raise ValueError("qweight rows must start at even byte offsets (f16 fields)")
+    if x.dtype not in (torch.float32, *_DOT_DTYPES):
+        raise ValueError(f"x must be float32/float16/bfloat16, got {x.dtype}")
+    return k
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _gemm_tiles(x: torch.Tensor, m: int, n: int, block_m: int | None, block_n: int | None
+                ) -> tuple[int, int]:
+    """GPU tiles; CPU tensors only run under the Triton interpreter, whose cost is per operation,
+    not per element, so there one program takes (nearly) the whole matrix."""
+    if not x.is_cuda:
+        return (block_m or min(triton.next_power_of_2(m), 256),
+                block_n or min(triton.next_power_of_2(n), 4096))
+    return block_m or (16 if m <= 16 else 32 if m <= 32 else 64), block_n or 64
+
+
+def gguf_matmul_triton(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qtype: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ dequant(qweight [N, row_bytes]).T -> [..., N] in x's dtype. Block sizes and
+    split_k override the defaults (tests, tuning); M <= GEMV_MAX_M takes the GEMV kernel."""
+    k = _check(x, qweight, qtype)
+    t = gguf_type(qtype)
+    n = qweight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    w16 = qweight.view(torch.float16)
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    if m <= GEMV_MAX_M and block_m is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        bn = block_n or 8
+        nsb = 8 if t.qk == 256 else 32
+        _gemv_kernel[(triton.cdiv(n, bn), m)](
+            x2, qweight, w16, out, n, k, x2.stride(0), qweight.stride(0), out.stride(0),
+            QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_N=bn, NSB=nsb, num_warps=4,
+        )
+        return out.reshape(*x.shape[:-1], n)
+    bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    nblocks = k // t.qk
+    if split_k is None:
+        sms = _num_sms(x.device)
+        split_k = max(1, min(nblocks // 4, 2 * sms // tiles)) if tiles < sms else 1
+    split_k = max(1, min(split_k, nblocks))
+    if split_k > 1:
+        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)
+    _gemm_kernel[grid](
+        x2, qweight, w16, out, m, n, k, x2.stride(0), qweight.stride(0), out.stride(0),
+        QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_M=bm, BLOCK_N=bn,
+        SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -1,0 +1,55 @@
+"""GGUF tensor names -> HF checkpoint names, per `general.architecture`.
+
+llama.cpp's converter renames every tensor (blk.N.attn_q.weight, ...). Most architectures share
+the llama map; an architecture whose converter gives a GGUF name another meaning overrides it
+(phi3 fuses q/k/v into attn_qkv and gate/up into ffn_up). Only the llama family (llama,
+mistral) has its q/k rows permuted by the converter (interleaved rotary pairs), which the loader
+undoes. Gemma GGUFs are not mapped: llama.cpp stores their norms as 1 + w and hard-codes their
+attention scale and sliding pattern per model size.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Architectures whose llama.cpp converter applies the q/k row permutation.
+PERMUTED_ARCHS = frozenset({"llama", "mistral"})
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",
+    "output.weight": "lm_head.weight",
+}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# Architectures with a verified map (the loader refuses others rather than guess).
+MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF checkpoint name of a GGUF tensor, or None for tensors the model does not load."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_RE.match(gguf_name)
+    if match is None:
+        return None
+    layer, part, kind = match.groups()
+    name = ARCH_BLOCK_NAMES.get(arch, {}).get(part) or BLOCK_NAMES.get(part)
+    return None if name is None else f"model.layers.{layer}.{name}.{kind}"

@@ -1,0 +1,79 @@
+"""What the mixture-of-experts families add to the llama skeleton (models/llama.py).
+
+Rules:
+- `MoEDecoderLayer` is a LlamaDecoderLayer whose `mlp` is built per layer by
+  `make_mlp(config, quant_config, prefix, layer)`: families mix dense and MoE layers (deepseek's
+  first_k_dense_replace, qwen's mlp_only_layers / decoder_sparse_step).
+- `MoECausalLM` puts the expert entries (`expert_mapping`, they depend on the expert count) in
+  this instance's packed_modules_mapping, ahead of the class-level q/k/v and gate/up keys that
+  would otherwise also match `experts.{e}.gate_proj`. It skips checkpoint tensors of layers past
+  num_hidden_layers (deepseek_v3's multi-token-prediction layer, unused for generation).
+- `shared_mlp` is a dense gated MLP of another width (shared experts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, ClassVar
+
+from torch import nn
+
+from services.engine.layers.moe import expert_weights_mapping
+from services.engine.model_config import ModelConfig
+from services.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from services.engine.quant.base import QuantConfig
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def hf_value(config: ModelConfig, *keys: str, default: Any = None) -> Any:
+    """The first of `keys` present (and not None) in the HF config."""
+    for key in keys:
+        if config.hf_config.get(key) is not None:
+            return config.hf_config[key]
+    return default
+
+
+def shared_mlp(config: ModelConfig, intermediate_size: int, quant_config: QuantConfig | None,
+               prefix: str) -> LlamaMLP:
+    return LlamaMLP(dataclasses.replace(config, intermediate_size=intermediate_size),
+                    quant_config, prefix)
+
+
+class _LateMLP(nn.Module):
+    """Fills LlamaDecoderLayer's mlp slot until MoEDecoderLayer builds the real one."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__()
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    mlp_cls: ClassVar[type[nn.Module]] = _LateMLP
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
+                 layer: int) -> None:
+        super().__init__(config, quant_config, prefix, layer)
+        self.mlp = self.make_mlp(config, quant_config, f"{prefix}.mlp", layer)
+
+    def make_mlp(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
+                 layer: int) -> nn.Module:
+        raise NotImplementedError
+
+
+class MoECausalLM(LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None) -> None:
+        super().__init__(config, quant_config)
+        # Per instance: the keys depend on the expert count of this checkpoint.
+        self.packed_modules_mapping = {  # type: ignore[misc]
+            **self.expert_mapping(config), **type(self).packed_modules_mapping}
+
+    def expert_mapping(self, config: ModelConfig) -> dict[str, tuple[str, str | int]]:
+        return expert_weights_mapping(int(hf_value(config, "num_experts", "num_local_experts",
+                                                   "n_routed_experts", default=0)))
+
+    def skip_weight(self, name: str) -> bool:
+        match = _LAYER_RE.match(name)
+        if match is not None and int(match.group(1)) >= self.config.num_layers:
+            return True
+        return super().skip_weight(name)

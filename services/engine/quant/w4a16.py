@@ -1,0 +1,145 @@
+"""4-bit integer weights with fp16 group scales and zero points (GPTQ, AWQ), as published.
+
+Rules:
+- Parameters are registered under the checkpoint's names (`qweight`, `qzeros`, `scales`, and
+  `g_idx` when the checkpoint has one) but in an output-major, unpacked layout: each loader
+  unpacks the published tensor (`unpack_*` of the format's config) to codes [N, K] / zeros
+  [N, K / G] / scales [N, K / G] and lets the layer narrow it to this rank and fused shard, the same
+  way float weights are narrowed.
+- `process_after_loading` sorts K by group when g_idx is not trivial (GPTQ act-order; x is then
+  read through `perm`), packs the codes eight to an int32 word and keeps the layout of
+  kernels/w4a16.py; off CUDA it dequantizes once and serves float weights.
+- Fused shards (q/k/v, gate/up) share their input, so GPTQ gives them the same g_idx; a
+  checkpoint where they differ is rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.w4a16 import pack_int4, w4a16_dequantize_ref, w4a16_matmul_triton
+from services.engine.quant.base import QuantMethod, layer_tensor, linear_2d, use_kernels
+from services.engine.quant.fp8 import param_loader
+
+Unpack = Callable[[torch.Tensor], torch.Tensor]
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def unpack_rows(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """int32 [R, C] packed along rows (8 per word) -> uint8 [8R, C]; row 8r + i is nibble order[i]
+    of word r."""
+    shifts = (_SHIFTS[list(order)] if order != tuple(range(8)) else _SHIFTS).to(packed.device)
+    codes = (packed[:, None, :] >> shifts[None, :, None]) & 15
+    return codes.reshape(-1, packed.shape[1]).to(torch.uint8)
+
+
+def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """int32 [R, C] packed along columns -> uint8 [R, 8C]; column 8c + j is nibble order[j]."""
+    shifts = _SHIFTS[list(order)].to(packed.device)
+    codes = (packed[:, :, None] >> shifts[None, None, :]) & 15
+    return codes.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+class W4A16LinearMethod(QuantMethod):
+    """Storage and matmul of one GPTQ/AWQ layer; the format's config supplies the unpacking."""
+
+    def __init__(self, group_size: int, has_g_idx: bool, unpack_qweight: Unpack,
+                 unpack_qzeros: Unpack, zero_offset: int) -> None:
+        self.group_size = group_size  # -1: one group per row (per-channel scales)
+        self.has_g_idx = has_g_idx
+        self.unpack_qweight, self.unpack_qzeros = unpack_qweight, unpack_qzeros
+        self.zero_offset = zero_offset  # GPTQ v1 stores zero - 1
+        self.kernels = True
+        self.g_idx_loaded = False
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
+    ) -> None:
+        g = input_size if self.group_size == -1 else self.group_size
+        if input_size % g or g % 8:
+            raise ValueError(f"4-bit group size {g} must be a multiple of 8 dividing the "
+                             f"per-rank in_features {input_size}")
+        self.dtype, self.group = dtype, g
+        groups = input_size // g
+
+        def param(shape: tuple[int, ...], dt: torch.dtype, transform: Callable[..., Any]
+                  ) -> nn.Parameter:
+            p = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
+            p.weight_loader = param_loader(layer, transform)  # type: ignore[attr-defined]
+            return p
+
+        layer.qweight = param((output_size, input_size), torch.uint8,
+                              lambda t, *s: self.unpack_qweight(t).t())
+        layer.qzeros = param((output_size, groups), torch.uint8,
+                             lambda t, *s: (self.unpack_qzeros(t) + self.zero_offset).t())
+        layer.scales = param((output_size, groups), torch.float16, lambda t, *s: t.t())
+        if self.has_g_idx:
+            g_idx = nn.Parameter(torch.empty(input_size, dtype=torch.int32), requires_grad=False)
+            g_idx.weight_loader = self._load_g_idx  # type: ignore[attr-defined]
+            layer.g_idx = g_idx
+        # The layer hangs its loader on `weight`; there is no float weight to load.
+        layer.register_buffer("weight", torch.empty(0), persistent=False)
+
+    def _load_g_idx(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id: Any) -> None:
+        t = loaded.to(torch.int32)
+        if t.numel() != param.numel():  # a row-parallel shard of K: groups cross ranks
+            raise NotImplementedError("GPTQ g_idx on tensor-parallel row-parallel layers")
+        if self.g_idx_loaded and not torch.equal(param.data, t.to(param.device)):
+            raise ValueError("fused GPTQ shards have different g_idx (act-order permutations)")
+        param.data.copy_(t)
+        self.g_idx_loaded = True
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        codes = layer_tensor(layer, "qweight").data & 15
+        zeros = layer_tensor(layer, "qzeros").data.clamp(max=16)
+        scales = layer_tensor(layer, "scales").data.to(torch.float16)
+        perm = None
+        if self.has_g_idx:
+            g_idx = layer_tensor(layer, "g_idx").data.long()
+            perm = self._group_order(g_idx, codes.shape[1])
+            del layer.g_idx
+        if perm is not None:
+            codes = codes[:, perm]
+        for name in ("qweight", "qzeros", "scales", "weight"):
+            delattr(layer, name)
+        qweight = pack_int4(codes)
+        self.kernels = use_kernels(qweight.device)
+        if self.kernels:
+            layer.register_buffer("w4_qweight", qweight, persistent=False)
+            layer.register_buffer("w4_scales", scales.contiguous(), persistent=False)
+            layer.register_buffer("w4_zeros", zeros.contiguous(), persistent=False)
+            layer.register_buffer("w4_perm", None if perm is None else perm.to(torch.int32),
+                                  persistent=False)
+        else:
+            dense = w4a16_dequantize_ref(qweight, scales, zeros, self.group)
+            if perm is not None:  # back to checkpoint order
+                dense = torch.empty_like(dense).index_copy_(1, perm, dense)
+            layer.register_buffer("weight_dequant", dense.to(self.dtype), persistent=False)
+
+    def _group_order(self, g_idx: torch.Tensor, k: int) -> torch.Tensor | None:
+        """None when g_idx is k // G; else the order that makes each group contiguous."""
+        expected = torch.arange(k, device=g_idx.device) // self.group
+        if torch.equal(g_idx, expected):
+            return None
+        perm = torch.sort(g_idx, stable=True).indices
+        if not torch.equal(g_idx[perm], expected):
+            raise ValueError(f"g_idx does not assign {self.group} input features to each group")
+        return perm
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self.kernels:
+            return F.linear(x, layer_tensor(layer, "weight_dequant"), bias)
+        q, s = layer_tensor(layer, "w4_qweight"), layer_tensor(layer, "w4_scales")
+        z, perm = layer_tensor(layer, "w4_zeros"), layer.w4_perm
+        assert perm is None or isinstance(perm, torch.Tensor)
+        return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm), bias)
+
+
+__all__ = ["W4A16LinearMethod", "unpack_cols", "unpack_rows"]

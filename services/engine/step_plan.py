@@ -1,0 +1,150 @@
+"""What rank 0 tells the other ranks of a tensor-parallel pod before each forward: the step plan.
+
+Rules:
+- A plan carries what the workers' StepInputBuilder and input-id resolution read: per scheduled
+  request its token ids (PLACEHOLDER_TOKEN included), num_computed_tokens, is_prefill, whether
+  it samples, and its KV block ids; plus the step's decode_only and share_tokens flags.
+  Sampling parameters, generators and token histories stay on rank 0: only it samples.
+- Block ids travel as deltas. The encoder remembers the block list it sent for each request of
+  the previous step; a request scheduled again with the same list object sends only the new tail
+  (KVCacheManager only appends to a request's list until it frees it, and freeing replaces the
+  list). Anything else (a new, preempted or paused request) sends its whole list. The decoder
+  keeps the mirror image, so both sides hold exactly the previous step's requests.
+- Request ids travel as small ints; workers name their requests str(int).
+- Payloads are pickled tuples: every rank runs the same code, and rank 0 is trusted.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import NamedTuple
+
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import ScheduledRequest
+
+
+class StepPlan(NamedTuple):
+    decode_only: bool
+    share_tokens: bool  # rank 0 broadcasts the sampled tokens after the step
+    ids: list[int]
+    token_ids: list[list[int]]
+    num_computed: list[int]
+    is_prefill: list[bool]
+    samples: list[bool]
+    new_blocks: list[list[int]]
+    replace: list[bool]  # new_blocks is the whole list, not a tail
+
+
+class LogitsPlan(NamedTuple):
+    """One sequence's prompt logits (Engine.prompt_logits); outside the step state."""
+
+    token_ids: list[int]
+    num_computed: int
+    block_ids: list[int]
+
+
+class StopPlan(NamedTuple):
+    pass
+
+
+Plan = StepPlan | LogitsPlan | StopPlan
+
+
+class _Sent(NamedTuple):
+    key: int  # the request's id on the wire
+    blocks: list[int]  # the scheduler's own list object
+    num_blocks: int  # how many of its ids the workers have
+
+
+class PlanEncoder:
+    """Rank 0: SchedulerOutput requests -> plan bytes."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, _Sent] = {}
+        self._next_index = 0
+
+    def step(self, requests: list[ScheduledRequest], decode_only: bool,
+             share_tokens: bool) -> bytes:
+        sent, now = self._sent, {}
+        n = len(requests)
+        ids: list[int] = [0] * n
+        new_blocks: list[list[int]] = [[]] * n  # every entry is replaced below
+        replace = [False] * n
+        for i, r in enumerate(requests):
+            blocks = r.block_ids
+            prev = sent.get(r.request_id)
+            if prev is not None and prev.blocks is blocks and len(blocks) >= prev.num_blocks:
+                index = prev.key
+                new_blocks[i] = blocks[prev.num_blocks:]
+            else:
+                index = prev.key if prev is not None else self._new_index()
+                new_blocks[i], replace[i] = list(blocks), True
+            ids[i] = index
+            now[r.request_id] = _Sent(index, blocks, len(blocks))
+        self._sent = now
+        plan = StepPlan(decode_only, share_tokens, ids, [r.token_ids for r in requests],
+                        [r.num_computed_tokens for r in requests],
+                        [r.is_prefill for r in requests], [r.samples for r in requests],
+                        new_blocks, replace)
+        return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _new_index(self) -> int:
+        self._next_index += 1
+        return self._next_index
+
+    @staticmethod
+    def logits(request: ScheduledRequest) -> bytes:
+        plan = LogitsPlan(request.token_ids, request.num_computed_tokens, request.block_ids)
+        return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def stop() -> bytes:
+        return pickle.dumps(StopPlan(), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_PARAMS = SamplingParams()  # workers never sample; the builder ignores sampling fields
+
+
+def _request(request_id: str, token_ids: list[int], num_computed: int, block_ids: list[int],
+             is_prefill: bool, samples: bool) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=request_id, token_ids=token_ids, num_computed_tokens=num_computed,
+        block_ids=block_ids, is_prefill=is_prefill, samples=samples, sampling_params=_PARAMS,
+        generator=None, prompt_len=0, all_token_ids=[],
+    )
+
+
+class DecodedStep(NamedTuple):
+    requests: list[ScheduledRequest]
+    decode_only: bool
+    share_tokens: bool
+
+
+class PlanDecoder:
+    """A worker: plan bytes -> a DecodedStep, a one-sequence ScheduledRequest (LogitsPlan) or
+    None (StopPlan)."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, list[int]] = {}
+
+    def decode(self, payload: bytes) -> DecodedStep | ScheduledRequest | None:
+        plan: Plan = pickle.loads(payload)
+        if isinstance(plan, StopPlan):
+            return None
+        if isinstance(plan, LogitsPlan):
+            return _request("__prompt_logits__", plan.token_ids, plan.num_computed,
+                            plan.block_ids, True, False)
+        known, now = self._blocks, {}
+        requests = []
+        for index, tokens, computed, prefill, samples, blocks, whole in zip(
+                plan.ids, plan.token_ids, plan.num_computed, plan.is_prefill, plan.samples,
+                plan.new_blocks, plan.replace, strict=True):
+            if whole:
+                mine = blocks
+            else:
+                mine = known[index]
+                mine.extend(blocks)
+            now[index] = mine
+            requests.append(_request(str(index), tokens, computed, mine, prefill, samples))
+        self._blocks = now
+        return DecodedStep(requests, plan.decode_only, plan.share_tokens)

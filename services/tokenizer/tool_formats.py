@@ -1,0 +1,114 @@
+"""How a model family writes tool calls: the text of a call, its call ids, and the grammar that
+forces calls (tool_choice "required" or a named function).
+
+Families and their formats (what the parser in tool_calls.py reads; it reads all of them, so a
+model that strays into another family's format is still understood):
+- hermes          `<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>` (Qwen 2.5/3,
+                  Hermes, and every model whose template ignores `tools`: tool_prompt.py teaches
+                  them this format)
+- mistral         `[TOOL_CALLS]N[ARGS]A` per call (Mistral Small 3.2, Devstral, Magistral;
+                  optionally `N[CALL_ID]id[ARGS]A`); 9-character alphanumeric call ids
+- mistral_list    `[TOOL_CALLS][{"name": N, "arguments": A}, ...]` (Mistral 7B v0.3, Nemo)
+- llama3_json     `{"name": N, "parameters": A}` at the start of the reply, `; `-separated,
+                  optionally after `<|python_tag|>` (Llama 3.1 / 3.2 / 3.3)
+- llama_function  `<function=N>A</function>` (Llama 3.1 custom-tool prompting)
+- json            `{"name": N, "arguments": A}` at the start of the reply (templates that read
+                  `tools` with a format of their own we do not know)
+`detect` picks the family from the chat template's text.
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+_ALNUM = string.ascii_letters + string.digits
+Structure = dict[str, Any]
+
+
+def _json_args(schema: Any) -> Structure:
+    if not isinstance(schema, dict) or not schema:
+        schema = {"type": "object"}
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's call syntax: `begin` + arguments JSON + `end` per call, `separator` between
+    calls, the whole list between `opening` and `closing`. In `begin`, `{name}` is the function
+    name."""
+
+    name: str
+    begin: str
+    end: str = ""
+    separator: str = ""
+    opening: str = ""
+    closing: str = ""
+    id_style: Literal["openai", "mistral"] = "openai"
+    markers: tuple[str, ...] = ()  # format texts that are control tokens in the family's vocab
+
+    def new_call_id(self) -> str:
+        if self.id_style == "mistral":
+            return "".join(secrets.choice(_ALNUM) for _ in range(9))
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def _begin(self, name: str) -> str:
+        return self.begin.replace("{name}", name)  # names are [A-Za-z0-9_.-]: no escaping
+
+    def calls_text(self, calls: list[tuple[str, str]]) -> str:
+        """Calls (name, arguments JSON text) written as the model writes them."""
+        body = self.separator.join(self._begin(n) + args + self.end for n, args in calls)
+        return self.opening + body + self.closing
+
+    def structural_tag(self, tools: list[dict[str, Any]], single: bool) -> Structure:
+        """xgrammar structural tag: at least one call (exactly one when `single`) of one of
+        `tools`, arguments following the tool's parameters schema, nothing else."""
+        tags = [{"type": "tag", "begin": self._begin(t["function"]["name"]),
+                 "content": _json_args(t["function"].get("parameters")), "end": self.end}
+                for t in tools]
+        calls: Structure = {"type": "tags_with_separator", "tags": tags,
+                            "separator": self.separator, "at_least_one": True,
+                            "stop_after_first": single}
+        elements = [{"type": "const_string", "value": self.opening}] if self.opening else []
+        elements.append(calls)
+        if self.closing:
+            elements.append({"type": "const_string", "value": self.closing})
+        fmt = elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
+        return {"type": "structural_tag", "format": fmt}
+
+
+HERMES = ToolFormat("hermes", '<tool_call>\n{"name": "{name}", "arguments": ', "}\n</tool_call>",
+                    separator="\n", markers=("<tool_call>", "</tool_call>"))
+MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]{name}[ARGS]", id_style="mistral",
+                     markers=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))
+MISTRAL_LIST = ToolFormat("mistral_list", '{"name": "{name}", "arguments": ', "}",
+                          separator=", ", opening="[TOOL_CALLS][", closing="]",
+                          id_style="mistral", markers=("[TOOL_CALLS]",))
+LLAMA3_JSON = ToolFormat("llama3_json", '{"name": "{name}", "parameters": ', "}",
+                         separator="; ", markers=("<|python_tag|>",))
+LLAMA_FUNCTION = ToolFormat("llama_function", "<function={name}>", "</function>")
+JSON = ToolFormat("json", '{"name": "{name}", "arguments": ', "}", separator=", ",
+                  opening="[", closing="]")
+FORMATS = {f.name: f for f in (HERMES, MISTRAL, MISTRAL_LIST, LLAMA3_JSON, LLAMA_FUNCTION, JSON)}
+# Texts the parser must see even where they are control tokens (the detokenizer keeps them).
+ALL_MARKERS = frozenset(m for f in FORMATS.values() for m in f.markers)
+
+
+def detect(template: str | None, reads_tools: bool) -> ToolFormat:
+    """The family format a chat template implies (hermes when it ignores `tools`: that is the
+    format tool_prompt.py injects)."""
+    source = template or ""
+    if not reads_tools:
+        return HERMES
+    if "[TOOL_CALLS]" in source:
+        return MISTRAL if "[ARGS]" in source else MISTRAL_LIST
+    if "<tool_call>" in source:
+        return HERMES
+    if "<function=" in source:
+        return LLAMA_FUNCTION
+    if "<|python_tag|>" in source or "<|start_header_id|>" in source:
+        return LLAMA3_JSON
+    return JSON

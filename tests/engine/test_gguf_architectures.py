@@ -1,0 +1,118 @@
+"""GGUF files made by llama.cpp's own converter load and match the safetensors they came from.
+
+Tiny random transformers models (llama, qwen2, qwen3, phi3) are converted with the
+`convert_hf_to_gguf.py` that the llama-cpp-python source distribution ships (downloaded once from
+PyPI and cached), so the tensor names, the llama q/k row permutation, fused phi3 tensors, LongRoPE
+factor tensors and the metadata are llama.cpp's, not ours. The converter wants a tokenizer in the
+model directory: a tiny sentencepiece model is trained on the spot.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from libs.common.model_cache import cache_dir
+from services.engine.loader import load_model
+from tests.engine.conftest import SingleSequenceRunner, rel_error
+from tests.engine.test_architectures import VOCAB, Case, save_tiny
+
+_MEMBERS = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
+            "vendor/llama.cpp/gguf-py/")
+# name -> (architecture case, converter outtype, tolerance against the safetensors logits)
+CASES: dict[str, tuple[Case, str, float]] = {
+    "llama": (Case("llama", {}), "f32", 1e-5),
+    "llama_tied_mha": (Case("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+                       "f32", 1e-5),
+    "qwen2": (Case("qwen2", {}), "f32", 1e-5),
+    "qwen2_f16": (Case("qwen2", {}), "f16", 5e-3),
+    "qwen3": (Case("qwen3", dict(head_dim=32)), "f32", 1e-5),
+    "phi3_longrope": (Case("phi3", dict(
+        original_max_position_embeddings=16, sliding_window=8, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 16, "short_factor": [1.0, 1.1, 1.2, 1.3],
+            "long_factor": [2.0, 2.5, 3.0, 3.5]})), "f32", 1e-5),
+}
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py with its `conversion` package and gguf-py."""
+    dest = cache_dir() / "llama-cpp-convert"
+    if (dest / ".complete").exists():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+               "-q", "-d", tmp, "llama-cpp-python"]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            pytest.skip("could not download the llama-cpp-python sdist (GGUF converter)")
+        with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
+            for member in tar:
+                name = member.name.split("/", 1)[-1]
+                if member.isfile() and name.startswith(_MEMBERS):
+                    member.name = name.removeprefix("vendor/llama.cpp/")
+                    tar.extract(member, dest, filter="data")
+    (dest / ".complete").touch()
+    return dest
+
+
+def _sentencepiece_model() -> bytes:
+    spm = pytest.importorskip("sentencepiece")
+    text = [f"the quick brown fox jumps over the lazy dog {i}" for i in range(100)]
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=out, vocab_size=64,
+                                   model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   minloglevel=2)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def converted(llama_cpp_converter: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[str, tuple[Path, Path]]:
+    """name -> (safetensors dir, GGUF file); one converter process for all cases."""
+    root = tmp_path_factory.mktemp("gguf")
+    tokenizer = _sentencepiece_model()
+    jobs: list[tuple[str, str, str]] = []
+    paths: dict[str, tuple[Path, Path]] = {}
+    for name, (case, outtype, _) in CASES.items():
+        hf_dir, gguf = root / name, root / f"{name}.gguf"
+        save_tiny(hf_dir, case)
+        (hf_dir / "tokenizer.model").write_bytes(tokenizer)
+        jobs.append((str(hf_dir), outtype, str(gguf)))
+        paths[name] = (hf_dir, gguf)
+    driver = (f"import sys; sys.path.insert(0, {str(llama_cpp_converter)!r})\n"
+              "import convert_hf_to_gguf as c\n"
+              f"for src, outtype, out in {jobs!r}:\n"
+              "    sys.argv = ['convert', src, '--outtype', outtype, '--outfile', out]\n"
+              "    c.main()\n")
+    result = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return paths
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_converted_gguf_matches_its_safetensors(converted: dict[str, tuple[Path, Path]],
+                                                name: str) -> None:
+    hf_dir, gguf = converted[name]
+    case, _, tolerance = CASES[name]
+    ref_model, ref_config = load_model(hf_dir)
+    model, config = load_model(gguf)
+    assert config.architecture == ref_config.architecture
+    same: dict[str, Any] = {f: getattr(ref_config, f) for f in (
+        "num_layers", "num_heads", "num_kv_heads", "head_dim", "rotary_dim", "sliding_window",
+        "tie_word_embeddings", "vocab_size", "rope_theta")}
+    assert {f: getattr(config, f) for f in same} == same
+    prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = SingleSequenceRunner(ref_model).forward(prompt)
+    err = rel_error(SingleSequenceRunner(model).forward(prompt), ref)
+    print(f"{name} ({CASES[name][1]}): GGUF vs safetensors logits rel. error {err:.2e}")
+    assert err < tolerance
