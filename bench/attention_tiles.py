@@ -1,30 +1,46 @@
 """Attention tilings on the engine benchmarks' own shapes (Llama-3-8B heads: 32 q / 8 kv, d 128).
 
-    python bench/attention_tiles.py
+    python bench/attention_tiles.py [--only prefill decode]
 
-Prefill: B4 (one 4096-token prompt) and B3's prefill steps (64 prompts of 128) over the tile
-configurations that compile without spills; decode: B1 (batch 1, ~400 keys) and B2 (16 x ~400)
-with the split reduction fused (last split merges) or as a second launch, and B3 (256 x ~200).
-Prints the median time of each; the default configuration is marked with '*'.
+Prefill: B4 (one 4096-token prompt) and B3's prefill steps (64 prompts of 128), tile configs that
+compile without spills, with the query blocks dispatched longest first or in order. Decode: B1
+(batch 1, ~400 keys; split count as captured in the graphs, and others), B2/B3-like batches
+over tile configs. Decode is timed as CUDA-graph replays (what the engine runs), prefill with
+plain launches. The default configuration is marked '*'.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from bench.kernels import bench, make_batch, report  # noqa: E402
 from kernels.paged_attention import decode_attention_triton, default_num_splits  # noqa: E402
 from kernels.prefill_attention import prefill_attention_triton  # noqa: E402
 
-PREFILL_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2),
-                 (64, 64, 4, 3), (64, 64, 4, 2)]
-DEFAULT_PREFILL = (128, 64, 8, 2)
+# (block_m, block_n, warps, stages, longest_first)
+PREFILL = [(128, 32, 8, 2, True), (128, 32, 8, 2, False), (128, 32, 8, 3, True),
+           (64, 64, 4, 2, True), (64, 32, 4, 2, True), (128, 64, 8, 3, True)]
+DEFAULT_PREFILL = (128, 32, 8, 2, True)
+# (block_n, warps, stages)
+DECODE = [(64, 8, 2), (64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (128, 4, 2),
+          (64, 2, 2), (32, 2, 2)]
+DEFAULT_DECODE = (64, 2, 2)
+
+
+def graph_bench(fn: Callable[[], object]) -> float:
+    """Median ms of fn replayed from a CUDA graph (launch overhead excluded)."""
+    fn()  # compile, allocate persistent buffers outside the capture
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
 
 
 def prefill() -> None:
@@ -33,33 +49,42 @@ def prefill() -> None:
                                      torch.bfloat16)
         flops = 4 * batch * q_len * (q_len + 1) / 2 * 32 * 128
         print(f"prefill B={batch} L={q_len} (causal, no prefix)")
-        for m, n, w, s in PREFILL_TILES:
+        for m, n, w, s, lf in PREFILL:
             ms = bench(prefill_attention_triton, q, kc, vc, meta, 128**-0.5, block_m=m,
-                       block_n=n, num_warps=w, num_stages=s)
-            mark = "*" if (m, n, w, s) == DEFAULT_PREFILL else " "
-            report(f"{mark}m={m} n={n} w={w} s={s}", ms, flops=flops)
+                       block_n=n, num_warps=w, num_stages=s, longest_first=lf)
+            mark = "*" if (m, n, w, s, lf) == DEFAULT_PREFILL else " "
+            report(f"{mark}m={m} n={n} w={w} s={s} {'longest-first' if lf else 'in order'}",
+                   ms, flops=flops)
 
 
 def decode() -> None:
-    for batch, seq_len in [(1, 384), (16, 384), (256, 192)]:
+    for batch, seq_len in [(1, 384), (16, 384), (64, 384), (256, 256)]:
         q, kc, vc, meta = make_batch([1] * batch, [seq_len] * batch, 32, 8, 128,
                                      torch.bfloat16)
         meta.max_seq_len = 8192  # as captured in the CUDA graphs (max_model_len)
         nbytes = 2 * batch * seq_len * 8 * 128 * 2
-        default = default_num_splits(batch, 8, meta.max_seq_len)
-        print(f"decode B={batch} S={seq_len} (graph split count {default})")
-        for splits in sorted({1, 4, 8, 16, 32, default}):
-            for fused in (True, False):
-                if splits == 1 and not fused:
-                    continue
-                ms = bench(decode_attention_triton, q, kc, vc, meta, 128**-0.5,
-                           num_splits=splits, fused_reduce=fused)
-                mark = "*" if splits == default and fused else " "
-                report(f"{mark}splits={splits} {'fused' if fused else 'two launches'}", ms,
-                       nbytes)
+        splits = default_num_splits(batch, 8, meta.max_seq_len)
+        print(f"decode B={batch} S={seq_len} (graph split count {splits}), CUDA-graph replay")
+
+        def run(q=q, kc=kc, vc=vc, meta=meta, **kw: object) -> float:  # type: ignore[no-untyped-def]
+            return graph_bench(lambda: decode_attention_triton(q, kc, vc, meta, 128**-0.5,
+                                                               **kw))
+
+        for s in sorted({1, 4, 8, 16, 32, splits}):
+            if s != splits:
+                report(f" splits={s} (default tiles)", run(num_splits=s), nbytes)
+        for n, w, st in DECODE:
+            mark = "*" if (n, w, st) == DEFAULT_DECODE else " "
+            report(f"{mark}splits={splits} n={n} w={w} s={st}",
+                   run(num_splits=splits, block_n=n, num_warps=w, num_stages=st), nbytes)
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", default=["prefill", "decode"])
+    args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
-    prefill()
-    decode()
+    if "prefill" in args.only:
+        prefill()
+    if "decode" in args.only:
+        decode()

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One device call: GPU facts, GPU tests, attention tilings, decode/prefill profiles, engine
-# benchmarks (async scheduling on, and off as the A/B), the suite through gateway -> NATS ->
-# engine, and transformers' continuous batching as B3's peer.
-# Usage (device tool): bash bench/gpu_run.sh [quick|perf|full]   (default full)
-#   quick: tests only; perf: no suite / peer; full: everything.
-# Missing packages (nats, fastapi, ...) travel as wheels in .whl (see docs/benchmarks.md).
+# One device call: GPU facts, GPU tests, engine benchmarks (async scheduling on, and off as the
+# A/B), decode/prefill profiles, the suite through gateway -> NATS -> tokenizer -> engine against
+# the engine alone, transformers' continuous batching as B3's peer, decode attention tilings.
+# Usage (device tool, carry [".whl"]): bash bench/gpu_run.sh [quick|perf|full]   (default full)
+#   quick: tests only; perf: no suite / peer / tilings; full: everything (~7 minutes).
+# TESTS="..." overrides the test selection. Missing packages travel as wheels in .whl
+# (docs/benchmarks.md lists them).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,34 +16,36 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
 step() { echo; echo "=== $* ($(date +%T))"; }
+quiet() { grep -v "UserWarning\|_warn_once\|cudaStream\|Activity Buffer\|^\s*$"; }
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 step "GPU tests"
-timeout 300 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels tests/engine/test_gpu_engine.py} 2>&1 | tail -15
+timeout 300 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels tests/engine/test_gpu_engine.py} 2>&1 | tail -4
 } 2>&1 | tee "$LOG"
 [[ $mode == quick ]] && exit 0
 {
-step "attention tilings"
-timeout 150 python3 bench/attention_tiles.py 2>&1
-step "profile: batch-1 decode"
-timeout 120 python3 bench/profile_decode.py --batch 1 2>&1 | head -60
-step "profile: batch-256 decode"
-timeout 150 python3 bench/profile_decode.py --batch 256 2>&1 | head -45
-step "profile: 4096-token prefill"
-timeout 120 python3 bench/profile_decode.py --prefill 4096 2>&1
 step "engine benchmarks, async scheduling"
-timeout 300 python3 bench/engine_bench.py --out "$OUT/engine_bench.json" 2>&1 | tail -12
+timeout 240 python3 bench/engine_bench.py --out "$OUT/engine_bench.json" 2>&1 | tail -9
 step "engine benchmarks, synchronous (A/B)"
-timeout 200 python3 bench/engine_bench.py --sync --only B1,B3 --out "$OUT/engine_bench_sync.json" 2>&1 | tail -6
+timeout 150 python3 bench/engine_bench.py --sync --only B1,B3 --out "$OUT/engine_bench_sync.json" 2>&1 | tail -4
+step "profile: batch-1 decode"
+timeout 120 python3 bench/profile_decode.py --batch 1 2>&1 | head -24 | quiet
+step "profile: batch-256 decode"
+timeout 150 python3 bench/profile_decode.py --batch 256 2>&1 | head -24 | quiet
+step "profile: 4096-token prefill"
+timeout 120 python3 bench/profile_decode.py --prefill 4096 2>&1 | head -18 | quiet
 } 2>&1 | tee -a "$LOG"
 [[ $mode == perf ]] && exit 0
 {
-step "suite: gateway -> NATS -> tokenizer -> engine, 64 streams"
-if ! timeout 420 python3 bench/suite_bench.py --out "$OUT/suite_bench.json" 2>&1 | tail -8; then
+step "suite: gateway -> NATS -> tokenizer -> engine, 64 streams (engine GIL switch 5 / 0.5 ms)"
+if ! timeout 300 python3 bench/suite_bench.py --switch-interval 0.005 0.0005 \
+    --out "$OUT/suite_bench.json" 2>&1 | tail -4; then
   for f in "$OUT"/suite_logs/*.log; do echo "--- $f"; tail -30 "$f"; done
 fi
 rm -rf "$OUT/suite_logs"
 step "peer: transformers continuous batching (B3 shape)"
-timeout 300 python3 bench/peer_transformers.py --requests 256 --prompt 128 --new 128 2>&1 | tail -3
+timeout 150 python3 bench/peer_transformers.py --requests 256 --prompt 128 --new 128 2>&1 | tail -1
+step "decode attention tilings (CUDA-graph replays)"
+timeout 120 python3 bench/attention_tiles.py --only decode 2>&1
 } 2>&1 | tee -a "$LOG"

@@ -72,8 +72,8 @@ def write_model_dir(layers: int, tiny: bool) -> Path:
     return root
 
 
-def start_services(model: Path, nats_url: str, port: int, log_dir: Path, device: str
-                   ) -> list[subprocess.Popen[bytes]]:
+def start_services(model: Path, nats_url: str, port: int, log_dir: Path, device: str,
+                   switch_interval: float | None) -> list[subprocess.Popen[bytes]]:
     dtype = "bfloat16" if device == "cuda" else "float32"
     env = dict(os.environ, FLOTILLA_NATS_URL=nats_url, FLOTILLA_MODEL=str(model),
                FLOTILLA_SERVED_MODEL_NAME=MODEL_NAME, FLOTILLA_LOAD_FORMAT="dummy",
@@ -82,7 +82,11 @@ def start_services(model: Path, nats_url: str, port: int, log_dir: Path, device:
     procs = []
     for name in ("engine", "tokenizer", "gateway"):
         log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115  (kept open by the child)
-        procs.append(subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=env,
+        cmd = [sys.executable, "-m", f"services.{name}"]
+        if name == "engine" and switch_interval is not None:  # GIL hand-off experiment
+            cmd = [sys.executable, "-c", f"import sys, runpy; sys.setswitchinterval("
+                   f"{switch_interval}); runpy.run_module('services.engine', run_name='__main__')"]
+        procs.append(subprocess.Popen(cmd, env=env,
                                       stdout=log, stderr=subprocess.STDOUT,
                                       cwd=Path(__file__).resolve().parents[1]))
     return procs
@@ -156,6 +160,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny hidden sizes (CPU smoke test)")
+    ap.add_argument("--switch-interval", type=float, nargs="*", default=[None],
+                    help="engine process GIL switch interval(s) in s, one suite run each "
+                         "(default: Python's 0.005)")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/suite_bench.json")
     args = ap.parse_args()
     model = write_model_dir(args.layers, args.tiny)
@@ -172,34 +179,33 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    res: dict = {"streams": args.streams, "prompt": args.prompt, "new": args.new}
+    res: dict = {"streams": args.streams, "prompt": args.prompt, "new": args.new, "suite": {}}
     with NatsServer(log_path=log_dir / "nats.log") as nats:
-        procs = start_services(model, nats.url, port, log_dir, args.device)
-        try:
-            t = time.perf_counter()
-            asyncio.run(wait_ready(base, procs, timeout=300))
-            res["suite_start_s"] = time.perf_counter() - t
-            asyncio.run(drive(base, prompts[:4], 8))  # warm-up through every hop
-            res["suite"] = asyncio.run(drive(base, prompts, args.new))
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-    res["engine"] = engine_alone(model, prompt_ids, args.new, args.device)
-    res["ratio"] = res["suite"]["output_tok_s"] / res["engine"]["output_tok_s"]
+        for interval in args.switch_interval:
+            procs = start_services(model, nats.url, port, log_dir, args.device, interval)
+            try:
+                t = time.perf_counter()
+                asyncio.run(wait_ready(base, procs, timeout=300))
+                start_s = time.perf_counter() - t
+                asyncio.run(drive(base, prompts[:4], 8))  # warm-up through every hop
+                r = asyncio.run(drive(base, prompts, args.new))
+                res["suite"][str(interval or "default")] = dict(r, start_s=start_s)
+            finally:
+                for p in procs:
+                    p.terminate()
+                for p in procs:
+                    try:
+                        p.wait(30)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+    e = res["engine"] = engine_alone(model, prompt_ids, args.new, args.device)
+    print(f"engine alone, {args.streams} x {args.prompt}/{args.new}: "
+          f"{e['output_tok_s']:8.1f} out tok/s (TTFT {e['mean_ttft_s'] * 1e3:.0f} ms)")
+    for name, s in res["suite"].items():
+        s["ratio"] = s["output_tok_s"] / e["output_tok_s"]
+        print(f"suite (engine GIL switch interval {name}): {s['output_tok_s']:8.1f} out tok/s "
+              f"(TTFT {s['mean_ttft_s'] * 1e3:.0f} ms)  suite / engine = {s['ratio']:.3f}")
     Path(args.out).write_text(json.dumps(res, indent=2))
-    s, e = res["suite"], res["engine"]
-    print(f"suite  {args.streams} streams x {args.prompt}/{args.new}: "
-          f"{s['output_tok_s']:8.1f} out tok/s ({s['tokens']} tokens, TTFT "
-          f"{s['mean_ttft_s'] * 1e3:.0f} ms)")
-    print(f"engine same workload:              {e['output_tok_s']:8.1f} out tok/s "
-          f"(TTFT {e['mean_ttft_s'] * 1e3:.0f} ms)")
-    print(f"suite / engine = {res['ratio']:.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -1,10 +1,12 @@
-"""FP8 (e4m3) weights with one float32 scale per output channel: y = (x @ W8.T) * scale.
+"""FP8 (e4m3) weights with float32 scales per output channel or per [row, group of K]:
+y[m, n] = sum_k x[m, k] * W8[n, k] * scale[n, k // G] (per-channel: scale [N, 1], G = K).
 
-- Decode (M <= GEMV_MAX_M): a Triton GEMV reads the fp8 bytes once, converts in registers and
-  accumulates in fp32; the scale is applied to each row's sum (weight-only, x stays 16-bit).
-- Prefill on sm_89+ (Ada, Hopper): x is quantized per token to e4m3 (dynamic scales) and
-  `torch._scaled_mm` runs the fp8 tensor cores with row-wise scales.
-- Elsewhere: a Triton GEMM that dequantizes tiles to x's dtype for tl.dot; on CPU, the reference.
+- Decode (kernels/gguf_matmul.py: use_gemv): a Triton GEMV reads the fp8 bytes once, dots each
+  chunk of K (inside one group) in fp32 and scales the chunk sums (weight-only, x stays 16-bit).
+- Prefill with per-channel scales on sm_89+ (Ada, Hopper): x is quantized per token to e4m3
+  (dynamic scales) and `torch._scaled_mm` runs the fp8 tensor cores with row-wise scales.
+- Otherwise a Triton GEMM that dequantizes tiles to x's dtype for tl.dot; on CPU, the reference.
+Checkpoints with 2D block scales (DeepSeek style) expand them to one scale row per weight row.
 """
 
 from __future__ import annotations
@@ -14,52 +16,68 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.gguf_matmul import _gemm_tiles, use_gemv
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-GEMV_MAX_M = 2
 
 
 def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float [N, K] -> (e4m3 [N, K], float32 scales [N]) with scale = max|W[n]| / 448."""
+    """Float [N, K] -> (e4m3 [N, K], float32 scales [N, 1]) with scale = max|W[n]| / 448."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_dequantize_ref(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Float32 [N, K] from e4m3 [N, K] and scales [N, G]."""
+    group = weight.shape[1] // scale.shape[1]
+    return weight.float() * scale.float().repeat_interleave(group, dim=1)
 
 
 def fp8_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Dequantize-then-matmul in x's dtype."""
-    return F.linear(x, (weight.float() * scale[:, None].float()).to(x.dtype))
+    return F.linear(x, fp8_dequantize_ref(weight, scale).to(x.dtype))
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] activations, unit stride along K
     w_ptr,  # e4m3 [N, K], unit stride along K
-    s_ptr,  # float32 [N] per-channel scales
+    s_ptr,  # float32 [N, K // group] scales
     out_ptr,  # [M, N] in x's dtype
     N,
     K,
     stride_xm,
     stride_wn,
+    stride_sn,
     stride_om,
+    group,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    CHUNK: tl.constexpr,  # a power of two dividing the group: each chunk has one scale
+    NCHUNK: tl.constexpr,  # chunks per loop step
 ):
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
-    out = tl.sum(acc, axis=1) * scale
+    nchunks = K // CHUNK
+    offs_c = tl.arange(0, NCHUNK)
+    offs_k = tl.arange(0, CHUNK)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, NCHUNK], dtype=tl.float32)
+    for c0 in range(0, nchunks, NCHUNK):
+        c = c0 + offs_c
+        c_ok = c < nchunks
+        k = c[:, None] * CHUNK + offs_k[None, :]
+        w = tl.load(w_rows + k[None, :, :], mask=row_ok[:, None, None] & c_ok[None, :, None],
+                    other=0.0)
+        x = tl.load(x_ptr + m * stride_xm + k, mask=c_ok[:, None], other=0.0)
+        dot = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :, :], axis=2)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + ((c * CHUNK) // group)[None, :],
+                    mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+        acc += dot * s
+    out = tl.sum(acc, axis=1)
     tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -67,14 +85,16 @@ def _gemv_kernel(
 def _gemm_kernel(
     x_ptr,  # [M, K] activations, unit stride along K
     w_ptr,  # e4m3 [N, K]
-    s_ptr,  # float32 [N]
+    s_ptr,  # float32 [N, K // group]
     out_ptr,  # [M, N] in x's dtype
     M,
     N,
     K,
     stride_xm,
     stride_wn,
+    stride_sn,
     stride_om,
+    group,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -93,23 +113,29 @@ def _gemm_kernel(
         k_ok = k < K
         x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + k[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc,
-                     input_precision=DOT_PRECISION)
-    scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-    out = acc * scale[None, :]
+        wmask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=wmask,
+                    other=0.0)
+        s = tl.load(s_ptr + rn[:, None] * stride_sn + (k // group)[None, :], mask=wmask,
+                    other=0.0)
+        w = (w.to(tl.float32) * s).to(x_ptr.dtype.element_ty)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> int:
+    """The group size."""
     if weight.dtype != FP8 or weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError("weight must be float8_e4m3fn [N, K] with contiguous rows")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight {weight.shape[1]}")
-    if scale.shape != (weight.shape[0],) or scale.dtype != torch.float32:
-        raise ValueError("scale must be float32 [N]")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != n \
+            or k % scale.shape[1] or scale.stride(1) != 1:
+        raise ValueError(f"scale must be float32 [N, G] with G dividing K={k}, got "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+    return k // scale.shape[1]
 
 
 def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -123,14 +149,14 @@ def _scaled_mm(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     """Per-token dynamic e4m3 activations x per-channel e4m3 weights on the fp8 tensor cores."""
     x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
     x8 = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale[None, :],
+    return torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1),
                             out_dtype=x2.dtype)
 
 
 def fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                      use_scaled_mm: bool = True) -> torch.Tensor:
-    """x [..., K] @ (weight * scale[:, None]).T -> [..., N] in x's dtype."""
-    _check(x, weight, scale)
+                      use_scaled_mm: bool = True, kernel: str | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(weight, scale).T -> [..., N] in x's dtype."""
+    group = _check(x, weight, scale)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -138,21 +164,26 @@ def fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
-    if m > GEMV_MAX_M and use_scaled_mm and _scaled_mm_ok(x2, weight):
+    gemv = use_gemv(x, m, kernel)
+    if (not gemv and kernel is None and use_scaled_mm and scale.shape[1] == 1
+            and _scaled_mm_ok(x2, weight)):
         return _scaled_mm(x2, weight, scale).reshape(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m <= GEMV_MAX_M:
+    if gemv:
         bn = 8
+        chunk = min(128, group & -group)  # largest power of two dividing the group, <= 128
         _gemv_kernel[(triton.cdiv(n, bn), m)](
-            x2, weight, scale, out, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_N=bn, BLOCK_K=512, num_warps=4,
+            x2, weight, scale, out, n, k, x2.stride(0), weight.stride(0), scale.stride(0),
+            out.stride(0), group, BLOCK_N=bn, CHUNK=chunk, NCHUNK=max(1, 512 // chunk),
+            num_warps=4,
         )
     else:
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, 64))
+        bm, bn = _gemm_tiles(x, m, n, None, None)
+        bk = 64 if x.is_cuda else min(triton.next_power_of_2(k), 1024)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _gemm_kernel[grid](
-            x2, weight, scale, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64,
+            x2, weight, scale, out, m, n, k, x2.stride(0), weight.stride(0), scale.stride(0),
+            out.stride(0), group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
             num_stages=3,
         )

@@ -6,8 +6,9 @@ Two kernels:
   blocks at a time; the tile is [BLOCK_N, NSB, 32] per 32-weight group, so block scales are
   decoded once per (row, block) and all loads of a chunk are independent (in flight together).
   Products accumulate element-wise in fp32; one reduction at the end. One program row per x row.
-- GEMM (prefill): [BLOCK_M, BLOCK_N] output tiles; each 32-weight group is decoded to a
-  [BLOCK_N, 32] tile in x's dtype and multiplied on the tensor cores. With few output tiles (small
+- GEMM (prefill): [BLOCK_M, BLOCK_N] output tiles; per loop step, group g of NSB consecutive
+  blocks is decoded to a [BLOCK_N, NSB * 32] tile in x's dtype and multiplied on the tensor cores
+  with the matching x columns. With few output tiles (small
   M, narrow N) the K blocks are split over SPLIT_K programs that add into an fp32 buffer.
 """
 
@@ -87,6 +88,7 @@ def _gemm_kernel(
     TYPE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NSB: tl.constexpr,  # blocks per loop step: one dot covers NSB * 32 weights per group
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each a run of K blocks
     DOT_PRECISION: tl.constexpr,  # for float32 x: "tf32" or "ieee"
 ):
@@ -97,20 +99,28 @@ def _gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
+    sb = tl.arange(0, NSB)
     l = tl.arange(0, 32)
     nblocks = K // QK
     per_split = tl.cdiv(nblocks, SPLIT_K)
     kb_start = pid_k * per_split
     kb_end = tl.minimum(kb_start + per_split, nblocks)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-    row_off = (rn.to(tl.int64) * stride_wn)[:, None]
+    row_off = rn.to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(kb_start, kb_end):
-        blk = row_off + kb * TYPE_SIZE
+    for kb in range(kb_start, kb_end, NSB):
+        bidx = kb + sb
+        b_ok = bidx < kb_end
+        blk = row_off[:, None] + (bidx * TYPE_SIZE)[None, :]
+        ok = n_ok[:, None] & b_ok[None, :]
+        # x columns of group g of blocks bidx, in the order of the reshaped weight tile
+        xk = tl.reshape((bidx * QK)[:, None] + l[None, :], [NSB * 32])
+        xk_ok = tl.reshape(b_ok[:, None] & (l < 32)[None, :], [NSB * 32])
         for g in tl.static_range(QK // 32):
-            w = dequant_group(w_ptr, w16_ptr, blk, n_ok[:, None], g, QTYPE)
-            w = tl.reshape(w, [BLOCK_N, 32]).to(x_ptr.dtype.element_ty)
-            x = tl.load(x_rows + (kb * QK + g * 32) + l[None, :], mask=m_ok[:, None], other=0.0)
+            w = dequant_group(w_ptr, w16_ptr, blk, ok, g, QTYPE)
+            w = tl.reshape(w, [BLOCK_N, NSB * 32]).to(x_ptr.dtype.element_ty)
+            x = tl.load(x_rows + (xk + g * 32)[None, :], mask=m_ok[:, None] & xk_ok[None, :],
+                        other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
@@ -133,32 +143,45 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> int:
     return k
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _gemm_tiles(x: torch.Tensor, m: int, n: int, block_m: int | None, block_n: int | None
                 ) -> tuple[int, int]:
     """GPU tiles; CPU tensors only run under the Triton interpreter, whose cost is per operation,
     not per element, so there one program takes (nearly) the whole matrix."""
     if not x.is_cuda:
         return (block_m or min(triton.next_power_of_2(m), 256),
-                block_n or min(triton.next_power_of_2(n), 4096))
+                block_n or min(triton.next_power_of_2(n), 1024))
     return block_m or (16 if m <= 16 else 32 if m <= 32 else 64), block_n or 64
+
+
+def use_gemv(x: torch.Tensor, m: int, kernel: str | None) -> bool:
+    """kernel None: the GEMV for decode-sized M on a GPU (the interpreter is faster with one
+    GEMM program); "gemv" / "gemm" force one (tests)."""
+    if kernel not in (None, "gemv", "gemm"):
+        raise ValueError(f"kernel must be None, 'gemv' or 'gemm', got {kernel!r}")
+    return kernel == "gemv" or (kernel is None and x.is_cuda and m <= GEMV_MAX_M)
+
+
+def split_k_for(x: torch.Tensor, tiles: int, steps: int, split_k: int | None) -> int:
+    """Enough programs to fill the GPU when the output has few tiles (small M, narrow N)."""
+    if split_k is None:
+        if not x.is_cuda:
+            return 1
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        split_k = max(1, min(steps // 4, 2 * sms // tiles)) if tiles < sms else 1
+    return max(1, min(split_k, steps))
 
 
 def gguf_matmul_triton(
     x: torch.Tensor,
     qweight: torch.Tensor,
     qtype: int,
+    kernel: str | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ dequant(qweight [N, row_bytes]).T -> [..., N] in x's dtype. Block sizes and
-    split_k override the defaults (tests, tuning); M <= GEMV_MAX_M takes the GEMV kernel."""
+    """x [..., K] @ dequant(qweight [N, row_bytes]).T -> [..., N] in x's dtype. `kernel`,
+    block sizes and split_k override the defaults (tests, tuning)."""
     k = _check(x, qweight, qtype)
     t = gguf_type(qtype)
     n = qweight.shape[0]
@@ -169,7 +192,7 @@ def gguf_matmul_triton(
     w16 = qweight.view(torch.float16)
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
-    if m <= GEMV_MAX_M and block_m is None:
+    if use_gemv(x, m, kernel):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         bn = block_n or 8
         nsb = 8 if t.qk == 256 else 32
@@ -179,12 +202,14 @@ def gguf_matmul_triton(
         )
         return out.reshape(*x.shape[:-1], n)
     bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     nblocks = k // t.qk
-    if split_k is None:
-        sms = _num_sms(x.device)
-        split_k = max(1, min(nblocks // 4, 2 * sms // tiles)) if tiles < sms else 1
-    split_k = max(1, min(split_k, nblocks))
+    if x.is_cuda:
+        nsb = 2 if t.qk == 256 else 4
+    else:
+        # tiles of at most 2**20 elements (a Triton limit)
+        nsb = min(triton.next_power_of_2(nblocks), 4 if t.qk == 256 else 32,
+                  (1 << 15) // max(bm, bn))
+    split_k = split_k_for(x, triton.cdiv(m, bm) * triton.cdiv(n, bn), nblocks, split_k)
     if split_k > 1:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     else:
@@ -192,7 +217,7 @@ def gguf_matmul_triton(
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)
     _gemm_kernel[grid](
         x2, qweight, w16, out, m, n, k, x2.stride(0), qweight.stride(0), out.stride(0),
-        QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_M=bm, BLOCK_N=bn,
+        QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_M=bm, BLOCK_N=bn, NSB=nsb,
         SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )

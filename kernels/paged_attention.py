@@ -6,8 +6,6 @@ with a q_len > 1 runs the prefill/extend kernel, which handles q_len == 1 rows a
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +22,6 @@ from services.engine.forward_context import AttentionMetadata
 
 # Decode reference: cap on gathered elements per batched chunk (bounds CPU memory).
 _REF_CHUNK_ELEMS = 1 << 25
-_SEPARATE_REDUCE = os.environ.get("FLOTILLA_DECODE_REDUCE", "").lower() == "separate"
 
 
 def decode_attention_ref(
@@ -97,8 +94,6 @@ def _decode_split_kernel(
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
     out_ptr,  # NUM_SPLITS == 1: final output [T, Hq, D]; else partial fp32 [B, Hq, NUM_SPLITS, D]
     lse_ptr,  # fp32 [B, Hq, NUM_SPLITS] log2-sum-exp of each split (unused if NUM_SPLITS == 1)
-    counter_ptr,  # int32 [>= B * Hk] zeros: splits done per (seq, kv head) (FUSED_REDUCE only)
-    final_ptr,  # [T, Hq, D] final output when FUSED_REDUCE (out_ptr then holds the partials)
     block_tables_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]
@@ -115,7 +110,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,  # the last split of each (seq, kv head) to finish reduces
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -123,9 +117,6 @@ def _decode_split_kernel(
     # Grid (B, Hk, NUM_SPLITS): the visible keys of a sequence are cut into NUM_SPLITS equal
     # ranges (rounded to BLOCK_N); each program reads its range of one KV head once and serves
     # all GROUP query heads from it. Empty ranges (short sequences) record lse = -inf.
-    # FUSED_REDUCE: every program then bumps its (seq, kv head) counter; the one that sees
-    # NUM_SPLITS - 1 (the last to finish) merges the splits and resets the counter to 0, so no
-    # second launch is needed and the counters are ready for the next launch (CUDA-graph safe).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -176,60 +167,9 @@ def _decode_split_kernel(
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part = (seq.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        if FUSED_REDUCE:
-            # Splits past the last key (short sequences) store nothing: the merge reads only
-            # the n_used splits that hold keys.
-            n_used = tl.cdiv(seq_len - kv_lo, tl.maximum(per_split, 1))
-            if split < n_used:
-                _store_split(out_ptr, lse_ptr, part, out, lse, offs_d, mask, h_mask, HEAD_DIM)
-            # Release: every thread's stores above are done (barrier) before the counter moves.
-            tl.debug_barrier()
-            counter = counter_ptr + seq * (num_q_heads // GROUP) + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                for h in tl.static_range(GROUP):
-                    head = kv_head * GROUP + h
-                    _merge_head(out_ptr, lse_ptr, final_ptr,
-                                (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS,
-                                row * stride_ot + head * stride_oh, n_used, offs_d, d_mask,
-                                HEAD_DIM, NUM_SPLITS)
-                tl.store(counter, 0)
-        else:
-            _store_split(out_ptr, lse_ptr, part, out, lse, offs_d, mask, h_mask, HEAD_DIM)
-
-
-@triton.jit
-def _store_split(partial_ptr, lse_ptr, part, out, lse, offs_d, mask, h_mask,
-                 HEAD_DIM: tl.constexpr):
-    """One split's normalised output [BLOCK_H, D] and log2-sum-exp [BLOCK_H]."""
-    tl.store(partial_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
-    tl.store(lse_ptr + part, lse, mask=h_mask)
-
-
-@triton.jit
-def _merge_head(
-    partial_ptr, lse_ptr, out_ptr,
-    base,  # index of this head's split 0 in lse / partial
-    out_off,  # offset of this head's output row
-    n_used,  # splits that hold keys (the rest were not written)
-    offs_d, d_mask,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    """Weight each split's normalised output by 2^(lse - max lse), all splits in one load (no
-    serial chain of loads). Loads bypass L1 (.cg): other programs wrote them in this launch."""
-    offs_s = tl.arange(0, NUM_SPLITS)
-    s_mask = offs_s < n_used
-    lse = tl.load(lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"),
-                  cache_modifier=".cg")
-    part = tl.load(partial_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    total = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + out_off + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(lse_ptr + part, lse, mask=h_mask)
 
 
 @triton.jit
@@ -273,19 +213,6 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> in
         triton.cdiv(max(max_seq_len, 1), 256))))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """A persistent int32 zero buffer of >= n counters for the fused split reduction. The
-    kernel leaves it zeroed; it only grows (first use at a size happens outside graph capture:
-    the runner's warm-up runs each captured shape eagerly first)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
-
-
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -298,14 +225,15 @@ def decode_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
-    fused_reduce: bool | None = None,
 ) -> torch.Tensor:
     """Split-KV decode for batches where every sequence has at most one new token.
 
-    Defaults (no register spills on sm_90, bf16): BLOCK_N 64 keys per step, 4 warps for
-    head_dim <= 64, 8 for 128. With several splits, the last split program of each (sequence,
-    KV head) merges them (fused_reduce, default on; FLOTILLA_DECODE_REDUCE=separate launches a
-    second kernel instead)."""
+    Defaults (bf16, no register spills on sm_90): BLOCK_N 64 keys per step; 4 warps for
+    head_dim <= 64, 2 for 128 (on an H200, CUDA-graph replays, Llama-3-8B heads: 2 warps beat 8
+    by 20-35% from batch 1 to 256, e.g. 69.6 vs 88.3 us at 256 x 256 keys; see
+    bench/attention_tiles.py). The split reduction is a second launch: fusing it into the last
+    split to finish (an atomic counter per sequence and KV head) measured slower in graph
+    replays (12.3 vs 6.4 us at batch 1, 32 splits), its serial merge costing more than a launch."""
     check_attention_args(q, k_cache, v_cache, meta)
     if meta.max_query_len > 1:
         raise ValueError("decode_attention_triton needs q_len <= 1 for every sequence")
@@ -322,20 +250,16 @@ def decode_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles
     block_n = block_n or (16 if fp32 else 64)
-    num_warps = num_warps or (4 if block_d <= 64 and not fp32 else 8)
-    if fused_reduce is None:
-        fused_reduce = not _SEPARATE_REDUCE
-    fused_reduce = fused_reduce and num_splits > 1
+    num_warps = num_warps or (8 if fp32 else 4 if block_d <= 64 else 2)
     if num_splits == 1:
-        partial = lse = counters = out
+        partial = lse = out
     else:
         partial = torch.empty(num_seqs, num_q_heads, num_splits, head_dim,
                               dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32,
                           device=q.device)
-        counters = split_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else lse
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, partial, lse, counters, out, meta.block_tables, meta.seq_lens,
+        q, k_cache, v_cache, partial, lse, meta.block_tables, meta.seq_lens,
         meta.query_start_loc,
         scale, logit_softcap or 1.0, sliding_window or 0,
         q.stride(0), q.stride(1),
@@ -344,13 +268,12 @@ def decode_attention_triton(
         num_q_heads, HEAD_DIM=head_dim,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        FUSED_REDUCE=fused_reduce,
         USE_SOFTCAP=logit_softcap is not None,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and not fused_reduce:
+    if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             partial, lse, out, meta.query_start_loc, out.stride(0), out.stride(1),
             num_q_heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4,

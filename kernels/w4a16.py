@@ -7,7 +7,7 @@ Layout (both formats are repacked into it at load time, services/engine/quant/w4
 - perm int32 [K] or None (GPTQ act-order): the checkpoint's K order was sorted by group at load
   time, so kernel position k multiplies x[perm[k]].
 
-GEMV (M <= GEMV_MAX_M): [BLOCK_N, NCHUNK, CHUNK] tiles of unpacked codes; each chunk lies in one
+GEMV (decode-sized M on a GPU, kernels/gguf_matmul.py: use_gemv): [BLOCK_N, NCHUNK, CHUNK] tiles of unpacked codes; each chunk lies in one
 group, so codes are dotted with x first and scale/zero applied per (row, chunk). GEMM: each [BLOCK_N, BLOCK_K] weight tile is unpacked and
 scaled in registers, cast to x's dtype and fed to tl.dot; SPLIT_K as in kernels/gguf_matmul.py.
 """
@@ -19,9 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.gguf_matmul import _gemm_tiles
-
-GEMV_MAX_M = 2
+from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -194,6 +192,7 @@ def w4a16_matmul_triton(
     zeros: torch.Tensor,
     group_size: int,
     perm: torch.Tensor | None = None,
+    kernel: str | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     split_k: int | None = None,
@@ -209,7 +208,7 @@ def w4a16_matmul_triton(
         return x.new_empty(*x.shape[:-1], n)
     perm_arg = perm if perm is not None else qweight  # never read without HAS_PERM
     common = dict(HAS_PERM=perm is not None)
-    if m <= GEMV_MAX_M and block_m is None:
+    if use_gemv(x, m, kernel):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         bn = block_n or 8
         chunk = min(128, group_size & -group_size)  # largest power of two dividing G, <= 128
@@ -220,14 +219,8 @@ def w4a16_matmul_triton(
         )
         return out.reshape(*x.shape[:-1], n)
     bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
-    bk = 64
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    steps = triton.cdiv(k, bk)
-    if split_k is None:
-        sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
-               if x.is_cuda else 1)
-        split_k = max(1, min(steps // 4, 2 * sms // tiles)) if tiles < sms else 1
-    split_k = max(1, min(split_k, steps))
+    bk = 64 if x.is_cuda else min(triton.next_power_of_2(k), 1024)
+    split_k = split_k_for(x, triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk), split_k)
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](

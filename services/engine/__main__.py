@@ -18,8 +18,8 @@ from services.engine.service import EngineService
 
 def _torchrun_worker(settings: EngineSettings) -> None:
     from libs.common.model_cache import resolve_model
-    from services.engine.executor import run_torchrun_worker
     from services.engine.factory import engine_config
+    from services.engine.worker import run_torchrun_worker
 
     telemetry.setup_logging(settings.log_level)
     path = resolve_model(settings.model)

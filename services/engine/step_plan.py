@@ -54,6 +54,7 @@ class _Sent(NamedTuple):
     key: int  # the request's id on the wire
     blocks: list[int]  # the scheduler's own list object
     num_blocks: int  # how many of its ids the workers have
+    last: int  # the last of them (-1: none), a cheap guard against in-place rewrites
 
 
 class PlanEncoder:
@@ -73,14 +74,15 @@ class PlanEncoder:
         for i, r in enumerate(requests):
             blocks = r.block_ids
             prev = sent.get(r.request_id)
-            if prev is not None and prev.blocks is blocks and len(blocks) >= prev.num_blocks:
+            if (prev is not None and prev.blocks is blocks and len(blocks) >= prev.num_blocks
+                    and (prev.num_blocks == 0 or blocks[prev.num_blocks - 1] == prev.last)):
                 index = prev.key
                 new_blocks[i] = blocks[prev.num_blocks:]
             else:
                 index = prev.key if prev is not None else self._new_index()
                 new_blocks[i], replace[i] = list(blocks), True
             ids[i] = index
-            now[r.request_id] = _Sent(index, blocks, len(blocks))
+            now[r.request_id] = _Sent(index, blocks, len(blocks), blocks[-1] if blocks else -1)
         self._sent = now
         plan = StepPlan(decode_only, share_tokens, ids, [r.token_ids for r in requests],
                         [r.num_computed_tokens for r in requests],

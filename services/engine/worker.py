@@ -38,6 +38,7 @@ from services.engine.distributed import (
 )
 from services.engine.model_runner import ModelRunner
 from services.engine.plan_channel import Address, PlanClient
+from services.engine.pod import DEFAULT_TIMEOUT_S, pod_layout
 from services.engine.step_output import LaunchedStep
 from services.engine.step_plan import DecodedStep, PlanDecoder
 
@@ -139,3 +140,15 @@ def run_worker(spec: WorkerSpec) -> None:
         os._exit(1)
     channel.close()
     destroy_distributed()
+
+
+def run_torchrun_worker(config: EngineConfig, model_path: str) -> None:
+    """A non-zero rank started by torchrun: serve rank 0's pod until it stops."""
+    layout = pod_layout(config)
+    device = layout.devices[int(os.environ.get("LOCAL_RANK", "0"))]
+    threads = config.num_threads
+    if threads is None and device == "cpu":
+        threads = max(1, (os.cpu_count() or 1) // layout.local_world_size)
+    run_worker(WorkerSpec(rank=int(os.environ["RANK"]), world_size=layout.world_size,
+                          init_method="env://", device=device, config=config,
+                          model_path=model_path, timeout_s=DEFAULT_TIMEOUT_S, num_threads=threads))

@@ -2,11 +2,13 @@
 
     flotilla up [--port N] [--host H] [--model PATH_OR_ID] [--mcp-config FILE] [--nats-url URL]
                 [--served-model-name NAME] [--state-file FILE] [--log-level LEVEL]
+                [--tp N] [--device-ids 0,1]
     flotilla status [--state-file FILE]
     flotilla fetch [--model PATH_OR_ID]
 
 Short forms: `--p`/`-p` port, `--m`/`-m` model, `--w` (weights directory) and `--f` (GGUF file)
-are also the model. Defaults come from LauncherSettings (FLOTILLA_PORT, FLOTILLA_MODEL, ...).
+are also the model; `--d` is --device-ids. Defaults come from LauncherSettings (FLOTILLA_PORT,
+FLOTILLA_MODEL, ...); --tp / --device-ids reach the engine as FLOTILLA_TP / FLOTILLA_DEVICE_IDS.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
                     help=f"log level of the launcher and services (default: {settings.log_level})")
     up.add_argument("--start-timeout", type=float, default=settings.start_timeout_s,
                     metavar="SECONDS", help="give up if not ready within this long")
+    up.add_argument("--tp", type=int, default=None, metavar="N",
+                    help="tensor-parallel ranks of the engine pod (default: one per device id, "
+                         "else 1)")
+    up.add_argument("--device-ids", "--d", dest="device_ids", type=_device_ids, default=None,
+                    metavar="0,1", help="GPU of each engine rank (default: 0..tp-1)")
 
     status = commands.add_parser("status", help="show running suites (from their state files)")
     status.add_argument("--state-file", type=Path, default=None, metavar="FILE")
@@ -71,13 +78,21 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
     return parser
 
 
+def _device_ids(text: str) -> str:
+    ids = text.replace(" ", "").split(",")
+    if not all(i.isdigit() for i in ids):
+        raise argparse.ArgumentTypeError(f"expected GPU ids like 0,1, got {text!r}")
+    return ",".join(ids)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     telemetry.setup_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     suite = Suite(SuiteOptions(
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         mcp_config=args.mcp_config, served_model_name=args.served_model_name,
-        log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout))
+        log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout,
+        tp=args.tp, device_ids=args.device_ids))
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         if suite.stop_requested:  # a second Ctrl-C: stop waiting politely

@@ -12,6 +12,8 @@ Rules:
 - A schema is refused (400, `param` names it) when it is not an object, exceeds MAX_SCHEMA_CHARS
   or MAX_DEPTH, has a size bound (maxLength, maxItems, ...) above MAX_BOUND, breaks the JSON
   Schema 2020-12 metaschema, or xgrammar cannot convert it.
+- When the prompt leaves the model inside its reasoning block (it ends with `<think>`, as
+  DeepSeek R1's template does), the constraint starts after `</think>`: reasoning stays free.
 - `grammar_of(spec)` is the one conversion of a spec into an xgrammar Grammar; the engine compiles
   the very same (services/engine/structured.py).
 """
@@ -132,9 +134,33 @@ def response_format_spec(response_format: dict[str, Any] | None) -> GuidedDecodi
     return _checked(spec, param)
 
 
-def guided_spec(req: TextRequest, fmt: ToolFormat) -> GuidedDecoding | None:
-    """The constraint of a request, or None (blocking: call it off the event loop)."""
+def after_reasoning(spec: GuidedDecoding, end_tag: str) -> GuidedDecoding:
+    """The same constraint, once free text up to `end_tag` (and some whitespace) is written."""
+    if spec.kind == "structural_tag":
+        main = json.loads(spec.value or "{}")["format"]
+    elif spec.kind == "json_schema":
+        main = {"type": "json_schema", "json_schema": json.loads(spec.value or "{}")}
+    elif spec.kind == "json_object":
+        main = {"type": "json_schema", "json_schema": {"type": "object"}}
+    else:
+        return spec
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end_tag},
+        {"type": "regex", "pattern": "\\s{0,4}"}, main]}}
+    return GuidedDecoding(kind="structural_tag", value=json.dumps(tag, ensure_ascii=False),
+                          special_tokens=[*spec.special_tokens, end_tag])
+
+
+def guided_spec(req: TextRequest, fmt: ToolFormat,
+                reasoning_end: str | None = None) -> GuidedDecoding | None:
+    """The constraint of a request, or None (blocking: call it off the event loop).
+    `reasoning_end`: the prompt opened a reasoning block that this tag closes."""
     choice = req.tool_choice
+    spec: GuidedDecoding | None
     if req.kind == "chat" and req.tools and (choice == "required" or isinstance(choice, dict)):
-        return tool_call_spec(req.tools, choice, req.parallel_tool_calls, fmt)
-    return response_format_spec(req.response_format)
+        spec = tool_call_spec(req.tools, choice, req.parallel_tool_calls, fmt)
+    else:
+        spec = response_format_spec(req.response_format)
+    if spec is None or reasoning_end is None:
+        return spec
+    return _checked(after_reasoning(spec, reasoning_end), "response_format")

@@ -28,6 +28,7 @@ from libs.common.messages import GuidedDecoding, SamplingOptions, TextRequest
 from services.tokenizer.chat_messages import normalize_messages
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from services.tokenizer.guided import guided_spec
+from services.tokenizer.reasoning import END, ReasoningParser
 from services.tokenizer.tokenizer import Tokenizer
 from services.tokenizer.tool_formats import ToolFormat, detect
 from services.tokenizer.tool_prompt import inject_tools, inline_tool_history, tool_names
@@ -140,8 +141,10 @@ class PromptBuilder:
     def prepare(self, req: TextRequest) -> PreparedPrompt:
         if req.kind == "chat":
             text = self.render_chat(req)
+            parser = ReasoningParser.for_prompt(self.tokenizer, text)
+            reasoning_end = END if parser is not None and parser.in_reasoning else None
             return PreparedPrompt(text=text, token_ids=self.tokenizer.encode(text, False),
-                                  guided=guided_spec(req, self.tool_format()))
+                                  guided=guided_spec(req, self.tool_format(), reasoning_end))
         prompt = req.prompt
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)

@@ -27,6 +27,7 @@ class Split(NamedTuple):
 
 class ReasoningParser:
     def __init__(self, in_reasoning: bool = False):
+        self.in_reasoning = in_reasoning  # the prompt opened the block
         self._state = "reasoning" if in_reasoning else "start"
         self._buf = ""
         self._strip_newlines = False

@@ -7,6 +7,9 @@ forward (rel. error < 1e-4), so must the logits of each cached decode step again
 and 16 greedy tokens must equal `generate`'s, both with one prefill plus cached decode steps and
 with the whole sequence recomputed each step. Sliding-window cases
 use prompts longer than the window, so the window really cuts.
+
+Also: a few architectures batched through the Engine against per-sequence `generate`, and the
+legacy / sparse config.json forms on the Hub parsed the way transformers' config classes read them.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from services.engine.engine import Engine, EngineConfig
-from services.engine.executor import MultiProcExecutor, TensorParallelError, pod_layout
+from services.engine.executor import TensorParallelError
+from services.engine.multiproc_executor import MultiProcExecutor
+from services.engine.pod import pod_layout
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledRequest
 from services.engine.step_plan import DecodedStep, PlanDecoder, PlanEncoder
@@ -24,11 +26,14 @@ from tests.engine.conftest import rel_error, save_tiny_llama
 from tests.engine.test_moe_models import save_tiny
 
 # 8 query heads over 2 kv heads: split at TP=2, replicated (one kv head per rank) at TP=4 and 8.
-LLAMA = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64, intermediate_size=128)
+LLAMA: dict[str, Any] = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+                             intermediate_size=128)
 # Small blocks and chunks: prefill chunks, several blocks per request, and preemption.
-ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=16,
-              max_num_batched_tokens=32, prefill_chunk_size=16, max_num_seqs=4)
+ENGINE: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=16,
+                              max_num_batched_tokens=32, prefill_chunk_size=16, max_num_seqs=4)
 PROMPT = list(range(3, 41))
+# room for 200 tokens: still generating when a rank is killed
+LONG_RUN: dict[str, Any] = dict(ENGINE, num_kv_blocks=64)
 PROMPT_LENS = (5, 19, 33)
 
 
@@ -97,7 +102,7 @@ def test_llama_tp8_matches_tp1(llama: Path) -> None:
 
 
 def test_killed_worker_fails_the_engine_within_seconds(llama: Path) -> None:
-    engine = Engine(EngineConfig(model=str(llama), tp=2, **ENGINE))
+    engine = Engine(EngineConfig(model=str(llama), tp=2, **LONG_RUN))
     failures: list[BaseException] = []
     engine.executor.on_failure(failures.append)
     try:
@@ -128,7 +133,7 @@ async def test_service_errors_requests_and_gives_up_when_a_rank_dies(llama: Path
     from libs.common.settings import EngineSettings
     from services.engine.service import EngineService
 
-    engine = await asyncio.to_thread(Engine, EngineConfig(model=str(llama), tp=2, **ENGINE))
+    engine = await asyncio.to_thread(Engine, EngineConfig(model=str(llama), tp=2, **LONG_RUN))
     model = f"tp-{uuid.uuid4().hex[:8]}"
     bus = await Bus.connect("nats://127.0.0.1:4222", "tp-test")
     fatal = asyncio.Event()
@@ -192,6 +197,8 @@ def test_step_plan_sends_block_deltas_and_mirrors_the_block_lists() -> None:
     blocks, size = roundtrip([_sr("a", [8], 3, a), _sr("b", [1], 1, b)])
     assert blocks == [a, b] and size < 600
     assert roundtrip([_sr("a", [8], 4, a)])[0] == [a]  # "b" paused: dropped on both sides
+    a[-1] = 999  # rewritten in place (not something KVCacheManager does): sent whole
+    assert roundtrip([_sr("a", [8], 5, a)])[0] == [a]
     preempted = [40, 41]  # freed and re-allocated: a new list, sent whole
     assert roundtrip([_sr("a", [1, 2, 3], 0, preempted), _sr("b", [1], 0, b)])[0] == [
         [40, 41], [7]]
@@ -215,3 +222,19 @@ def test_pod_layout_from_tp_device_ids_and_torchrun(monkeypatch: pytest.MonkeyPa
     assert (multi.world_size, multi.devices, multi.torchrun) == (4, ["cuda:0", "cuda:1"], True)
     with pytest.raises(ValueError, match="torchrun started 4"):
         pod_layout(EngineConfig(device="cuda", tp=2))
+
+
+def test_launcher_passes_tp_and_device_ids_to_the_engine() -> None:
+    from libs.common.settings import EngineSettings, LauncherSettings
+    from services.engine.factory import engine_config
+    from services.launcher.cli import build_parser
+    from services.launcher.suite import Suite, SuiteOptions
+
+    args = build_parser(LauncherSettings()).parse_args(["up", "--tp", "2", "--d", "0, 1"])
+    assert (args.tp, args.device_ids) == (2, "0,1")
+    suite = Suite(SuiteOptions(tp=args.tp, device_ids=args.device_ids))
+    env = next(s.env for s in suite._specs("nats://x", 1, Path("/m"), "m") if s.name == "engine")
+    assert (env["FLOTILLA_TP"], env["FLOTILLA_DEVICE_IDS"]) == ("2", "0,1")
+    settings = EngineSettings(tp=env["FLOTILLA_TP"], device_ids=env["FLOTILLA_DEVICE_IDS"])
+    config = engine_config(settings, Path("/m"))
+    assert (config.tp, config.device_ids) == (2, (0, 1))

@@ -68,15 +68,14 @@ def spill_report() -> dict[str, int]:
                                   constexprs, 8)
             spills[f"prefill d={head_dim} softcap+window={extras}"] = spill_bytes(report)
         for num_splits in (1, 8):
-            types = ATTN_PTRS | {"lse_ptr": "*fp32", "counter_ptr": "*i32", "final_ptr": "*bf16"}
+            types = ATTN_PTRS | {"lse_ptr": "*fp32"}
             if num_splits > 1:
                 types["out_ptr"] = "*fp32"
             constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_H=16, BLOCK_SIZE=16, BLOCK_N=64,
-                              BLOCK_D=head_dim, NUM_SPLITS=num_splits,
-                              FUSED_REDUCE=num_splits > 1, USE_SOFTCAP=True,
+                              BLOCK_D=head_dim, NUM_SPLITS=num_splits, USE_SOFTCAP=True,
                               USE_WINDOW=True, DOT_PRECISION="tf32")
             report = compile_sm90("paged_attention", "_decode_split_kernel", types, constexprs,
-                                  4 if head_dim <= 64 else 8)
+                                  4 if head_dim <= 64 else 2)
             spills[f"decode d={head_dim} splits={num_splits}"] = spill_bytes(report)
         reduce_types = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16",
                         "query_start_loc_ptr": "*i32"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,14 @@ def with_specials(tok: Tokenizer, bos: str | None, eos: str) -> Tokenizer:
 
 # ------------------------------------------------------------------ HF tokenizer directories
 
+@functools.cache
+def load(model_dir: Path) -> tuple[Tokenizer, Any]:
+    """Ours and transformers' tokenizer of a directory."""
+    transformers = pytest.importorskip("transformers")
+    return (Tokenizer.from_path(model_dir),
+            transformers.AutoTokenizer.from_pretrained(str(model_dir)))
+
+
 @pytest.fixture(scope="module", params=["qwen3", "llama31"])
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_dir")
@@ -96,9 +105,7 @@ def model_dir(request: pytest.FixtureRequest) -> Path:
                                             (HISTORY, [WEATHER])])
 def test_hf_directories_render_as_transformers(model_dir: Path, messages: list,
                                                tools: list | None) -> None:
-    transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    tok = Tokenizer.from_path(model_dir)
+    tok, reference = load(model_dir)
     source = tok.chat_template(with_tools=True) or ""
     expected = reference.apply_chat_template(reference_messages(messages, tools, source),
                                              tools=tools, tokenize=False,
@@ -111,9 +118,7 @@ def test_hf_directories_render_as_transformers(model_dir: Path, messages: list,
 
 
 def test_qwen3_enable_thinking(qwen3_dir: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoTokenizer.from_pretrained(str(qwen3_dir))
-    tok = Tokenizer.from_path(qwen3_dir)
+    tok, reference = load(qwen3_dir)
     for flag in (True, False):
         expected = reference.apply_chat_template(SIMPLE, tokenize=False, enable_thinking=flag,
                                                  add_generation_prompt=True)
@@ -140,7 +145,7 @@ TEMPLATES = [
 
 @pytest.fixture(scope="module")
 def vocab(qwen3_dir: Path) -> Tokenizer:
-    return Tokenizer.from_path(qwen3_dir)
+    return load(qwen3_dir)[0]
 
 
 @pytest.mark.parametrize("name,bos,eos", TEMPLATES, ids=[t[0] for t in TEMPLATES])
@@ -224,3 +229,23 @@ def test_mistral_nemo_renders_as_mistral_common(llama_cpp_templates: Path, vocab
         text, reference = text.split("[TOOL_RESULTS]")[0], reference.split("[TOOL_RESULTS]")[0]
         assert text.endswith('"id": "abcDEF123"}]</s>')
     assert text == reference
+
+
+def test_constraint_starts_after_an_open_reasoning_block(llama_cpp_templates: Path,
+                                                         vocab: Tokenizer) -> None:
+    """DeepSeek R1's prompt ends inside `<think>`: the reasoning stays free, the JSON follows."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from services.tokenizer.guided import grammar_of
+
+    source = (llama_cpp_templates / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+    tok = with_specials(vocab, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+    req = TextRequest(request_id="r", model="m", kind="chat", stream_subject="s",
+                      messages=[{"role": "user", "content": "x"}],
+                      response_format={"type": "json_object"},
+                      chat_template_kwargs={"enable_thinking": True})  # llama.cpp's variant
+    prepared = PromptBuilder(tok, 32768, template_override=source).prepare(req)
+    assert prepared.text.endswith("<think>\n") and prepared.guided is not None
+    grammar = grammar_of(prepared.guided)
+    assert _is_grammar_accept_string(grammar, 'So, a cat.</think>\n\n{"cat": true}')
+    assert not _is_grammar_accept_string(grammar, '{"cat": true}')

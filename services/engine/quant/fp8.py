@@ -1,14 +1,15 @@
 """FP8 (e4m3) weights: pre-quantized checkpoints and the target of `--isq fp8`.
 
 Rules:
-- Served layout: `weight_fp8` e4m3 [N, K] and `weight_scale` float32 [N] (one scale per output
-  channel), run by kernels/fp8.py on CUDA; off CUDA the layer dequantizes once after loading.
+- Served layout: `weight_fp8` e4m3 [N, K] and `weight_scale` float32 [N, G] (per output channel:
+  G = 1; 2D blocks: one row of K-block scales per weight row), run by kernels/fp8.py on CUDA;
+  off CUDA the layer dequantizes once after loading.
 - Checkpoints (config.json `quantization_config`), read as published:
   * quant_method "fp8" with `weight_scale` (per tensor, AutoFP8) or `weight_scale_inv` blocks
     (`weight_block_size`, DeepSeek/Qwen FP8);
   * quant_method "compressed-tensors" with 8-bit float weights, strategy tensor / channel / block.
   Per-tensor scales of fused shards become per-channel scales of their rows; block scales are
-  folded in and the weight is re-quantized per channel after loading (one rounding more).
+  repeated over the rows of their block.
   Static `input_scale`s are accepted and unused: activations are quantized dynamically per token.
 """
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8 import FP8, fp8_matmul_triton, quantize_fp8_per_channel
+from kernels.fp8 import FP8, fp8_dequantize_ref, fp8_matmul_triton
 from services.engine.quant.base import (
     QuantConfig,
     QuantMethod,
@@ -83,11 +84,11 @@ class FP8LinearMethod(QuantMethod):
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8),
                                     requires_grad=False)
         if cfg.block is None:
-            scale = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            scale = nn.Parameter(torch.empty(output_size, 1), requires_grad=False)
 
             def per_row(loaded: torch.Tensor, *shard: Any) -> torch.Tensor:
-                t = loaded.float().reshape(-1)
-                return t.expand(checkpoint_rows(layer, *shard)) if t.numel() == 1 else t
+                t = loaded.float().reshape(-1, 1)
+                return t.expand(checkpoint_rows(layer, *shard), 1) if t.numel() == 1 else t
 
             scale.weight_loader = param_loader(layer, per_row)  # type: ignore[attr-defined]
             layer.weight_scale = scale
@@ -109,15 +110,9 @@ class FP8LinearMethod(QuantMethod):
 
     def process_after_loading(self, layer: nn.Module) -> None:
         weight = layer_tensor(layer, "weight").data
-        if hasattr(layer, "weight_scale_inv"):
-            blocks = layer_tensor(layer, "weight_scale_inv").data
-            dense = weight.float() * blocks.repeat_interleave(
-                weight.shape[1] // blocks.shape[1], dim=1)
-            weight, scale = quantize_fp8_per_channel(dense)
-            del layer.weight_scale_inv
-        else:
-            scale = layer_tensor(layer, "weight_scale").data.float()
-            del layer.weight_scale
+        name = "weight_scale_inv" if hasattr(layer, "weight_scale_inv") else "weight_scale"
+        scale = layer_tensor(layer, name).data.float()
+        delattr(layer, name)
         if hasattr(layer, "input_scale"):
             del layer.input_scale
         del layer.weight
@@ -129,7 +124,7 @@ class FP8LinearMethod(QuantMethod):
             layer.register_buffer("weight_fp8", weight.contiguous(), persistent=False)
             layer.register_buffer("weight_scale", scale.float().contiguous(), persistent=False)
         else:
-            dense = (weight.float() * scale.float()[:, None]).to(self.dtype)
+            dense = fp8_dequantize_ref(weight, scale).to(self.dtype)
             layer.register_buffer("weight_dequant", dense, persistent=False)
 
     def apply(

@@ -1,0 +1,85 @@
+"""Quantization tests: kernels run under the Triton interpreter without CUDA (as tests/kernels).
+
+Set-up as tests/kernels/conftest.py (TRITON_INTERPRET before triton's first import, the
+interpreter fixes, GPU-marked tests skipped without CUDA), plus one BLAS thread: the interpreter
+runs each tl.dot as a small numpy matmul, and OpenBLAS spinning its thread pool on a busy 2-core
+machine turns a 20 us product into 30 ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+INTERPRETER_TOO_LATE = False
+if not torch.cuda.is_available():
+    INTERPRETER_TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tests.kernels import interpreter_fixes
+
+    interpreter_fixes.apply()
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _single_thread_openblas() -> None:
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # if numpy is not loaded yet
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lib = line.split()[-1]
+        if "openblas" not in lib or ".so" not in lib:
+            continue
+        handle = ctypes.CDLL(lib)
+        for fn in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                   "openblas_set_num_threads"):
+            if hasattr(handle, fn):
+                getattr(handle, fn)(1)
+                return
+
+
+try:
+    import numpy  # noqa: F401  (load it, then pin its BLAS)
+
+    _single_thread_openblas()
+except OSError:
+    pass
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """||ours - ref|| / ||ref|| in float64 (NaN fails every bound)."""
+    ours, ref = ours.double(), ref.double()
+    return float((ours - ref).norm() / ref.norm())
+
+
+@pytest.fixture
+def kernels_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Quantized layers run their Triton kernels even on CPU (the interpreter)."""
+    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "triton")
+    yield
+
+
+@pytest.fixture
+def dequant_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Quantized layers dequantize once after loading and serve float weights."""
+    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "torch")
+    yield
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    too_late = pytest.mark.skip(
+        reason="triton was imported before TRITON_INTERPRET=1 was set (tests/kernels/conftest.py)"
+    )
+    here = os.path.dirname(__file__)
+    for item in items:
+        if not str(item.path).startswith(here):
+            continue
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        elif INTERPRETER_TOO_LATE and "gpu" not in item.keywords:
+            item.add_marker(too_late)

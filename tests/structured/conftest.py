@@ -1,0 +1,28 @@
+"""Shared fixtures: the SmolLM2 vocabulary and its grammar compiler (the engine's, without a
+model: tests drive the real sampler with stand-in logits)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from libs.common.model_cache import ensure_default_model
+from services.engine.structured import StructuredOutputs
+from services.tokenizer.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path) -> Tokenizer:
+    return Tokenizer.from_path(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def outputs(smollm2_path: Path, smollm2: Tokenizer) -> StructuredOutputs:
+    return StructuredOutputs(str(smollm2_path), smollm2.vocab_size,
+                             smollm2.end_of_generation_ids())

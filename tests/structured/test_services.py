@@ -1,0 +1,163 @@
+"""Through the real services (engine, tokenizer and gateway in this process, the real NATS, the
+SmolLM2 model) with the official `openai` client: a forced tool call and its round trip, JSON
+that always validates, refusals of bad schemas, and logprobs in chat and completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from libs.common.bus import Bus
+from libs.common.model_cache import ensure_default_model
+from libs.common.settings import EngineSettings, GatewaySettings, TokenizerSettings
+from services.engine.service import EngineService
+from services.gateway.service import GatewayService
+from services.tokenizer.service import TokenizerService
+
+NATS = "nats://127.0.0.1:4222"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}
+PERSON = {"type": "object", "additionalProperties": False,
+          "required": ["name", "age", "member"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "member": {"type": "boolean"}}}
+
+
+@pytest.fixture(scope="module")
+async def client() -> AsyncIterator[tuple[openai.AsyncOpenAI, str]]:
+    """The three services on a model name of their own (apart from other suites' subjects)."""
+    model = f"structured-{uuid.uuid4().hex[:8]}"
+    common: dict[str, Any] = dict(nats_url=NATS, model=str(ensure_default_model()),
+                                  served_model_name=model, log_level="WARNING")
+    bus = await Bus.connect(NATS, "structured-test")
+    services = [EngineService(EngineSettings(**common, kvcache_mem_mib=512), bus),
+                TokenizerService(TokenizerSettings(**common), bus),
+                GatewayService(GatewaySettings(nats_url=NATS, port=0, log_level="WARNING",
+                                               request_timeout_s=60.0), bus)]
+    started: list[Any] = []
+    try:
+        for svc in services:
+            await svc.start()
+            started.append(svc)
+        gateway = services[2]
+        async with httpx.AsyncClient(base_url=gateway.url) as http:
+            for _ in range(200):  # until the gateway has seen the tokenizer announce
+                if any(m["id"] == model for m in (await http.get("/v1/models")).json()["data"]):
+                    break
+                await asyncio.sleep(0.1)
+        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused",
+                                      timeout=600, max_retries=0) as sdk:
+            yield sdk, model
+    finally:
+        for svc in reversed(started):
+            await svc.stop()
+        await bus.close()
+
+
+async def test_tool_round_trip_with_tool_choice_required(
+        client: tuple[openai.AsyncOpenAI, str]) -> None:
+    sdk, model = client
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # one call: greedy SmolLM2 would repeat it until max_tokens if more were allowed
+    forced: dict[str, Any] = dict(model=model, tools=[WEATHER], tool_choice="required",
+                                  parallel_tool_calls=False, temperature=0, max_tokens=60)
+    first = await sdk.chat.completions.create(messages=messages, **forced)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls and not choice.message.content
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    # the same request streamed: id and name first, then argument fragments, same call
+    stream = await sdk.chat.completions.create(messages=messages, stream=True, **forced)
+    pieces: list[Any] = []
+    finish = None
+    async for chunk in stream:
+        for c in chunk.choices:
+            pieces += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    assert pieces[0].id and pieces[0].function.name == "get_weather"
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+    messages.append(choice.message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id,
+                     "content": json.dumps({"temperature_c": 18, "sky": "sunny"})})
+    final = await sdk.chat.completions.create(model=model, messages=messages, tools=[WEATHER],
+                                              tool_choice="none", temperature=0, max_tokens=24)
+    answer = final.choices[0]
+    assert answer.message.content and not answer.message.tool_calls
+    assert answer.finish_reason in ("stop", "length")
+
+
+async def test_a_hundred_json_schema_samples_all_validate(
+        client: tuple[openai.AsyncOpenAI, str]) -> None:
+    sdk, model = client
+    response_format: Any = {"type": "json_schema",
+                            "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    async def one(seed: int) -> tuple[str | None, str | None]:
+        r = await sdk.chat.completions.create(
+            model=model, temperature=1.0, max_tokens=40, seed=seed,
+            response_format=response_format,
+            messages=[{"role": "user", "content": "Invent a club member. Answer in JSON."}])
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    results = await asyncio.gather(*(one(seed) for seed in range(100)))
+    assert all(reason == "stop" for _, reason in results), results
+    people = [json.loads(text or "") for text, _ in results]
+    for person in people:
+        jsonschema.validate(person, PERSON)
+    assert len({json.dumps(p) for p in people}) > 10  # sampled, not one answer repeated
+
+
+async def test_json_object_and_bad_schemas(client: tuple[openai.AsyncOpenAI, str]) -> None:
+    sdk, model = client
+    r = await sdk.chat.completions.create(
+        model=model, temperature=0, max_tokens=40, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give me a JSON object about a cat."}])
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    else:  # cut at max_tokens: still a JSON object prefix
+        assert (r.choices[0].message.content or "").startswith("{")
+    for schema in ({"type": "no-such-type"}, {"type": "string", "maxLength": 10**7}):
+        with pytest.raises(openai.BadRequestError) as err:
+            await sdk.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "x"}],
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "s", "schema": schema}})
+        assert err.value.body["param"] == "response_format.json_schema.schema"  # type: ignore
+
+
+async def test_logprobs_in_chat_and_completions(client: tuple[openai.AsyncOpenAI, str]) -> None:
+    sdk, model = client
+    chat = await sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], temperature=0,
+        max_tokens=8, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and "".join(t.token for t in content) == chat.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob)  # greedy: a top one
+    done = await sdk.completions.create(model=model, prompt="The capital of France is",
+                                        temperature=0, max_tokens=6, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert lp is not None and "".join(lp.tokens or []) == done.choices[0].text
+    assert all(len(top) == 2 for top in lp.top_logprobs or [])
+    offsets = lp.text_offset or []
+    assert offsets == sorted(offsets) and offsets[0] == 0
