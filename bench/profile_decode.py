@@ -86,10 +86,30 @@ def prefill(engine: Engine, length: int) -> None:
     once("timed")
     torch.cuda.synchronize()
     print(f"prefill {length}: {(time.perf_counter() - t) * 1e3:.1f} ms wall")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # Where does the host spend it? The step that launches the prefill vs the wait for its token
+    # (with the device busy throughout if the launch never waits on the device).
+    engine.reset_prefix_cache()
+    engine.add_request("split", rand_prompts(1, length, 128256, 7)[0], params)
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    torch.cuda.set_sync_debug_mode("warn")  # any synchronising call in the launch warns
+    t = time.perf_counter()
+    start.record()
+    engine.step()
+    launched = time.perf_counter() - t
+    torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished():
+        engine.step()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"prefill {length}: launch step {launched * 1e3:.1f} ms, token after "
+          f"{(time.perf_counter() - t) * 1e3:.1f} ms, device span {start.elapsed_time(end):.1f} ms")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         once("profiled")
         torch.cuda.synchronize()
-    print(table(prof, 20))
+    print(table(prof, 12))
+    print("by self CPU time:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
+                                    max_name_column_width=60))
 
 
 def main() -> None:

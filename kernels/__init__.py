@@ -7,6 +7,9 @@ the references on CUDA too (debugging, A/B comparisons).
 Attention dispatch: decode-only batches (every sequence has q_len == 1) use the split-KV decode
 kernel; mixed or prefill batches use the prefill/extend kernel (see kernels/paged_attention.py).
 
+Quantized matmuls (gguf_matmul, w4a16_matmul, fp8_matmul) keep weights packed on the GPU and
+decode them in registers (GEMV for decode, tiled GEMM for prefill); the references dequantize.
+
 Sampling (kernels/sampling.py): apply_penalties / apply_temperature / apply_top_k_top_p_min_p /
 token_counts are vectorised torch on any device (no host sync); `sample` draws one token per row
 with a per-row (seed, step) counter-based RNG, identical on CPU and CUDA.
@@ -19,7 +22,9 @@ import os
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.fp8 import fp8_matmul_ref, fp8_matmul_triton
 from kernels.fused_moe import fused_moe_ref, fused_moe_triton
+from kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
 from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.rms_norm import (
@@ -39,6 +44,7 @@ from kernels.sampling import (
     sample_triton,
     token_counts,
 )
+from kernels.w4a16 import w4a16_matmul_ref, w4a16_matmul_triton
 from services.engine.forward_context import AttentionMetadata
 
 __all__ = [
@@ -49,6 +55,8 @@ __all__ = [
     "apply_top_k_top_p_min_p",
     "fused_add_rms_norm",
     "fused_moe",
+    "fp8_matmul",
+    "gguf_matmul",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
@@ -57,6 +65,7 @@ __all__ = [
     "silu_and_mul",
     "token_counts",
     "use_triton",
+    "w4a16_matmul",
     "write_kv_cache",
 ]
 
@@ -158,3 +167,21 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> to
     """Token ids [B] drawn from softmax(logits [B, V]); row i's draw depends only on
     (seeds[i], steps[i]) (int64 [B]). Apply temperature and filters to the logits first."""
     return (sample_triton if use_triton(logits) else sample_ref)(logits, seeds, steps)
+
+
+def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [..., K] @ W.T with W = GGUF blocks uint8 [N, row_bytes] of ggml type `qtype`."""
+    return (gguf_matmul_triton if use_triton(x) else gguf_matmul_ref)(x, qweight, qtype)
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x [..., K] @ W.T with W int4 (kernels/w4a16.py layout; perm: GPTQ act-order)."""
+    fn = w4a16_matmul_triton if use_triton(x) else w4a16_matmul_ref
+    return fn(x, qweight, scales, zeros, group_size, perm)
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (W8 * scale).T with W8 e4m3 [N, K] and float32 scales [N, G]."""
+    return (fp8_matmul_triton if use_triton(x) else fp8_matmul_ref)(x, weight, scale)

@@ -1,7 +1,7 @@
 """y = x @ W.T with W a GGUF block matrix kept quantized (kernels/gguf_dequant.py): the weights
 are decoded to float in registers, never written out.
 
-Two kernels:
+Two kernels (three: Q4_K / Q5_K decode has its own GEMV, kernels/gguf_kquant_gemv.py):
 - GEMV (decode, M <= GEMV_MAX_M): each program owns BLOCK_N rows and walks K a chunk of NSB
   blocks at a time; the tile is [BLOCK_N, NSB, 32] per 32-weight group, so block scales are
   decoded once per (row, block) and all loads of a chunk are independent (in flight together).
@@ -9,7 +9,7 @@ Two kernels:
 - GEMM (prefill): [BLOCK_M, BLOCK_N] output tiles; per loop step, group g of NSB consecutive
   blocks is decoded to a [BLOCK_N, NSB * 32] tile in x's dtype and multiplied on the tensor cores
   with the matching x columns. With few output tiles (small
-  M, narrow N) the K blocks are split over SPLIT_K programs that add into an fp32 buffer.
+  M, narrow N) the K blocks are split over split_k programs that add into an fp32 buffer.
 """
 
 from __future__ import annotations
@@ -19,7 +19,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.gguf_dequant import dequant_group, dequantize_ref, gguf_in_features, gguf_type
+from kernels.gguf_dequant import (
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    dequant_group,
+    dequantize_ref,
+    gguf_in_features,
+    gguf_type,
+)
+from kernels.gguf_kquant_gemv import kquant_gemv_triton
 
 GEMV_MAX_M = 2
 _DOT_DTYPES = (torch.float16, torch.bfloat16)
@@ -76,20 +87,21 @@ def _gemm_kernel(
     x_ptr,  # [M, K] activations, unit stride along K
     w_ptr,  # uint8 [N, row_bytes] blocks
     w16_ptr,  # the same bytes viewed as f16
-    out_ptr,  # [M, N]: x's dtype, or fp32 (zero-filled) when SPLIT_K > 1
+    out_ptr,  # [M, N]: x's dtype, or fp32 (zero-filled) when split_k > 1
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    split_k,  # programs sharing one output tile, each a run of K
     QTYPE: tl.constexpr,
     QK: tl.constexpr,
     TYPE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NSB: tl.constexpr,  # blocks per loop step: one dot covers NSB * 32 weights per group
-    SPLIT_K: tl.constexpr,  # programs sharing one output tile, each a run of K blocks
+    ATOMIC: tl.constexpr,  # split_k > 1: fp32 atomics into a zero-filled out
     DOT_PRECISION: tl.constexpr,  # for float32 x: "tf32" or "ieee"
 ):
     pid_m = tl.program_id(0)
@@ -102,7 +114,7 @@ def _gemm_kernel(
     sb = tl.arange(0, NSB)
     l = tl.arange(0, 32)
     nblocks = K // QK
-    per_split = tl.cdiv(nblocks, SPLIT_K)
+    per_split = tl.cdiv(nblocks, split_k)
     kb_start = pid_k * per_split
     kb_end = tl.minimum(kb_start + per_split, nblocks)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
@@ -124,7 +136,7 @@ def _gemm_kernel(
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K > 1:
+    if ATOMIC:
         tl.atomic_add(out_ptrs, acc, mask=mask)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -151,6 +163,14 @@ def _gemm_tiles(x: torch.Tensor, m: int, n: int, block_m: int | None, block_n: i
         return (block_m or min(triton.next_power_of_2(m), 256),
                 block_n or min(triton.next_power_of_2(n), 1024))
     return block_m or (16 if m <= 16 else 32 if m <= 32 else 64), block_n or 64
+
+
+def gemm_config(qtype: int) -> tuple[int, int]:
+    """GPU GEMM: (NSB blocks per step (dot K = NSB * 32), num_warps). The 16-weight-sub-block
+    k-quants decode two scales per group: one block per step and 8 warps keep them in registers."""
+    if int(qtype) in (Q2_K, Q3_K, Q6_K):
+        return 1, 8
+    return (2 if gguf_type(qtype).qk == 256 else 4), 4
 
 
 def use_gemv(x: torch.Tensor, m: int, kernel: str | None) -> bool:
@@ -192,6 +212,8 @@ def gguf_matmul_triton(
     w16 = qweight.view(torch.float16)
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
+    if use_gemv(x, m, kernel) and int(qtype) in (Q4_K, Q5_K) and block_n is None:
+        return kquant_gemv_triton(x2, qweight, qtype).reshape(*x.shape[:-1], n)
     if use_gemv(x, m, kernel):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         bn = block_n or 8
@@ -203,9 +225,8 @@ def gguf_matmul_triton(
         return out.reshape(*x.shape[:-1], n)
     bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
     nblocks = k // t.qk
-    if x.is_cuda:
-        nsb = 2 if t.qk == 256 else 4
-    else:
+    nsb, warps = gemm_config(qtype)
+    if not x.is_cuda:
         # tiles of at most 2**20 elements (a Triton limit)
         nsb = min(triton.next_power_of_2(nblocks), 4 if t.qk == 256 else 32,
                   (1 << 15) // max(bm, bn))
@@ -216,9 +237,9 @@ def gguf_matmul_triton(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)
     _gemm_kernel[grid](
-        x2, qweight, w16, out, m, n, k, x2.stride(0), qweight.stride(0), out.stride(0),
+        x2, qweight, w16, out, m, n, k, x2.stride(0), qweight.stride(0), out.stride(0), split_k,
         QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_M=bm, BLOCK_N=bn, NSB=nsb,
-        SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        ATOMIC=split_k > 1, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=2,
     )
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -7,9 +7,10 @@ Layout (both formats are repacked into it at load time, services/engine/quant/w4
 - perm int32 [K] or None (GPTQ act-order): the checkpoint's K order was sorted by group at load
   time, so kernel position k multiplies x[perm[k]].
 
-GEMV (decode-sized M on a GPU, kernels/gguf_matmul.py: use_gemv): [BLOCK_N, NCHUNK, CHUNK] tiles of unpacked codes; each chunk lies in one
-group, so codes are dotted with x first and scale/zero applied per (row, chunk). GEMM: each [BLOCK_N, BLOCK_K] weight tile is unpacked and
-scaled in registers, cast to x's dtype and fed to tl.dot; SPLIT_K as in kernels/gguf_matmul.py.
+GEMV (decode-sized M on a GPU, kernels/gguf_matmul.py: use_gemv): [BLOCK_N, NCHUNK, CHUNK] tiles
+of unpacked codes; each chunk lies in one group, so codes are dotted with x first and scale/zero
+applied per (row, chunk). GEMM: each [BLOCK_N, BLOCK_K] weight tile is unpacked and scaled in
+registers, cast to x's dtype and fed to tl.dot; split_k as in kernels/gguf_matmul.py.
 """
 
 from __future__ import annotations
@@ -118,11 +119,12 @@ def _gemm_kernel(
     M, N, K,
     stride_xm, stride_q, stride_s, stride_om,
     group_size,
+    split_k,  # programs sharing one output tile, each a run of K
     HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    ATOMIC: tl.constexpr,  # split_k > 1: fp32 atomics into a zero-filled out
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -136,7 +138,7 @@ def _gemm_kernel(
     offs_w = tl.arange(0, BW)
     offs_k = tl.arange(0, BLOCK_K)
     steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(steps, SPLIT_K)
+    per_split = tl.cdiv(steps, split_k)
     first = pid_k * per_split
     last = tl.minimum(first + per_split, steps)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
@@ -158,7 +160,7 @@ def _gemm_kernel(
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K > 1:
+    if ATOMIC:
         tl.atomic_add(out_ptrs, acc, mask=mask)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -225,8 +227,8 @@ def w4a16_matmul_triton(
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](
         x2, qweight, scales, zeros, perm_arg, out, m, n, k, x2.stride(0), qweight.stride(0),
-        scales.stride(0), out.stride(0), group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        scales.stride(0), out.stride(0), group_size, split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        ATOMIC=split_k > 1, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2, **common,
     )
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -81,7 +81,11 @@ class EngineSettings(CommonSettings):
     prefill_chunk_size: int = Field(8192, ge=0, description="Prefill chunk; 0 = no chunking")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs")
-    quantization: str = Field("auto", description="Weights: auto (int8 on CPU) | none | int8")
+    quantization: str = Field(
+        "auto", description="Weights: auto (int8 on CPU; GGUF blocks kept on GPU) | none | int8 "
+        "| gguf (keep GGUF blocks) | gptq | awq; pre-quantized checkpoints pick their own")
+    isq: Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k",
+                 "fp8"] | None = Field(None, description="Quantize float weights while loading")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch; unset = all")
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="Weights: auto (from the files) | dummy (random; benchmarks)")

@@ -68,6 +68,9 @@ class EngineConfig:
     # weight quantization by name (services/engine/quant); "auto": int8 weight-only on CPU (batch-1
     # decode there is bound by weight bytes), none on GPU
     quantization: str | None = None
+    # in-situ quantization of a float checkpoint while loading (services/engine/quant/isq.py):
+    # q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k fp8; takes precedence over `quantization`
+    isq: str | None = None
     load_format: str = "auto"  # "dummy": config.json only, random weights (benchmarks)
     async_scheduling: bool | None = None  # overlap host work with the device (None: on CUDA)
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
@@ -97,6 +100,8 @@ class EngineConfig:
 
     @property
     def resolved_quantization(self) -> str | None:
+        if self.isq:
+            return self.isq
         if self.quantization != "auto":
             return self.quantization
         return None if self.resolved_device.startswith("cuda") else "int8"

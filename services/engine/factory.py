@@ -29,6 +29,7 @@ def engine_config(settings: EngineSettings, path: Path) -> EngineConfig:
         enable_prefix_caching=settings.enable_prefix_caching,
         enforce_eager=settings.enforce_eager,
         quantization=None if settings.quantization == "none" else settings.quantization,
+        isq=settings.isq,
         num_threads=settings.num_threads,
         load_format=settings.load_format,
         async_scheduling=settings.async_scheduling,

@@ -12,7 +12,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,8 @@ class EngineService:
         self._aborted: collections.deque[str] = collections.deque(maxlen=1000)
         self._counts = collections.Counter[str]()
         self._subs: list[Any] = []
+        self._outbox: asyncio.Queue[Coroutine[Any, Any, None]] = asyncio.Queue()
+        self._sender: asyncio.Task[Any] | None = None
         self.model_name = settings.served_model_name or ""
         self.loop: EngineLoop | None = None
         self.announcer: Announcer | None = None
@@ -84,6 +86,7 @@ class EngineService:
         self.loop = EngineLoop(self._engine, asyncio.get_running_loop(), self._on_outputs,
                                self._on_crash)
         self.loop.start()
+        self._sender = self.bus.spawn(self._drain_outbox())
         executor = getattr(self._engine, "executor", None)
         if executor is not None:  # a dead tensor-parallel rank fails the pod at once
             loop = asyncio.get_running_loop()
@@ -178,8 +181,8 @@ class EngineService:
                     live.span.add_event("first_token")
                 live.generated += len(out.new_token_ids)
                 logprobs = _logprobs(out)
-                self.bus.spawn(live.writer.data(TokenDelta(token_ids=list(out.new_token_ids),
-                                                           logprobs=logprobs)))
+                self._outbox.put_nowait(live.writer.data(
+                    TokenDelta(token_ids=list(out.new_token_ids), logprobs=logprobs)))
             if out.finished:
                 self._live.pop(out.request_id, None)
                 self._counts["finished"] += 1
@@ -188,8 +191,18 @@ class EngineService:
                                    completion_tokens=live.generated,
                                    cached_tokens=getattr(out, "num_cached_tokens", 0) or 0,
                                    stop_token_id=getattr(out, "stop_token_id", None))
-                self.bus.spawn(live.writer.final(final))
+                self._outbox.put_nowait(live.writer.final(final))
                 self._end_span(live, now)
+
+    async def _drain_outbox(self) -> None:
+        """The one task that publishes token frames, in the order the engine produced them
+        (per-frame tasks could reorder a stream and cost a task per token)."""
+        while True:
+            send = await self._outbox.get()
+            try:
+                await send
+            except Exception as exc:  # a closed connection: the readers time out on their own
+                log.warning("could not publish a token frame: %s", exc)
 
     def _end_span(self, live: _Live, now: float) -> None:
         if live.t_first is not None:

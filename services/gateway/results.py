@@ -87,9 +87,12 @@ class ChoiceResult:
     reasoning: str = ""
     tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
     logprobs: list[TextLogprob] = field(default_factory=list)
+    logprobs_offset: int = 0  # characters of text before the first token with logprobs (echo)
     final: TextFinal | None = None
 
     def add(self, delta: TextDelta) -> None:
+        if delta.logprobs and not self.logprobs:
+            self.logprobs_offset = len(self.text)
         self.text += delta.text
         self.reasoning += delta.reasoning
         for call in delta.tool_calls:
@@ -141,7 +144,8 @@ def text_completion(plan: Plan, results: list[ChoiceResult], created: int) -> di
     for index, r in enumerate(results):
         assert r.final is not None
         choices.append({"index": index, "text": r.text,
-                        "logprobs": completion_logprobs(r.logprobs, 0) if plan.logprobs else None,
+                        "logprobs": completion_logprobs(r.logprobs, r.logprobs_offset)
+                        if plan.logprobs else None,
                         "finish_reason": completion_finish(r.final)})
     return {"id": plan.response_id, "object": "text_completion", "created": created,
             "model": plan.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,

@@ -104,6 +104,7 @@ async def test_tool_round_trip_with_tool_choice_required(
     assert answer.finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 async def test_a_hundred_json_schema_samples_all_validate(
         client: tuple[openai.AsyncOpenAI, str]) -> None:
     sdk, model = client
@@ -161,3 +162,8 @@ async def test_logprobs_in_chat_and_completions(client: tuple[openai.AsyncOpenAI
     assert all(len(top) == 2 for top in lp.top_logprobs or [])
     offsets = lp.text_offset or []
     assert offsets == sorted(offsets) and offsets[0] == 0
+    echoed = await sdk.completions.create(model=model, prompt="The capital of France is",
+                                          temperature=0, max_tokens=6, logprobs=2, echo=True)
+    lp = echoed.choices[0].logprobs
+    assert lp is not None and echoed.choices[0].text.startswith("The capital of France is")
+    assert (lp.text_offset or [])[0] == len("The capital of France is")  # after the echo

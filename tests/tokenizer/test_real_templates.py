@@ -249,3 +249,21 @@ def test_constraint_starts_after_an_open_reasoning_block(llama_cpp_templates: Pa
     grammar = grammar_of(prepared.guided)
     assert _is_grammar_accept_string(grammar, 'So, a cat.</think>\n\n{"cat": true}')
     assert not _is_grammar_accept_string(grammar, '{"cat": true}')
+
+
+def test_template_sources_of_a_model_directory(qwen3_dir: Path, tmp_path: Path) -> None:
+    """tokenizer_config.json's template, replaced by chat_template.jinja when present; a
+    tool_use variant (additional_chat_templates/) serves requests with tools."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qwen3_dir / name, tmp_path / name)
+    config = json.loads((qwen3_dir / "tokenizer_config.json").read_text())
+    assert Tokenizer.from_path(tmp_path).chat_template() == config["chat_template"]
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(
+        "{{ tools | length }} tools")
+    tok = Tokenizer.from_path(tmp_path)
+    assert ours(tok, [{"role": "user", "content": "plain"}]) == "plain"
+    assert ours(tok, [{"role": "user", "content": "x"}], [WEATHER]) == "1 tools"

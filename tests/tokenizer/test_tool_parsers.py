@@ -175,3 +175,15 @@ def test_family_detection(template: str, reads_tools: bool, expected: str) -> No
     assert detect(template, reads_tools).name == expected
     assert LLAMA3_JSON.calls_text([("f", "{}"), ("g", "{}")]) == \
         '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}'
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_two_calls_in_one_chunk(fmt_name: str) -> None:
+    fmt = FORMATS[fmt_name]
+    made = [("search", {"q": "a {b} \"c\" \\ é"}), ("get_weather", {"city": "Zürich"})]
+    text = render(fmt, made, ascii_only=False)
+    one_by_one = run(list(text), fmt)
+    for split in ([text], [text[:3], text[3:]]):
+        got = run(split, fmt)
+        assert same(got, one_by_one)
+        assert [(c["name"], json.loads(c["arguments"])) for c in got[1]] == made

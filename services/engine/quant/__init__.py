@@ -26,12 +26,17 @@ from services.engine.quant.gptq import GPTQConfig
 from services.engine.quant.int8 import Int8WeightOnlyConfig, Int8WeightOnlyMethod
 from services.engine.quant.isq import ISQ_NAMES, ISQConfig
 
+
+def _isq(name: str) -> Callable[[], QuantConfig]:
+    return lambda: ISQConfig(name)
+
+
 QUANT_CONFIGS: dict[str, Callable[[], QuantConfig]] = {
     "none": UnquantizedConfig,
     "int8": Int8WeightOnlyConfig,
     "gptq": GPTQConfig,
     "awq": AWQConfig,
-    **{name: (lambda name=name: ISQConfig(name)) for name in ISQ_NAMES},
+    **{name: _isq(name) for name in ISQ_NAMES},
 }
 # quantization_config["quant_method"] -> config reader
 HF_QUANT_METHODS: dict[str, Callable[[dict[str, Any], Collection[str]], QuantConfig]] = {

@@ -50,7 +50,7 @@ def checkpoint_rows(layer: nn.Module, shard_id: Any = None) -> int:
         return layer.output_sizes[shard_id]
     if isinstance(layer, ColumnParallelLinear):
         return layer.output_size * tp
-    return int(layer.output_size)
+    return int(layer.output_size)  # type: ignore[arg-type]
 
 
 def param_loader(layer: nn.Module, transform: Callable[..., torch.Tensor]
@@ -59,7 +59,7 @@ def param_loader(layer: nn.Module, transform: Callable[..., torch.Tensor]
     parameter's output-major layout and lets the layer narrow it to this rank and shard."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, *shard_id: Any) -> None:
-        layer.weight_loader(param, transform(loaded, *shard_id), *shard_id)
+        layer.weight_loader(param, transform(loaded, *shard_id), *shard_id)  # type: ignore
 
     return load
 

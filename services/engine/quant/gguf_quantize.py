@@ -19,7 +19,6 @@ from kernels.gguf_dequant import (
     Q2_K,
     Q3_K,
     Q4_0,
-    Q4_1,
     Q4_K,
     Q5_0,
     Q5_1,

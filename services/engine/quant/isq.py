@@ -7,7 +7,8 @@ Rules:
   keeps the float table.
 - GGUF names (q4_0 .. q6k) produce GGUF blocks (services/engine/quant/gguf_quantize.py) served by
   the GGUF kernels; a k-quant layer whose in_features is not a multiple of 256 takes the nearest
-  32-weight type (q4k -> Q4_1, q6k -> Q8_0, ...); `fp8` produces e4m3 weights with per-channel scales (quant/fp8.py).
+  32-weight type (q4k -> Q4_1, q6k -> Q8_0, ...); `fp8` produces e4m3 weights with
+  per-channel scales (quant/fp8.py).
 - One progress bar counts the quantized layers.
 """
 

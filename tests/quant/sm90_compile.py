@@ -1,0 +1,70 @@
+"""Compile the quantized-matmul kernels for H100 (sm_90) with their default tiles; report spills.
+
+Run as `python -m tests.quant.sm90_compile [ggml type ids]` without TRITON_INTERPRET; prints one
+JSON object {config: spill bytes} (every GGUF type by default). Needs no GPU (triton ships
+ptxas). Used by test_compile_sm90.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import kernels  # noqa: F401  (loads the kernel modules)
+from kernels.gguf_dequant import GGUF_TYPES, Q4_K, Q5_K
+from kernels.gguf_matmul import gemm_config
+from tests.kernels.sm90_compile import compile_sm90, spill_bytes
+
+BF16_IO = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
+
+
+def configs(qtypes: list[int] | None = None
+            ) -> list[tuple[str, str, dict[str, str], dict[str, Any], int]]:
+    gguf = BF16_IO | {"w_ptr": "*u8", "w16_ptr": "*fp16"}
+    out: list[tuple[str, str, dict[str, str], dict[str, Any], int]] = []
+    for qtype, t in sorted(GGUF_TYPES.items()):
+        if qtypes is not None and qtype not in qtypes:
+            continue
+        common = dict(QTYPE=qtype, QK=t.qk, TYPE_SIZE=t.type_size)
+        out.append(("gguf_matmul", "_gemv_kernel", gguf,
+                    common | dict(BLOCK_N=8, NSB=8 if t.qk == 256 else 32), 4))
+        nsb, warps = gemm_config(qtype)
+        for bm, atomic in ((16, True), (64, False)):
+            out.append(("gguf_matmul", "_gemm_kernel",
+                        gguf | ({"out_ptr": "*fp32"} if atomic else {}),
+                        common | dict(BLOCK_M=bm, BLOCK_N=64, NSB=nsb, ATOMIC=atomic,
+                                      DOT_PRECISION="tf32"), warps))
+    for qtype in (Q4_K, Q5_K):
+        out.append(("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
+                    dict(FIVE_BITS=qtype == Q5_K, TYPE_SIZE=GGUF_TYPES[qtype].type_size,
+                         BLOCK_N=8, NSB=8), 4))
+    w4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
+    for perm in (False, True):
+        out.append(("w4a16", "_gemv_kernel", w4,
+                    dict(HAS_PERM=perm, BLOCK_N=8, CHUNK=128, NCHUNK=8), 4))
+        out.append(("w4a16", "_gemm_kernel", w4 | {"out_ptr": "*fp32"},
+                    dict(HAS_PERM=perm, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, ATOMIC=True,
+                         DOT_PRECISION="tf32"), 4))
+    fp8 = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    out.append(("fp8", "_gemv_kernel", fp8, dict(BLOCK_N=8, CHUNK=128, NCHUNK=4), 4))
+    out.append(("fp8", "_gemm_kernel", fp8,
+                dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"), 4))
+    return out
+
+
+def spill_report(qtypes: list[int] | None = None) -> dict[str, int]:
+    report = {}
+    for module, kernel, types, constexprs, warps in configs(qtypes):
+        name = f"{module}.{kernel} " + " ".join(
+            f"{k}={v}" for k, v in constexprs.items() if k not in ("DOT_PRECISION", "QK"))
+        report[name] = spill_bytes(compile_sm90(module, kernel, types, constexprs, warps))
+    return report
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: the interpreter replaces the JIT compiler")
+    # argv: ggml type ids to compile (default: all ten)
+    print(json.dumps(spill_report([int(a) for a in sys.argv[1:]] or None)))
