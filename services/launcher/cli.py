@@ -69,6 +69,10 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
                          "else 1)")
     up.add_argument("--device-ids", "--d", dest="device_ids", type=_device_ids, default=None,
                     metavar="0,1", help="GPU of each engine rank (default: 0..tp-1)")
+    up.add_argument("--isq", default=None, metavar="TYPE",
+                    choices=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k",
+                             "q6k", "fp8"],
+                    help="quantize float weights while loading (in-situ), e.g. q4k or fp8")
 
     status = commands.add_parser("status", help="show running suites (from their state files)")
     status.add_argument("--state-file", type=Path, default=None, metavar="FILE")
@@ -92,7 +96,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         mcp_config=args.mcp_config, served_model_name=args.served_model_name,
         log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout,
-        tp=args.tp, device_ids=args.device_ids))
+        tp=args.tp, device_ids=args.device_ids, isq=args.isq))
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         if suite.stop_requested:  # a second Ctrl-C: stop waiting politely

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.e2e.conftest import MODEL
@@ -46,22 +47,25 @@ def test_completions(client) -> None:
 
 
 def test_eight_concurrent_streams(client) -> None:
-    prompts = [f"Count from {i} to {i + 5}, separated by commas." for i in range(1, 9)]
+    """8 concurrent streams all complete, each in order. Order is checked on content that has
+    one right order: each prompt starts a different run of numbers that the model continues
+    (greedy), so a stream whose chunks were reordered, lost or mixed with another stream's would
+    not read as the next consecutive numbers. (Comparing with the same request run alone would
+    test numerics instead: batched CPU decoding is not bit-identical to batch 1.)"""
+    starts = [10 * i for i in range(1, 9)]
 
-    def stream(prompt: str) -> tuple[str, list]:
-        chunks = list(client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
-            max_tokens=24, stream=True))
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+    def stream(start: int) -> tuple[str, list]:
+        prompt = ", ".join(str(n) for n in range(start, start + 6)) + ","
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                                max_tokens=24, stream=True))
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks
 
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(stream, prompts))
-    for prompt, (text, chunks) in zip(prompts, results, strict=True):
-        assert chunks[0].choices[0].delta.role == "assistant"
+        results = list(pool.map(stream, starts))
+    for start, (text, chunks) in zip(starts, results, strict=True):
+        assert len(chunks) > 3 and len({c.id for c in chunks}) == 1
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-        assert len({c.id for c in chunks}) == 1
-        # In order: the concatenated stream equals the same request answered alone.
-        alone = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
-            max_tokens=24).choices[0].message.content
-        assert text == alone
+        assert not any(c.choices[0].finish_reason for c in chunks[:-1] if c.choices)
+        numbers = [int(n) for n in re.findall(r"\d+", text)]
+        assert len(numbers) >= 4, text
+        assert numbers[:4] == list(range(start + 6, start + 10)), text

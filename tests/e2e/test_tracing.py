@@ -11,10 +11,6 @@ import asyncio
 import uuid
 
 import httpx
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from libs.common.bus import Bus
 from libs.common.model_cache import ensure_default_model
@@ -22,22 +18,15 @@ from libs.common.settings import EngineSettings, GatewaySettings, TokenizerSetti
 from services.engine.service import EngineService
 from services.gateway.service import GatewayService
 from services.tokenizer.service import TokenizerService
+from tests.tracing import memory_exporter
 
 NATS = "nats://127.0.0.1:4222"
 
 
-def _exporter() -> InMemorySpanExporter:
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
 
 
 async def test_one_trace_across_services() -> None:
-    exporter = _exporter()
+    exporter = memory_exporter()
     model = f"trace-{uuid.uuid4().hex[:8]}"
     path = str(ensure_default_model())
     common = dict(nats_url=NATS, model=path, served_model_name=model)

@@ -3,29 +3,16 @@
 from __future__ import annotations
 
 import httpx
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from tests.gateway.conftest import chat
 from tests.gateway.fakes import FakeTokenizer
-
-
-def _exporter() -> InMemorySpanExporter:
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
+from tests.tracing import memory_exporter
 
 
 async def test_request_span_reaches_the_tokenizer(client: httpx.AsyncClient, model: str,
                                                   tokenizer: FakeTokenizer) -> None:
-    exporter = _exporter()
+    exporter = memory_exporter()
     r = await client.post("/v1/chat/completions", json=chat(model))
     assert r.status_code == 200
     spans = [s for s in exporter.get_finished_spans() if s.name == "gateway.request"]

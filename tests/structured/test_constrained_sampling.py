@@ -39,19 +39,19 @@ PROMPT = [1, 2, 3]
 
 def generate(outputs: StructuredOutputs, tok: Tokenizer, spec: GuidedDecoding, seed: int,
              temperature: float = 1.0, max_tokens: int = 120,
-             repetition_penalty: float = 1.0) -> tuple[list[int], bool]:
+             repetition_penalty: float = 1.0, device: str = "cpu") -> tuple[list[int], bool]:
     """Sample under `spec` from random logits; (generated ids without the stop, stopped?)."""
     stops = tok.end_of_generation_ids()
     params = SamplingParams(temperature=temperature, seed=seed,
                             repetition_penalty=repetition_penalty)
     params.guided = outputs.request(spec, stops)
     logits_gen = torch.Generator().manual_seed(seed)
-    sample_gen = torch.Generator().manual_seed(seed)
+    sample_gen = torch.Generator(device).manual_seed(seed)
     sampler, ids = Sampler(), []
     for _ in range(max_tokens):
-        logits = torch.randn(1, tok.vocab_size, generator=logits_gen) * 4
+        logits = (torch.randn(1, tok.vocab_size, generator=logits_gen) * 4).to(device)
         batch = SamplingBatch.build([params], [sample_gen], [PROMPT + ids], [len(PROMPT)],
-                                    tok.vocab_size, torch.device("cpu"))
+                                    tok.vocab_size, torch.device(device))
         token = int(sampler(logits, batch).token_ids[0])
         if token in stops:
             return ids, True
@@ -157,3 +157,15 @@ def test_unconstrained_rows_are_untouched(outputs: StructuredOutputs,
     out = Sampler()(logits, batch)
     assert int(out.token_ids[0]) == int(logits[0].argmax())
     assert smollm2.decode([int(out.token_ids[1])]).lstrip().startswith("{")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_json_schema_bitmask_on_cuda(outputs: StructuredOutputs, smollm2: Tokenizer) -> None:
+    """The same constrained sampling with logits, bitmask and sampler on the GPU."""
+    spec = spec_of(response_format={"type": "json_schema",
+                                    "json_schema": {"name": "person", "schema": PERSON}})
+    for seed in range(4):
+        ids, stopped = generate(outputs, smollm2, spec, seed, 1.0, device="cuda")
+        assert stopped, smollm2.decode(ids)
+        jsonschema.validate(json.loads(smollm2.decode(ids)), PERSON)

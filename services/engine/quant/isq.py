@@ -70,20 +70,25 @@ def _take_float_weight(layer: nn.Module) -> torch.Tensor:
     return weight
 
 
-class ISQGGUFMethod(GGUFLinearMethod):
+class _FloatWeightsIn:
+    """Mixin for in-situ methods: the checkpoint holds float weights, so creation and loading are
+    the plain float ones (QuantMethod's); quantization happens in process_after_loading."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
+    ) -> None:
+        QuantMethod.create_weights(self, layer, input_size, output_size, dtype)  # type: ignore[arg-type]
+
+    def load(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        QuantMethod.load(self, dst, src)  # type: ignore[arg-type]
+
+
+class ISQGGUFMethod(_FloatWeightsIn, GGUFLinearMethod):
     """Float weights in, GGUF blocks of `qtype` out."""
 
     def __init__(self, qtype: int, progress: _Progress) -> None:
         super().__init__(qtype)
         self.progress = progress
-
-    def create_weights(
-        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
-    ) -> None:
-        QuantMethod.create_weights(self, layer, input_size, output_size, dtype)
-
-    def load(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        QuantMethod.load(self, dst, src)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         weight = _take_float_weight(layer)
@@ -97,20 +102,12 @@ class ISQGGUFMethod(GGUFLinearMethod):
         self.progress.step()
 
 
-class ISQFP8Method(FP8LinearMethod):
+class ISQFP8Method(_FloatWeightsIn, FP8LinearMethod):
     """Float weights in, e4m3 weights with per-channel scales out."""
 
     def __init__(self, progress: _Progress) -> None:
         super().__init__(None)
         self.progress = progress
-
-    def create_weights(
-        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
-    ) -> None:
-        QuantMethod.create_weights(self, layer, input_size, output_size, dtype)
-
-    def load(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        QuantMethod.load(self, dst, src)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         weight = _take_float_weight(layer)
