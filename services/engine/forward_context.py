@@ -5,8 +5,9 @@ Rules:
   installs it with `forward_context(meta)`; attention layers read it with `get_forward_context()`.
 - The batch is flattened: the new tokens of all sequences are concatenated, sequence i owning rows
   `query_start_loc[i]:query_start_loc[i+1]`. Prefill chunks and decode tokens mix freely.
-- The KV cache of a layer is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`
-  owned by the ModelRunner and bound to each attention layer once at start-up.
+- The KV cache of a layer is a K and a V tensor `[num_blocks, block_size, *per_token_shape]`
+  (`Attention.kv_cache_shape()`: `(num_kv_heads, head_dim)` each for standard attention; MLA
+  keeps one latent row and no V) owned by the ModelRunner and bound to the layer at start-up.
 """
 
 from __future__ import annotations
