@@ -89,3 +89,38 @@ class SingleSequenceRunner:
             logits = self.forward(out[-1:], len(prompt) + len(out) - 1, all_logits=False)
             out.append(int(logits[-1].argmax()))
         return out
+
+
+def _tp_worker(rank: int, world: int, path: str, port: int, prompt: list[int],
+               out: str) -> None:
+    import torch.distributed as dist
+
+    from services.engine.distributed import init_tensor_parallel
+    from services.engine.loader import load_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.set_num_threads(1)
+        init_tensor_parallel(rank, world)
+        model, _ = load_model(path)
+        logits = SingleSequenceRunner(model).forward(prompt)
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def tensor_parallel_logits(path: Path, prompt: list[int], world: int = 2) -> torch.Tensor:
+    """Prompt logits of the checkpoint at `path` run by `world` gloo ranks (separate processes,
+    each loading only its weight slices); rank 0's result."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = path.parent / f"tp{world}_logits.pt"
+    mp.spawn(_tp_worker, args=(world, str(path), port, prompt, str(out)), nprocs=world)
+    return torch.load(out)

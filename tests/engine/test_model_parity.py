@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from services.engine.loader import load_model
-from tests.engine.conftest import BASE, SingleSequenceRunner, rel_error, save_tiny_llama
+from tests.engine.conftest import (
+    BASE,
+    SingleSequenceRunner,
+    rel_error,
+    save_tiny_llama,
+    tensor_parallel_logits,
+)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "gqa": {},
@@ -66,38 +72,10 @@ def test_int8_weight_only_stays_close_to_float(tmp_path: Path) -> None:
     assert q_model.lm_head.weight_int8.dtype == torch.int8
 
 
-def _tp_worker(rank: int, world: int, path: str, port: int, prompt: list[int],
-               out: str) -> None:
-    import torch.distributed as dist
-
-    from services.engine.distributed import init_tensor_parallel
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        torch.set_num_threads(1)
-        init_tensor_parallel(rank, world)
-        model, _ = load_model(path)
-        logits = SingleSequenceRunner(model).forward(prompt)
-        if rank == 0:
-            torch.save(logits, out)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: Path) -> None:
-    import socket
-
-    import torch.multiprocessing as mp
-
     # 4 heads / 2 kv heads / vocab 256 / intermediate 128 all split over 2 ranks.
     save_tiny_llama(tmp_path / "ckpt", tie_word_embeddings=True)
     prompt = list(range(7, 30))
     single = SingleSequenceRunner(load_model(tmp_path / "ckpt").model).forward(prompt)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "tp_logits.pt"
-    mp.spawn(_tp_worker, args=(2, str(tmp_path / "ckpt"), port, prompt, str(out)), nprocs=2)
-    assert rel_error(torch.load(out), single) < 1e-5
+    assert rel_error(tensor_parallel_logits(tmp_path / "ckpt", prompt), single) < 1e-5

@@ -13,7 +13,7 @@ import torch
 from services.engine.llm import LLM
 from services.engine.loader import load_model
 from services.engine.sampling_params import SamplingParams
-from tests.engine.conftest import SingleSequenceRunner, rel_error
+from tests.engine.conftest import SingleSequenceRunner, rel_error, tensor_parallel_logits
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -125,38 +125,11 @@ def test_engine_batched_decode_matches_transformers(tmp_path: Path) -> None:
     assert [r.token_ids for r in results] == [hf_greedy(hf, p, 10) for p in prompts]
 
 
-def _tp_worker(rank: int, world: int, path: str, port: int, prompt: list[int], out: str) -> None:
-    import torch.distributed as dist
-
-    from services.engine.distributed import init_tensor_parallel
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        torch.set_num_threads(1)
-        init_tensor_parallel(rank, world)
-        model, _ = load_model(path)
-        logits = SingleSequenceRunner(model).forward(prompt)
-        if rank == 0:
-            torch.save(logits, out)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
 def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: Path, arch: str) -> None:
-    import socket
-
-    import torch.multiprocessing as mp
-
     # Experts split 2 + 2 (qwen2_moe) / 4 + 4 (deepseek); MLA heads, shared experts, vocab split.
     save_tiny(tmp_path / "ckpt", arch)
     prompt = list(range(7, 30))
     single = SingleSequenceRunner(load_model(tmp_path / "ckpt").model).forward(prompt)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "tp_logits.pt"
-    mp.spawn(_tp_worker, args=(2, str(tmp_path / "ckpt"), port, prompt, str(out)), nprocs=2)
-    assert rel_error(torch.load(out), single) < 1e-5
+    assert rel_error(tensor_parallel_logits(tmp_path / "ckpt", prompt), single) < 1e-5
