@@ -8,6 +8,9 @@ Triton kernels then run on CPU tensors under the interpreter.
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 
 def _has_cuda() -> bool:
@@ -22,3 +25,19 @@ def _has_cuda() -> bool:
 
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The embedded default model's GGUF (fetched into the model cache once)."""
+    from libs.common.model_cache import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path):  # type: ignore[no-untyped-def]
+    """SmolLM2's tokenizer, built from its GGUF metadata."""
+    from services.tokenizer.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(smollm2_path)

@@ -120,6 +120,16 @@ class Bus:
         """Receive broadcasts (every subscriber gets each message)."""
         return await self.serve(subject, msg_cls, handler)
 
+    @staticmethod
+    async def unsubscribe_all(subs: list[Subscription]) -> None:
+        """Drop subscriptions at shutdown; one whose connection is already gone is fine."""
+        for sub in subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+        subs.clear()
+
     async def open_reader(self, subject: str, frame_cls: type[StreamFrame[D, F]],
                           timeout: float) -> StreamReader[D, F]:
         sub = await self.nc.subscribe(subject)

@@ -67,11 +67,7 @@ class Announcer:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection already gone
-                pass
+        await self.bus.unsubscribe_all(self._subs)
 
 
 class Service(Protocol):

@@ -105,11 +105,7 @@ class EngineService:
     async def stop(self) -> None:
         if self.announcer:
             await self.announcer.stop()
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection already closed
-                pass
+        await self.bus.unsubscribe_all(self._subs)
         for rid in list(self._live):
             await self._fail(rid, ErrorInfo(status=503, type="service_unavailable",
                                             message="the engine is shutting down"))

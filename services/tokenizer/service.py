@@ -120,11 +120,7 @@ class TokenizerService:
         log.info("tokenizer for %s (%s) ready, max_model_len=%d", self.model, path, max_len)
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection already closed
-                pass
+        await self.bus.unsubscribe_all(self._subs)
         if self._announcer:
             await self._announcer.stop()
         for rid, active in list(self._active.items()):

@@ -51,11 +51,7 @@ class ToolsService:
 
     async def stop(self) -> None:
         await self.announcer.stop()
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection already closed
-                pass
+        await self.bus.unsubscribe_all(self._subs)
         await self.registry.close()
 
     async def _list(self, _: ToolsListRequest) -> ToolsListReply:

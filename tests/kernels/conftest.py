@@ -2,10 +2,10 @@
 
 TRITON_INTERPRET is read when `@triton.jit` decorates a function: when triton itself is imported
 (its standard library, e.g. tl.sigmoid, is jit code) and when each kernel module is. So it must be
-set before the first `import triton` of the process. This conftest sets it when CUDA is missing;
-if triton was already imported without it (a whole-suite run where an earlier test imported the
-kernels), the interpreter tests are skipped with that reason: set TRITON_INTERPRET=1 in the
-environment, or in the root conftest, to run them in such a session.
+set before the first `import triton` of the process. tests/triton_setup.py (imported here) sets
+it when CUDA is missing; if triton was already imported without it (a whole-suite run where an
+earlier test imported the kernels), the interpreter tests are skipped with that reason (the root
+tests/conftest.py sets TRITON_INTERPRET first to prevent that).
 
 The interpreter itself needs a few fixes to match the GPU: see interpreter_fixes.py.
 """
@@ -13,20 +13,12 @@ The interpreter itself needs a few fixes to match the GPU: see interpreter_fixes
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-INTERPRETER_TOO_LATE = False
-if not torch.cuda.is_available():
-    INTERPRETER_TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    from tests.kernels import interpreter_fixes
+from tests.triton_setup import DEVICE, INTERPRETER_TOO_LATE, mark_items  # noqa: F401
 
-    interpreter_fixes.apply()
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _TOLERANCES = {
     torch.float32: {"atol": 2e-5, "rtol": 2e-5},
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
@@ -48,15 +40,5 @@ _NO_INTERPRETER_NEEDED = {"test_dispatch.py", "test_compile_sm90.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    too_late = pytest.mark.skip(
-        reason="triton was imported before TRITON_INTERPRET=1 was set (see conftest.py)"
-    )
-    here = os.path.dirname(__file__)
-    for item in items:
-        if not str(item.path).startswith(here):
-            continue
-        if "gpu" in item.keywords and not torch.cuda.is_available():
-            item.add_marker(no_gpu)
-        elif INTERPRETER_TOO_LATE and item.path.name not in _NO_INTERPRETER_NEEDED:
-            item.add_marker(too_late)
+    mark_items(items, os.path.dirname(__file__),
+               lambda item: item.path.name not in _NO_INTERPRETER_NEEDED)

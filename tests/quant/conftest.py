@@ -10,22 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-INTERPRETER_TOO_LATE = False
-if not torch.cuda.is_available():
-    INTERPRETER_TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    from tests.kernels import interpreter_fixes
-
-    interpreter_fixes.apply()
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.triton_setup import DEVICE, INTERPRETER_TOO_LATE, mark_items  # noqa: F401
 
 
 def _single_thread_openblas() -> None:
@@ -71,15 +62,4 @@ def dequant_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    too_late = pytest.mark.skip(
-        reason="triton was imported before TRITON_INTERPRET=1 was set (tests/kernels/conftest.py)"
-    )
-    here = os.path.dirname(__file__)
-    for item in items:
-        if not str(item.path).startswith(here):
-            continue
-        if "gpu" in item.keywords and not torch.cuda.is_available():
-            item.add_marker(no_gpu)
-        elif INTERPRETER_TOO_LATE and "gpu" not in item.keywords:
-            item.add_marker(too_late)
+    mark_items(items, os.path.dirname(__file__), lambda item: "gpu" not in item.keywords)

@@ -7,19 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.model_cache import ensure_default_model
 from services.engine.structured import StructuredOutputs
 from services.tokenizer.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    return ensure_default_model()
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_path: Path) -> Tokenizer:
-    return Tokenizer.from_path(smollm2_path)
 
 
 @pytest.fixture(scope="session")

@@ -15,23 +15,12 @@ from pathlib import Path
 import pytest
 
 from libs.common.bus import Bus
-from libs.common.model_cache import cache_dir, ensure_default_model
-from services.tokenizer.tokenizer import Tokenizer
+from libs.common.model_cache import cache_dir
 
 NATS_URL = "nats://127.0.0.1:4222"
 LLAMA_CPP_SDIST = "llama-cpp-python"
 _VOCAB_DIR = "vendor/llama.cpp/models/"
 _TEMPLATES_DIR = "vendor/llama.cpp/models/templates/"
-
-
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    return ensure_default_model()
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_path: Path) -> Tokenizer:
-    return Tokenizer.from_path(smollm2_path)
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,6 @@ from typing import Any
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from libs.common import subjects
 from libs.common.bus import Bus
@@ -34,6 +31,7 @@ from libs.common.settings import TokenizerSettings
 from services.tokenizer.service import TokenizerService
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.fake_engine import FakeEngine, Script
+from tests.tracing import memory_exporter
 
 HELLO = [{"role": "user", "content": "Say hello"}]
 
@@ -285,12 +283,7 @@ async def test_announces_model_and_context_length(bus: Bus, service: TokenizerSe
 async def test_trace_joins_gateway_tokenizer_and_engine(bus: Bus, service: TokenizerService,
                                                         engine: FakeEngine,
                                                         smollm2: Tokenizer) -> None:
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    exporter = memory_exporter()
     engine.script = Script(chunks=[smollm2.encode("ok", add_special_tokens=False)])
     with trace.get_tracer("test-gateway").start_as_current_span("gateway.request") as root:
         out = await gateway(bus, service.model, request())
