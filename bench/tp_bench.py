@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +36,7 @@ from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 CHECK_PROMPT_LEN = 96
+CHECK_TIMEOUT_S = float(os.environ.get("TP_CHECK_TIMEOUT_S", "150"))
 # --smoke: the same code paths on CPU with a tiny shape (checks the script, not the speed)
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=512)
@@ -93,13 +96,30 @@ def check_one(path: str, tp: int, out: str) -> None:
         engine.shutdown()
 
 
+def _run_dumping_on_hang(cmd: list[str], timeout_s: float) -> None:
+    """Run `cmd` in its own process group; past `timeout_s` every process in it prints its
+    threads' stacks (SIGUSR1 → faulthandler) before the group is killed."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        code = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"--- {cmd[2:6]} still running after {timeout_s:.0f}s: stacks", flush=True)
+        os.killpg(proc.pid, signal.SIGUSR1)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise RuntimeError(f"hung: {' '.join(cmd[1:6])}") from None
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
+
+
 def logits_check(tp: int, layers: int) -> dict:
     path = write_random_checkpoint(layers)
     results = {}
     for n in (1, tp):
         out = os.path.join(path, f"tp{n}.pt")
-        subprocess.run([sys.executable, __file__, "--check-one", path, "--tp", str(n),
-                        "--out", out, *_smoke_flag()], check=True)
+        _run_dumping_on_hang([sys.executable, __file__, "--check-one", path, "--tp", str(n),
+                              "--out", out, *_child_flags()], CHECK_TIMEOUT_S)
         results[n] = torch.load(out)
     ref, ours = results[1]["logits"], results[tp]["logits"]
     rel = float((ours - ref).abs().max() / ref.abs().max())
@@ -134,8 +154,9 @@ def speed(tp: int, layers: int, only: set[str]) -> dict:
     return res
 
 
-def _smoke_flag() -> list[str]:
-    return ["--smoke"] if _ENGINE["device"] == "cpu" else []
+def _child_flags() -> list[str]:
+    return (["--smoke"] if _ENGINE["device"] == "cpu" else []) + (
+        ["--enforce-eager"] if _ENGINE.get("enforce_eager") else [])
 
 
 def main() -> None:
@@ -148,8 +169,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/tp_bench.json")
     ap.add_argument("--check-one", metavar="PATH", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU (script check)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--all-reduce", default="auto", help="EngineConfig.tp_all_reduce")
     args = ap.parse_args()
     disable_multicast_env()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if args.enforce_eager:
+        _ENGINE["enforce_eager"] = True
+    _ENGINE["tp_all_reduce"] = args.all_reduce
     if args.smoke:
         _SHAPE.update(SMOKE)
         _ENGINE.update(dtype="float32", device="cpu", quantization=None)
@@ -174,7 +201,7 @@ def main() -> None:
             base_out = args.out + ".tp1.json"
             subprocess.run([sys.executable, __file__, "--tp", "1", "--layers", str(args.layers),
                             "--only", ",".join(sorted(only & {"B1", "B3"})), "--out",
-                            base_out, *_smoke_flag()], check=True)
+                            base_out, *_child_flags()], check=True)
             res["baseline"] = json.loads(Path(base_out).read_text())["speed"]
         res["speed"] = speed(args.tp, args.layers, only)
         s = res["speed"]

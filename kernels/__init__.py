@@ -6,6 +6,8 @@ the references on CUDA too (debugging, A/B comparisons).
 
 Attention dispatch: decode-only batches (every sequence has q_len == 1) use the split-KV decode
 kernel; mixed or prefill batches use the prefill/extend kernel (see kernels/paged_attention.py).
+The KV-cache ops take optional `kv_scales`: then the caches are fp8 e4m3 with one scale per
+(token, KV head), quantized on write and dequantized inside the kernels (kernels/kv_quant.py).
 
 Quantized matmuls (gguf_matmul, w4a16_matmul, fp8_matmul) keep weights packed on the GPU and
 decode them in registers (GEMV for decode, tiled GEMM for prefill); the references dequantize.
@@ -26,6 +28,7 @@ from kernels.fp8 import fp8_matmul_ref, fp8_matmul_triton
 from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 from kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
 from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
+from kernels.kv_quant import FP8_KV_DTYPE, KVScales
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.rms_norm import (
     AddNormOutput,
@@ -48,7 +51,9 @@ from kernels.w4a16 import w4a16_matmul_ref, w4a16_matmul_triton
 from services.engine.forward_context import AttentionMetadata
 
 __all__ = [
+    "FP8_KV_DTYPE",
     "AddNormOutput",
+    "KVScales",
     "RotaryOutput",
     "apply_penalties",
     "apply_temperature",
@@ -126,10 +131,12 @@ def rotary_write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """rotary_embedding + write_kv_cache of the rotated k and v in one pass; returns rotated q."""
     fn = rotary_write_kv_cache_triton if use_triton(q) else rotary_write_kv_cache_ref
-    return fn(positions, q, k, v, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping)
+    return fn(positions, q, k, v, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping,
+              kv_scales)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -143,10 +150,12 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales | None = None,
 ) -> None:
-    """In place: cache.view(-1, Hk, D)[slot_mapping[t]] = k[t] (v likewise); slot -1 skips."""
+    """In place: cache.view(-1, Hk, D)[slot_mapping[t]] = k[t] (v likewise); slot -1 skips.
+    With kv_scales: e4m3 rows and their scales instead."""
     fn = write_kv_cache_triton if use_triton(k) else write_kv_cache_ref
-    fn(k, v, k_cache, v_cache, slot_mapping)
+    fn(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
 
 def paged_attention(
@@ -157,10 +166,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of the new tokens q [T, Hq, D] over the paged cache -> [T, Hq, D]."""
     fn = paged_attention_triton if use_triton(q) else paged_attention_ref
-    return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
+    return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
+              kv_scales=kv_scales)
 
 
 def sample(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

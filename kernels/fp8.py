@@ -2,7 +2,8 @@
 y[m, n] = sum_k x[m, k] * W8[n, k] * scale[n, k // G] (per-channel: scale [N, 1], G = K).
 
 - Decode (kernels/gguf_matmul.py: use_gemv): a Triton GEMV reads the fp8 bytes once, dots each
-  chunk of K (inside one group) in fp32 and scales the chunk sums (weight-only, x stays 16-bit).
+  chunk of K (inside one group) in fp32 and scales the chunk sums (weight-only, x stays 16-bit);
+  its tile is autotuned per (N, K, group) on CUDA.
 - Prefill with per-channel scales on sm_89+ (Ada, Hopper): x is quantized per token to e4m3
   (dynamic scales) and `torch._scaled_mm` runs the fp8 tensor cores with row-wise scales.
 - Otherwise a Triton GEMM that dequantizes tiles to x's dtype for tl.dot; on CPU, the reference.
@@ -55,8 +56,9 @@ def _gemv_kernel(
     group,
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,  # a power of two dividing the group: each chunk has one scale
-    NCHUNK: tl.constexpr,  # chunks per loop step
+    STEP: tl.constexpr,  # weights per row and loop step (a multiple of CHUNK)
 ):
+    NCHUNK: tl.constexpr = STEP // CHUNK
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,6 +81,19 @@ def _gemv_kernel(
         acc += dot * s
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+# GEMV tiles tried on the device (keyed on N, K, group): 2-16 rows, 256 B - 2 KiB per row and step
+GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "STEP": step}, num_warps=w)
+    for bn, step, w in ((8, 512, 4), (4, 1024, 4), (8, 1024, 4), (16, 512, 8), (4, 2048, 8),
+                        (2, 2048, 4), (16, 256, 4), (8, 256, 2))
+]
+_gemv_tuned = triton.autotune(
+    GEMV_CONFIGS, key=["N", "K", "group"],
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20,
+                                                           quantiles=quantiles),
+)(_gemv_kernel)
 
 
 @triton.jit
@@ -170,13 +185,14 @@ def fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         return _scaled_mm(x2, weight, scale).reshape(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if gemv:
-        bn = 8
         chunk = min(128, group & -group)  # largest power of two dividing the group, <= 128
-        _gemv_kernel[(triton.cdiv(n, bn), m)](
-            x2, weight, scale, out, n, k, x2.stride(0), weight.stride(0), scale.stride(0),
-            out.stride(0), group, BLOCK_N=bn, CHUNK=chunk, NCHUNK=max(1, 512 // chunk),
-            num_warps=4,
-        )
+        args = (x2, weight, scale, out, n, k, x2.stride(0), weight.stride(0), scale.stride(0),
+                out.stride(0), group)
+        if x.is_cuda:  # autotuned (before any CUDA-graph capture)
+            _gemv_tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](*args, CHUNK=chunk)
+        else:
+            _gemv_kernel[(triton.cdiv(n, 8), m)](*args, BLOCK_N=8, CHUNK=chunk,
+                                                 STEP=max(chunk, 512), num_warps=4)
     else:
         bm, bn = _gemm_tiles(x, m, n, None, None)
         bk = 64 if x.is_cuda else min(triton.next_power_of_2(k), 1024)

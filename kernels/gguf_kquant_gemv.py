@@ -8,8 +8,9 @@ loaded once per step, and only then applies the sub-block scale and min:
 
     sum_k w_k x_k = d * sc_j * sum_l q_l x_l  -  dmin * m_j * sum_l x_l     (per sub-block j)
 
-so per weight it costs a nibble extract, a convert and one FMA. Q5_K adds its fifth bit from the
-32-byte qh run (bit j of byte l belongs to sub-block j).
+so per weight it costs a nibble extract, an OR + subtract (u4_to_f32: no int-to-float convert)
+and one FMA. Q5_K adds its fifth bit from the 32-byte qh run (bit j of byte l belongs to
+sub-block j). The tile (BLOCK_N, NSB, warps) is autotuned per (N, K, type) on CUDA.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
+from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type, u4_to_f32
 
 
 @triton.jit
@@ -83,8 +84,9 @@ def _kquant_gemv_kernel(
         x_ok = b_ok[:, None, None]
         x_lo = tl.load(x_row + xk, mask=x_ok, other=0.0).to(tl.float32)  # [NSB, 4, 32]
         x_hi = tl.load(x_row + xk + 32, mask=x_ok, other=0.0).to(tl.float32)
-        dot_lo = tl.sum(lo.to(tl.float32) * x_lo[None, :, :, :], axis=3)  # [BN, NSB, 4]
-        dot_hi = tl.sum(hi.to(tl.float32) * x_hi[None, :, :, :], axis=3)
+        # 0..31 fit the mantissa trick as well as 0..15
+        dot_lo = tl.sum(u4_to_f32(lo) * x_lo[None, :, :, :], axis=3)  # [BN, NSB, 4]
+        dot_hi = tl.sum(u4_to_f32(hi) * x_hi[None, :, :, :], axis=3)
         d = tl.load(w16_ptr + blk3 // 2, mask=ok3, other=0.0).to(tl.float32)
         dmin = tl.load(w16_ptr + blk3 // 2 + 1, mask=ok3, other=0.0).to(tl.float32)
         j = (2 * p)[None, None, :]
@@ -97,9 +99,23 @@ def _kquant_gemv_kernel(
     tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+# tiles tried on the device (keyed on N, K, type): 2-16 rows, 2-8 super-blocks per step
+GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "NSB": nsb}, num_warps=w)
+    for bn, nsb, w in ((8, 8, 4), (4, 8, 4), (16, 4, 4), (8, 4, 4), (4, 4, 2), (16, 8, 8),
+                       (2, 8, 4), (8, 2, 2))
+]
+_kquant_gemv_tuned = triton.autotune(
+    GEMV_CONFIGS, key=["N", "K", "FIVE_BITS"],
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20,
+                                                           quantiles=quantiles),
+)(_kquant_gemv_kernel)
+
+
 def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
-                       block_n: int = 8, nsb: int = 8) -> torch.Tensor:
-    """x [M, K] (small M; one program row per x row) @ dequant(qweight).T -> [M, N]."""
+                       block_n: int | None = None, nsb: int = 8) -> torch.Tensor:
+    """x [M, K] (small M; one program row per x row) @ dequant(qweight).T -> [M, N]. On CUDA
+    without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
     if int(qtype) not in (Q4_K, Q5_K):
         raise ValueError("kquant_gemv_triton decodes Q4_K and Q5_K only")
     t = gguf_type(qtype)
@@ -109,9 +125,13 @@ def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     if qweight.dtype != torch.uint8 or qweight.stride(1) != 1 or qweight.stride(0) % 2:
         raise ValueError("qweight must be uint8 [N, row_bytes], rows contiguous, even stride")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    _kquant_gemv_kernel[(triton.cdiv(n, block_n), x.shape[0])](
-        x, qweight, qweight.view(torch.float16), out, n, k, x.stride(0), qweight.stride(0),
-        out.stride(0), FIVE_BITS=int(qtype) == Q5_K, TYPE_SIZE=t.type_size, BLOCK_N=block_n,
-        NSB=nsb, num_warps=4,
-    )
+    args = (x, qweight, qweight.view(torch.float16), out, n, k, x.stride(0), qweight.stride(0),
+            out.stride(0))
+    meta = dict(FIVE_BITS=int(qtype) == Q5_K, TYPE_SIZE=t.type_size)
+    if x.is_cuda and block_n is None:
+        _kquant_gemv_tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), x.shape[0])](*args, **meta)
+    else:
+        bn = block_n or 8
+        _kquant_gemv_kernel[(triton.cdiv(n, bn), x.shape[0])](*args, **meta, BLOCK_N=bn,
+                                                              NSB=nsb, num_warps=4)
     return out

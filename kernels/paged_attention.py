@@ -2,6 +2,7 @@
 
 Decode-only batches (every sequence has one new token) run the split-KV decode kernel; any batch
 with a q_len > 1 runs the prefill/extend kernel, which handles q_len == 1 rows as well.
+With `kv_scales` the caches are e4m3 (kernels/kv_quant.py), dequantized inside the tiles.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import KVScales, dequantize_kv_ref
 from kernels.prefill_attention import (
     attend_ref,
     attend_tile,
@@ -34,6 +36,7 @@ def decode_attention_ref(
     logit_softcap: float | None,
     seqs: list[int],
     out: torch.Tensor,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Batched reference for sequences with exactly one new token: pads their KV to a common
     length and runs one masked attention per chunk of sequences."""
@@ -52,6 +55,9 @@ def decode_attention_ref(
         gathered = (len(ids), num_blocks * block_size, num_kv_heads, head_dim)
         k = k_cache.index_select(0, tables).view(gathered)
         v = v_cache.index_select(0, tables).view(gathered)
+        if kv_scales is not None:
+            k = dequantize_kv_ref(k, kv_scales.k.index_select(0, tables).view(gathered[:3]))
+            v = dequantize_kv_ref(v, kv_scales.v.index_select(0, tables).view(gathered[:3]))
         k_pos = torch.arange(k.shape[1], device=q.device)
         mask = k_pos[None, :] < lens[:, None]
         if sliding_window is not None:
@@ -70,6 +76,7 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Torch reference: decode rows batched, prefill/extend rows one sequence at a time."""
     out = torch.zeros_like(q)
@@ -79,11 +86,13 @@ def paged_attention_ref(
     extend = [i for i, n in enumerate(q_lens) if n > 1]
     if decode:
         decode_attention_ref(
-            q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, decode, out
+            q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, decode, out,
+            kv_scales,
         )
     if extend:
         prefill_attention_ref(
-            q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, extend, out
+            q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, extend, out,
+            kv_scales,
         )
     return out
 
@@ -92,6 +101,7 @@ def paged_attention_ref(
 def _decode_split_kernel(
     q_ptr,  # [T, Hq, D] one query row per sequence (row = query_start_loc[seq])
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
+    k_scale_ptr, v_scale_ptr,  # KV_FP8: fp32 [num_blocks * BLOCK_SIZE, Hk] (else unused)
     out_ptr,  # NUM_SPLITS == 1: final output [T, Hq, D]; else partial fp32 [B, Hq, NUM_SPLITS, D]
     lse_ptr,  # fp32 [B, Hq, NUM_SPLITS] log2-sum-exp of each split (unused if NUM_SPLITS == 1)
     block_tables_ptr,  # int32 [B, max_blocks]
@@ -103,6 +113,7 @@ def _decode_split_kernel(
     stride_bt,
     stride_ot, stride_oh,  # of the final output (NUM_SPLITS == 1)
     num_q_heads,
+    num_kv_heads,  # Hk: the scales' stride per slot
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,  # Hq // Hk: query heads sharing this program's KV head
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum M)
@@ -113,6 +124,7 @@ def _decode_split_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, head) scales
 ):
     # Grid (B, Hk, NUM_SPLITS): the visible keys of a sequence are cut into NUM_SPLITS equal
     # ranges (rounded to BLOCK_N); each program reads its range of one KV head once and serves
@@ -144,6 +156,8 @@ def _decode_split_kernel(
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
+    ks_base = k_scale_ptr + kv_head
+    vs_base = v_scale_ptr + kv_head
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -151,23 +165,36 @@ def _decode_split_kernel(
     for start_n in range(lo, full_hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, seq_len, start_n, hi, window, k_base, v_base, table_ptr,
-            offs_d, d_mask, stride_cb, stride_ct, sm_scale, softcap,
-            BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, False, DOT_PRECISION,
+            ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
+            softcap,
+            BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8,
         )
     if full_hi < hi:
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, seq_len, full_hi, hi, window, k_base, v_base, table_ptr,
-            offs_d, d_mask, stride_cb, stride_ct, sm_scale, softcap,
-            BLOCK_SIZE, BLOCK_N, True, False, USE_SOFTCAP, False, DOT_PRECISION,
+            ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
+            softcap,
+            BLOCK_SIZE, BLOCK_N, True, False, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8,
         )
+    store_split_output(acc, m_i, l_i, out_ptr, lse_ptr, row, seq, split, heads, h_mask, offs_d,
+                       d_mask, stride_ot, stride_oh, num_q_heads, HEAD_DIM, NUM_SPLITS)
+
+
+@triton.jit
+def store_split_output(acc, m_i, l_i, out_ptr, lse_ptr, row, seq, split, heads, h_mask, offs_d,
+                       d_mask, stride_ot, stride_oh, num_heads, WIDTH: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr):
+    """A decode program's rows (heads x WIDTH) normalised: straight into out [T, H, WIDTH] with
+    one split, else into the fp32 partials [B, H, NUM_SPLITS, WIDTH] with their log2-sum-exp
+    (-inf for an empty split) for `_decode_reduce_kernel`."""
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part = (seq.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
-        tl.store(out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
+        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(out_ptr + part[:, None] * WIDTH + offs_d[None, :], out, mask=mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=h_mask)
 
@@ -225,6 +252,7 @@ def decode_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Split-KV decode for batches where every sequence has at most one new token.
 
@@ -234,7 +262,7 @@ def decode_attention_triton(
     bench/attention_tiles.py). The split reduction is a second launch: fusing it into the last
     split to finish (an atomic counter per sequence and KV head) measured slower in graph
     replays (12.3 vs 6.4 us at batch 1, 32 splits), its serial merge costing more than a launch."""
-    check_attention_args(q, k_cache, v_cache, meta)
+    check_attention_args(q, k_cache, v_cache, meta, kv_scales)
     if meta.max_query_len > 1:
         raise ValueError("decode_attention_triton needs q_len <= 1 for every sequence")
     num_seqs = meta.seq_lens.shape[0]
@@ -250,6 +278,9 @@ def decode_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles
     block_n = block_n or (16 if fp32 else 64)
+    # fp8 caches keep 2 warps at head_dim 128 although the e4m3 upcast then spills 16 bytes: on an
+    # H200 (bench/fp8_kv_cache.py) 2 warps took 146 / 281 us at batch 64 / 256 against 214 / 420
+    # with 4 (spill-free), and the same at batch 1
     num_warps = num_warps or (8 if fp32 else 4 if block_d <= 64 else 2)
     if num_splits == 1:
         partial = lse = out
@@ -258,19 +289,21 @@ def decode_attention_triton(
                               dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32,
                           device=q.device)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (k_cache, v_cache)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, partial, lse, meta.block_tables, meta.seq_lens,
+        q, k_cache, v_cache, k_scale, v_scale, partial, lse, meta.block_tables, meta.seq_lens,
         meta.query_start_loc,
         scale, logit_softcap or 1.0, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
-        num_q_heads, HEAD_DIM=head_dim,
+        num_q_heads, num_kv_heads, HEAD_DIM=head_dim,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         USE_SOFTCAP=logit_softcap is not None,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
+        KV_FP8=kv_scales is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -289,7 +322,9 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Decode-only batches -> split-KV decode kernel; anything else -> prefill/extend kernel."""
     fn = decode_attention_triton if meta.is_decode_only else prefill_attention_triton
-    return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
+    return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
+              kv_scales=kv_scales)

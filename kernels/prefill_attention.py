@@ -3,6 +3,7 @@
 New token j of sequence i sits at position seq_lens[i] - q_len_i + j and attends causally to cache
 positions 0..that position (its own K/V is already in the cache). With sliding_window W it only
 sees the last W positions (k_pos > q_pos - W); with logit_softcap c scores become c*tanh(s/c).
+With `kv_scales` the caches are e4m3 (kernels/kv_quant.py), dequantized inside the tiles.
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import KVScales, check_kv_scales, dequantize_kv_ref
 from services.engine.forward_context import AttentionMetadata
 
 
-def gather_kv_ref(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence's K or V: [seq_len, Hk, D]."""
+def gather_kv_ref(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,
+                  scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's K or V: [seq_len, Hk, D] (fp32 when an e4m3
+    cache is dequantized with its `scales`)."""
     num_blocks = -(-seq_len // cache.shape[1])
-    return cache.index_select(0, block_row[:num_blocks].long()).flatten(0, 1)[:seq_len]
+    blocks = block_row[:num_blocks].long()
+    rows = cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+    if scales is None:
+        return rows
+    return dequantize_kv_ref(rows, scales.index_select(0, blocks).flatten(0, 1)[:seq_len])
 
 
 def attend_ref(
@@ -77,6 +85,7 @@ def prefill_attention_ref(
     logit_softcap: float | None = None,
     seqs: list[int] | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Per-sequence loop over `seqs` (default: all), writing rows of `out` (default: zeros)."""
     out = torch.zeros_like(q) if out is None else out
@@ -86,8 +95,9 @@ def prefill_attention_ref(
         q_len = end - start
         if q_len == 0:
             continue
-        k = gather_kv_ref(k_cache, meta.block_tables[i], seq_len)
-        v = gather_kv_ref(v_cache, meta.block_tables[i], seq_len)
+        k_scales, v_scales = kv_scales if kv_scales is not None else (None, None)
+        k = gather_kv_ref(k_cache, meta.block_tables[i], seq_len, k_scales)
+        v = gather_kv_ref(v_cache, meta.block_tables[i], seq_len, v_scales)
         if q_len == seq_len and sliding_window is None:
             attn = attend_ref(q[None, start:end], k[None], v[None], None, scale, logit_softcap,
                               causal=True)
@@ -127,8 +137,10 @@ def attend_tile(
     start_n, hi, window,  # keys start_n .. start_n + BLOCK_N, valid below hi
     k_cache_ptr, v_cache_ptr,  # this KV head's base: cache_ptr + kv_head * stride_h
     table_ptr,  # this sequence's block-table row
+    k_scale_ptr, v_scale_ptr,  # KV_FP8: this KV head's scales (scale_ptr + kv_head)
     offs_d, d_mask,
     stride_b, stride_t,  # cache block / token strides (K and V caches share them)
+    stride_s,  # scale stride per slot (Hk)
     sm_scale, softcap,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -137,6 +149,7 @@ def attend_tile(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # e4m3 caches: scale the scores by the key scales, p by the values'
 ):
     """One online-softmax step over BLOCK_N keys gathered from the paged cache: each key's
     block comes from the block table, so a tile may span several cache blocks."""
@@ -151,8 +164,11 @@ def attend_tile(
     rows = blk.to(tl.int64) * stride_b + (offs_n % BLOCK_SIZE) * stride_t
     kv_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D], shared by K and V
     k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-    s = score_transform(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale,
-                        softcap, USE_SOFTCAP)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    if KV_FP8:
+        slots = (blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * stride_s
+        qk = qk * tl.load(k_scale_ptr + slots, mask=n_valid, other=0.0)[None, :]
+    s = score_transform(qk, sm_scale, softcap, USE_SOFTCAP)
     if MASK_N:
         s = tl.where(n_valid[None, :], s, float("-inf"))
     if CAUSAL:
@@ -165,7 +181,11 @@ def attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    pv = p
+    if KV_FP8:
+        pv = p * tl.load(v_scale_ptr + slots, mask=n_valid, other=0.0)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype),
+                                        input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -173,6 +193,7 @@ def attend_tile(
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D] new tokens' queries (token/head strides free, last dim contiguous)
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
+    k_scale_ptr, v_scale_ptr,  # KV_FP8: fp32 [num_blocks * BLOCK_SIZE, Hk] (else unused)
     out_ptr,  # [T, Hq, D]
     block_tables_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B] cached + new tokens
@@ -182,6 +203,7 @@ def _prefill_kernel(
     stride_cb, stride_ct, stride_ch,  # cache strides (block, token, head), same for K and V
     stride_bt,  # block-table row stride
     stride_ot, stride_oh,
+    num_kv_heads,  # Hk: the scales' stride per slot
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,  # Hq // Hk
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (power of two)
@@ -192,6 +214,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), else "tf32" (ignored)
     LONGEST_FIRST: tl.constexpr,  # grid (Hq, query blocks, B), last query block first
+    KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, head) scales
 ):
     # One program: BLOCK_M new tokens of one sequence and one query head; an
     # online softmax over the keys they may see, gathered from the paged cache. Keys before the
@@ -226,6 +249,8 @@ def _prefill_kernel(
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
+    ks_base = k_scale_ptr + kv_head
+    vs_base = v_scale_ptr + kv_head
     first_pos = ctx + m_block * BLOCK_M
     hi = tl.minimum(first_pos + BLOCK_M, seq_len)
     lo = 0
@@ -239,14 +264,16 @@ def _prefill_kernel(
     for start_n in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, start_n, hi, window, k_base, v_base, table_ptr,
-            offs_d, d_mask, stride_cb, stride_ct, sm_scale, softcap,
-            BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
+            ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
+            softcap,
+            BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FP8,
         )
     for start_n in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, start_n, hi, window, k_base, v_base, table_ptr,
-            offs_d, d_mask, stride_cb, stride_ct, sm_scale, softcap,
-            BLOCK_SIZE, BLOCK_N, True, True, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
+            ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
+            softcap,
+            BLOCK_SIZE, BLOCK_N, True, True, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FP8,
         )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -256,7 +283,8 @@ def _prefill_kernel(
 
 
 def check_attention_args(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """Shape / dtype / layout contract shared by the attention launchers."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -267,7 +295,8 @@ def check_attention_args(
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size} must be a power of two")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    check_kv_scales(k_cache, v_cache, kv_scales)
+    if kv_scales is None and not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("q and the caches must have a contiguous last dim")
@@ -302,6 +331,7 @@ def prefill_attention_triton(
     num_warps: int | None = None,
     num_stages: int = 2,
     longest_first: bool = True,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Any mix of q_len >= 1 sequences. Grid (Hq, cdiv(max_query_len, BLOCK_M), B).
 
@@ -312,7 +342,7 @@ def prefill_attention_triton(
     more than 128 new tokens (89 vs 111 us for 64 prompts of 128), smaller below. fp32 is
     supported for exactness (IEEE dots, no TF32) with small tiles, not tuned.
     FLOTILLA_PREFILL_TILE="m,n,warps,stages" overrides the defaults (benchmark sweeps)."""
-    check_attention_args(q, k_cache, v_cache, meta)
+    check_attention_args(q, k_cache, v_cache, meta, kv_scales)
     num_seqs = meta.seq_lens.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = new_output(q, meta)
@@ -328,12 +358,14 @@ def prefill_attention_triton(
     num_warps = num_warps or (8 if block_m >= 128 or fp32 else 4)
     m_blocks = triton.cdiv(meta.max_query_len, block_m)
     grid = (q.shape[1], m_blocks, num_seqs) if longest_first else (m_blocks, q.shape[1], num_seqs)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (k_cache, v_cache)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        q, k_cache, v_cache, k_scale, v_scale, out, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc,
         scale, logit_softcap or 1.0, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads,
         HEAD_DIM=head_dim,
         GROUP=q.shape[1] // num_kv_heads,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
@@ -341,6 +373,7 @@ def prefill_attention_triton(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         LONGEST_FIRST=longest_first,
+        KV_FP8=kv_scales is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -49,17 +49,15 @@ def rotary_embedding_ref(
 
 
 @triton.jit
-def rotate_heads(
-    x_ptr, out_ptr,  # one token's heads: x [H, D] with head stride stride_h; out likewise
-    stride_h, out_stride_h,
-    num_heads, head_dim, rot_half,
+def rotated_halves(
+    x_ptr, stride_h, num_heads, rot_half,
     cos, sin,  # [1, BLOCK_R] fp32, this token's cos/sin (zero past rot_half)
     IS_NEOX: tl.constexpr,
-    BLOCK_H: tl.constexpr,  # next power of two >= num_heads
-    BLOCK_R: tl.constexpr,  # next power of two >= rot_half
-    BLOCK_P: tl.constexpr,  # pass-through width, next power of two >= D - 2 * rot_half (or 1)
-    HAS_PASS: tl.constexpr,  # rot_dim < D
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
+    """One token's rotated pairs: (o1, o2) [BLOCK_H, BLOCK_R] in x's dtype (rounded as the
+    reference rounds; 0 where masked), their columns (i1, i2) and the mask."""
     h = tl.arange(0, BLOCK_H)[:, None]
     r = tl.arange(0, BLOCK_R)[None, :]
     mask = (h < num_heads) & (r < rot_half)
@@ -73,12 +71,30 @@ def rotate_heads(
     x2 = tl.load(x_ptr + h * stride_h + i2, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    o1 = x1f * cos - x2f * sin
-    o2 = x2f * cos + x1f * sin
-    # Round to x's dtype first (as the unfused reference does), then to the output's.
+    o1 = (x1f * cos - x2f * sin).to(x1.dtype)
+    o2 = (x2f * cos + x1f * sin).to(x1.dtype)
+    return o1, o2, i1, i2, mask
+
+
+@triton.jit
+def rotate_heads(
+    x_ptr, out_ptr,  # one token's heads: x [H, D] with head stride stride_h; out likewise
+    stride_h, out_stride_h,
+    num_heads, head_dim, rot_half,
+    cos, sin,  # [1, BLOCK_R] fp32, this token's cos/sin (zero past rot_half)
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two >= num_heads
+    BLOCK_R: tl.constexpr,  # next power of two >= rot_half
+    BLOCK_P: tl.constexpr,  # pass-through width, next power of two >= D - 2 * rot_half (or 1)
+    HAS_PASS: tl.constexpr,  # rot_dim < D
+):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    o1, o2, i1, i2, mask = rotated_halves(x_ptr, stride_h, num_heads, rot_half, cos, sin,
+                                          IS_NEOX, BLOCK_H, BLOCK_R)
+    # Rounded to x's dtype first (as the unfused reference does), then to the output's.
     out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + h * out_stride_h + i1, o1.to(x1.dtype).to(out_ty), mask=mask)
-    tl.store(out_ptr + h * out_stride_h + i2, o2.to(x1.dtype).to(out_ty), mask=mask)
+    tl.store(out_ptr + h * out_stride_h + i1, o1.to(out_ty), mask=mask)
+    tl.store(out_ptr + h * out_stride_h + i2, o2.to(out_ty), mask=mask)
     if HAS_PASS:
         p = 2 * rot_half + tl.arange(0, BLOCK_P)[None, :]
         pmask = (h < num_heads) & (p < head_dim)

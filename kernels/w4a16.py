@@ -9,8 +9,10 @@ Layout (both formats are repacked into it at load time, services/engine/quant/w4
 
 GEMV (decode-sized M on a GPU, kernels/gguf_matmul.py: use_gemv): [BLOCK_N, NCHUNK, CHUNK] tiles
 of unpacked codes; each chunk lies in one group, so codes are dotted with x first and scale/zero
-applied per (row, chunk). GEMM: each [BLOCK_N, BLOCK_K] weight tile is unpacked and scaled in
-registers, cast to x's dtype and fed to tl.dot; split_k as in kernels/gguf_matmul.py.
+applied per (row, chunk); codes become floats through their mantissa bits (u4_to_f32), and the
+tile (BLOCK_N rows, STEP weights per step, warps) is autotuned per (N, K, G) on CUDA.
+GEMM: each [BLOCK_N, BLOCK_K] weight tile is unpacked and scaled in registers, cast to x's dtype
+and fed to tl.dot; split_k as in kernels/gguf_matmul.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.gguf_dequant import u4_to_f32
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
 
 
@@ -55,7 +58,7 @@ def w4a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 @triton.jit
 def _nibbles(q, i: tl.constexpr):
-    return ((q >> (4 * i)) & 15).to(tl.float32)
+    return u4_to_f32((q >> (4 * i)) & 15)
 
 
 @triton.jit
@@ -77,10 +80,11 @@ def _gemv_kernel(
     HAS_PERM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,  # weights per chunk; a power of two dividing the group size
-    NCHUNK: tl.constexpr,  # chunks per loop step
+    STEP: tl.constexpr,  # weights per row and loop step (a multiple of CHUNK)
 ):
     """Per (row, chunk): dot = sum(q * x), then acc += scale * (dot - zero * sum(x)); scales
     and zeros are [BLOCK_N, NCHUNK] tiles, never expanded to the weights."""
+    NCHUNK: tl.constexpr = STEP // CHUNK
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -111,6 +115,31 @@ def _gemv_kernel(
         acc += s * (dot - z * tl.sum(x, axis=1)[None, :])
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+# GEMV tiles tried on the device (keyed on N, K, group): 2-16 rows per program, 512-2048 weights
+# (256 B - 1 KiB of codes) per row and step
+GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "STEP": step}, num_warps=w)
+    for bn, step, w in ((8, 1024, 4), (4, 1024, 4), (16, 1024, 8), (8, 2048, 8), (4, 2048, 4),
+                        (16, 512, 4), (2, 2048, 4), (8, 512, 2))
+]
+# act-order (HAS_PERM) gathers x through the permutation: 8 rows x 1024 with 4 warps spills
+# 4 bytes on sm_90 there (tests/quant/sm90_compile.py), the other tiles do not
+GEMV_CONFIGS_PERM = [c for c in GEMV_CONFIGS
+                     if (c.kwargs["BLOCK_N"], c.kwargs["STEP"], c.num_warps) != (8, 1024, 4)]
+
+
+def _autotuned(configs: list[triton.Config]):  # type: ignore[no-untyped-def]
+    return triton.autotune(
+        configs, key=["N", "K", "group_size"],
+        do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20,
+                                                               quantiles=quantiles),
+    )(_gemv_kernel)
+
+
+_gemv_tuned = _autotuned(GEMV_CONFIGS)
+_gemv_tuned_perm = _autotuned(GEMV_CONFIGS_PERM)
 
 
 @triton.jit
@@ -212,13 +241,16 @@ def w4a16_matmul_triton(
     common = dict(HAS_PERM=perm is not None)
     if use_gemv(x, m, kernel):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        bn = block_n or 8
         chunk = min(128, group_size & -group_size)  # largest power of two dividing G, <= 128
-        _gemv_kernel[(triton.cdiv(n, bn), m)](
-            x2, qweight, scales, zeros, perm_arg, out, n, k, x2.stride(0), qweight.stride(0),
-            scales.stride(0), out.stride(0), group_size, BLOCK_N=bn, CHUNK=chunk,
-            NCHUNK=max(1, 1024 // chunk), num_warps=4, **common,
-        )
+        args = (x2, qweight, scales, zeros, perm_arg, out, n, k, x2.stride(0),
+                qweight.stride(0), scales.stride(0), out.stride(0), group_size)
+        if x.is_cuda and block_n is None:  # autotuned (before any CUDA-graph capture)
+            tuned = _gemv_tuned if perm is None else _gemv_tuned_perm
+            tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](*args, CHUNK=chunk, **common)
+        else:
+            bn = block_n or (8 if perm is None else 4)
+            _gemv_kernel[(triton.cdiv(n, bn), m)](*args, BLOCK_N=bn, CHUNK=chunk,
+                                                  STEP=max(chunk, 1024), num_warps=4, **common)
         return out.reshape(*x.shape[:-1], n)
     bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
     bk = 64 if x.is_cuda else min(triton.next_power_of_2(k), 1024)

@@ -54,9 +54,16 @@ class GatewaySettings(CommonSettings):
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request) accepted")
     model_ttl_s: float = Field(5.0, gt=0, description="A model unseen for this long is unlisted")
     tools_timeout_s: float = Field(2.0, gt=0, description="How long to wait for the MCP tool list")
+    tools_cache_ttl_s: float = Field(
+        5.0, ge=0, description="How long the MCP tool list is reused (a tools service starting "
+        "drops it at once); 0 = ask the tools service for every chat request")
     reasoning_field: Literal["reasoning_content", "reasoning", "both"] = Field(
         "reasoning_content",
         description="Name of the reasoning text in chat messages and deltas (both: send both)")
+    gateway_workers: int = Field(
+        1, ge=1, le=64, description="Gateway processes sharing the HTTP port, each with its own "
+        "event loop and NATS connection (>1 spreads a burst's HTTP, validation and SSE work over "
+        "cores; without Redis each keeps its own registry)")
 
 
 class TokenizerSettings(CommonSettings):
@@ -89,14 +96,26 @@ class EngineSettings(CommonSettings):
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch; unset = all")
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="Weights: auto (from the files) | dummy (random; benchmarks)")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="KV cache storage: auto (the model dtype) | fp8 (e4m3 with a scale "
+        "per token and KV head: ~1.94x the tokens of bf16; not for MLA models)")
     async_scheduling: bool | None = Field(
         None, description="Prepare step N+1 while the device runs step N; unset = on CUDA")
+    admit_window_ms: float = Field(
+        2.0, ge=0, le=1000, description="When a request wakes an idle engine, wait this long for "
+        "more before the first step, so a burst of arrivals shares one prefill step; 0 = off")
     tp: int | None = Field(
         None, ge=1, description="Tensor-parallel ranks of this pod; unset = one per device id "
         "(or torchrun's WORLD_SIZE), else 1")
     device_ids: str | None = Field(
         None, pattern=r"^\d+(,\d+)*$",
         description="GPU of each rank, comma-separated (e.g. 0,1); unset = GPUs 0..tp-1")
+    gemv: Literal["auto", "cublas", "triton"] = Field(
+        "auto", description="Unquantized decode GEMVs on CUDA: auto (our Triton GEMV for batch-1 "
+        "rows, cuBLAS otherwise) | cublas | triton (ours up to 8 rows)")
+    tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = Field(
+        "auto", description="How GPU tensor-parallel ranks sum small tensors: auto (symmetric-"
+        "memory one-shot kernel up to 512 KiB, NCCL above) | nccl | one_shot | two_shot")
 
 
 class ToolsSettings(CommonSettings):

@@ -72,13 +72,22 @@ class EngineConfig:
     # q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k fp8; takes precedence over `quantization`
     isq: str | None = None
     load_format: str = "auto"  # "dummy": config.json only, random weights (benchmarks)
+    # KV cache storage: "auto" (the model dtype) | "fp8" (e4m3 with one fp32 scale per token and
+    # KV head, ~1.94x the tokens of bf16 at head_dim 128; kernels/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None  # overlap host work with the device (None: on CUDA)
+    # unquantized decode GEMVs on CUDA: auto | cublas | triton (None: FLOTILLA_GEMV, else auto;
+    # services/engine/quant/base.py)
+    gemv: str | None = None
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
     seed: int | None = None  # seeds the shared RNG of unseeded requests
     # tensor parallelism (services/engine/executor.py): tp ranks (None: one per device id, or
     # torchrun's WORLD_SIZE, else 1); rank r on GPU device_ids[r] (None: GPU r)
     tp: int | None = None
     device_ids: tuple[int, ...] | None = None
+    # how NCCL pods sum small tensors: auto | nccl | one_shot | two_shot
+    # (services/engine/symm_all_reduce.py)
+    tp_all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -89,6 +98,13 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype}")
+        if self.gemv not in (None, "auto", "cublas", "triton"):
+            raise ValueError(f"gemv must be auto, cublas or triton, got {self.gemv!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.tp_all_reduce not in ("auto", "nccl", "one_shot", "two_shot"):
+            raise ValueError("tp_all_reduce must be auto, nccl, one_shot or two_shot, got "
+                             f"{self.tp_all_reduce!r}")
         if self.tp is not None and self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
 

@@ -32,8 +32,11 @@ def engine_config(settings: EngineSettings, path: Path) -> EngineConfig:
         isq=settings.isq,
         num_threads=settings.num_threads,
         load_format=settings.load_format,
+        kv_cache_dtype=settings.kv_cache_dtype,
         async_scheduling=settings.async_scheduling,
         tp=settings.tp,
+        tp_all_reduce=settings.tp_all_reduce,
+        gemv=settings.gemv,
         device_ids=(tuple(int(i) for i in settings.device_ids.split(","))
                     if settings.device_ids else None),
     )

@@ -32,7 +32,12 @@ GGUF_ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# llama.cpp's routing per MoE arch when the file does not say (`expert_weights_norm`): top-k
+# weights renormalised for qwen3moe, not for qwen2moe.
+GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 
 
 # Defaults of transformers' config classes that published config.json files rely on (the
@@ -197,10 +202,12 @@ class ModelConfig:
                        "original_max_position_embeddings": int(
                            get("rope.scaling.original_context_length", context)),
                        "attention_factor": get("rope.scaling.attn_factor")}
+        moe = _gguf_moe_config(arch, get)
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if k in meta]
         return cls(
-            architecture=GGUF_ARCHITECTURES.get(arch, arch),
+            architecture=("MixtralForCausalLM" if arch == "llama" and moe
+                          else GGUF_ARCHITECTURES.get(arch, arch)),
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -220,7 +227,22 @@ class ModelConfig:
             sliding_window=int(get("attention.sliding_window", 0)) or None,
             attn_logit_softcapping=_optional_float(get("attn_logit_softcapping")),
             final_logit_softcapping=_optional_float(get("final_logit_softcapping")),
+            hf_config=moe,
         )
+
+
+def _gguf_moe_config(arch: str, get: Any) -> dict[str, Any]:
+    """The HF config keys the MoE models read (models/moe_base.py: hf_value), from GGUF
+    metadata; empty for a dense model."""
+    experts = get("expert_count")
+    if not experts:
+        return {}
+    return {"num_local_experts": int(experts), "num_experts": int(experts),
+            "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": get("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": get("expert_shared_feed_forward_length"),
+            "norm_topk_prob": bool(get("expert_weights_norm",
+                                       GGUF_MOE_NORM_TOPK.get(arch, False)))}
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -3,7 +3,9 @@
 Rules:
 - The runner allocates the KV cache once: per layer a K and a V tensor [num_blocks, block_size,
   *shape] in the model dtype with the shapes the layer declares (`kv_cache_shape()`: (Hk, D) for
-  both, or MLA's latent K and empty V), bound to the layer. Its size is an explicit block count,
+  both, or MLA's latent K and empty V), bound to the layer; with kv_cache_dtype "fp8" the K/V
+  tensors are e4m3 with fp32 scales [num_blocks, block_size, Hk] beside them (kernels/kv_quant.py),
+  and the block count grows with the bytes saved. Its size is an explicit block count,
   an explicit MiB size, or (on CUDA) what `gpu_memory_utilization` of the GPU leaves after the
   weights and a profiling forward at the largest batch.
 - It knows only the SchedulerOutput (plain data), never the scheduler. For each step it builds the
@@ -23,10 +25,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.kv_quant import FP8_KV_DTYPE, KVScales
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.distributed import tp_min
 from services.engine.forward_context import forward_context
+from services.engine.layers.attention import Attention
 from services.engine.loader import load_model
+from services.engine.quant.base import set_gemv_backend
 from services.engine.sampler import Sampler, SamplingBatch
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
@@ -51,11 +56,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_tokens = config.max_num_batched_tokens
+        set_gemv_backend(config.gemv)  # Triton GEMVs autotune in the graph warm-up below
         self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device,
                                                    quantization=config.resolved_quantization,
                                                    load_format=config.load_format)
         self.vocab_size = self.model_config.vocab_size
         self.attention = self.model.attention_layers()
+        self.kv_fp8 = config.kv_cache_dtype == "fp8"
+        if self.kv_fp8:
+            _check_fp8_kv_support(self.attention)
         self.sampler = Sampler()
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
@@ -77,10 +86,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return FP8_KV_DTYPE if self.kv_fp8 else self.dtype
+
     def kv_bytes_per_block(self) -> int:
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = sum(math.prod(k) + math.prod(v)
-                        for k, v in (a.kv_cache_shape() for a in self.attention)) * elem
+        """Cache bytes of one block over all layers: K and V entries, plus with fp8 one fp32
+        scale per (token, KV head) of each."""
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
+        shapes = [a.kv_cache_shape() for a in self.attention]
+        per_token = sum(math.prod(k) + math.prod(v) for k, v in shapes) * elem
+        if self.kv_fp8:
+            per_token += sum(k[0] + v[0] for k, v in shapes) * 4
         return per_token * self.block_size
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
@@ -99,12 +116,18 @@ class ModelRunner:
         return int(num_blocks)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        """Every layer's cache tensors (K, V and fp8 scales), bound to their layers."""
         caches = []
         for layer in self.attention:
             k_shape, v_shape = layer.kv_cache_shape()
-            k, v = (torch.zeros(num_blocks, self.block_size, *shape, dtype=self.dtype,
+            k, v = (torch.zeros(num_blocks, self.block_size, *shape, dtype=self.kv_dtype,
                                 device=self.device) for shape in (k_shape, v_shape))
-            layer.bind_kv_cache(k, v)
+            scales = None
+            if self.kv_fp8:
+                scales = KVScales(*(torch.ones(num_blocks, self.block_size, shape[0],
+                                               device=self.device) for shape in (k_shape, v_shape)))
+                caches += list(scales)
+            layer.bind_kv_cache(k, v, scales)
             caches += [k, v]
         return caches
 
@@ -235,3 +258,11 @@ def _dummy_request(request_id: str, num_tokens: int, block_ids: list[int]) -> Sc
         block_ids=block_ids, is_prefill=True, samples=True, sampling_params=SamplingParams(),
         generator=None, prompt_len=num_tokens, all_token_ids=[0] * num_tokens,
     )
+
+
+def _check_fp8_kv_support(layers: list[Attention]) -> None:
+    unsupported = sorted({type(a).__name__ for a in layers if not a.supports_fp8_kv_cache})
+    if unsupported:
+        raise ValueError(f"the fp8 KV cache (--fp8-kvcache, FLOTILLA_KV_CACHE_DTYPE=fp8) is not "
+                         f"supported by this model's attention ({', '.join(unsupported)}: MLA "
+                         "keeps its latent cache in the model dtype); run without it")

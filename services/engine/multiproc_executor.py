@@ -107,7 +107,8 @@ class MultiProcExecutor(Executor):
             torch.set_num_threads(threads)
         try:
             if layout.torchrun:
-                init_distributed(0, self.world_size, "env://", device, timeout_s)
+                init_distributed(0, self.world_size, "env://", device, timeout_s,
+                                 config.tp_all_reduce)
                 bind, advertise = plan_hosts(layout)
                 self._server = PlanServer(bind, advertise, self.world_size - 1)
                 tp_broadcast_object((self._server.address, self._server.token))
@@ -117,7 +118,8 @@ class MultiProcExecutor(Executor):
                 init_method = f"tcp://127.0.0.1:{free_port()}"
                 self._spawn(config, model_path, layout, init_method, timeout_s, threads)
                 self._server.accept(timeout_s, self._check_started)
-                init_distributed(0, self.world_size, init_method, device, timeout_s)
+                init_distributed(0, self.world_size, init_method, device, timeout_s,
+                                 config.tp_all_reduce)
             self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
             self._monitor.start()
             self.runner = ModelRunner(dataclasses.replace(config, device=str(device)),
@@ -282,6 +284,9 @@ class MultiProcExecutor(Executor):
         os.close(self._wake_w)
         if self._server is not None:
             self._server.close()
-        destroy_distributed(failed=self._failure is not None)
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.graphs = None  # captured NCCL kernels go before the communicator does
+        destroy_distributed()
         torch.set_num_threads(self._threads_before)
 

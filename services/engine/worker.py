@@ -12,12 +12,14 @@ Rules:
 - A worker ends when rank 0 says stop, when rank 0's connection closes, or (spawned workers)
   when its parent process is gone. A worker that fails reports its traceback to rank 0 first and
   exits with status 1, which fails the pod. SIGINT is ignored: a terminal's Ctrl-C reaches rank
-  0, which stops the workers.
+  0, which stops the workers. SIGUSR1 prints every thread's stack to stderr (a stuck
+  collective shows where).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
@@ -114,6 +116,7 @@ def run_worker(spec: WorkerSpec) -> None:
     """A worker process's whole life (the target of the executor's spawn, or of torchrun's
     non-zero ranks through `python -m services.engine`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where is it stuck?
     if spec.watch_parent:
         _watch_parent()
     disable_multicast_env()
@@ -125,11 +128,13 @@ def run_worker(spec: WorkerSpec) -> None:
             channel = PlanClient.connect(spec.plan_address, spec.plan_token, spec.rank,
                                          spec.timeout_s)
         init_distributed(spec.rank, spec.world_size, spec.init_method,
-                         torch.device(spec.device), spec.timeout_s)
+                         torch.device(spec.device), spec.timeout_s, spec.config.tp_all_reduce)
         if channel is None:
             address, token = tp_broadcast_object(None)
             channel = PlanClient.connect(address, token, spec.rank, spec.timeout_s)
-        stopped = Worker(spec).serve(channel)
+        worker = Worker(spec)
+        stopped = worker.serve(channel)
+        del worker  # its CUDA graphs (captured NCCL kernels) before the communicator
     except BaseException:
         text = f"tensor-parallel rank {spec.rank} failed:\n{traceback.format_exc()}"
         log.error("%s", text)

@@ -1,9 +1,17 @@
-"""`python -m services.gateway`: the OpenAI-compatible HTTP gateway."""
+"""`python -m services.gateway`: the OpenAI-compatible HTTP gateway (one process, or a parent of
+`FLOTILLA_GATEWAY_WORKERS` processes sharing the port: services/gateway/workers.py)."""
+
+import sys
 
 from libs.common.service import run_forever
 from libs.common.settings import GatewaySettings
 from services.gateway.service import GatewayService
+from services.gateway.workers import WORKER_ARG, run_workers
 
 if __name__ == "__main__":
     settings = GatewaySettings()  # type: ignore[call-arg]  # fields come from the env
-    run_forever("gateway", settings, lambda bus: GatewayService(settings, bus))
+    worker = WORKER_ARG in sys.argv  # one of several, started by run_workers
+    if not worker and settings.gateway_workers > 1:
+        sys.exit(run_workers(settings))
+    run_forever("gateway", settings,
+                lambda bus: GatewayService(settings, bus, reuse_port=worker))

@@ -2,9 +2,12 @@
 
 Rules:
 - The app is built synchronously and holds a `GatewayState` (settings, bus, store, spec,
-  registry) on `app.state.gateway`; whoever runs the app awaits `state.start()` before serving
-  (to follow announcements) and `state.stop()` after. `GatewayService` does both.
+  registry, tools cache) on `app.state.gateway`; whoever runs the app awaits `state.start()`
+  before serving (to follow announcements) and `state.stop()` after. `GatewayService` does both.
 - FastAPI's generated OpenAPI and docs are off: `/openapi.json` serves our spec file.
+- FastAPI's own telemetry (newer FastAPI: a server span plus dependency and endpoint spans per
+  request) is off: `TracingMiddleware`'s `gateway.request` is the gateway's one span per request;
+  the three extra spans cost ~0.8 ms of CPU per streamed request (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from services.gateway import http_errors
 from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.routes import router
 from services.gateway.spec import Spec
+from services.gateway.tools import ToolsCache
 from services.gateway.tracing import TracingMiddleware
 
 
@@ -31,12 +35,15 @@ class GatewayState:
     store: Store
     spec: Spec
     registry: ModelRegistry
+    tools: ToolsCache
 
     async def start(self) -> None:
-        await self.registry.start()
+        await self.tools.start()
+        await self.registry.start()  # its discovery ping makes the tools service announce too
 
     async def stop(self) -> None:
         await self.registry.stop()
+        await self.tools.stop()
 
     async def require_model(self, model: str) -> ModelInfo:
         """The served model, else 404; 503 when the registry itself cannot be read."""
@@ -52,9 +59,11 @@ class GatewayState:
 def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     spec = Spec.load(settings.spec_path)
     app = FastAPI(title="flotilla", version=str(spec.document["info"]["version"]),
-                  openapi_url=None, docs_url=None, redoc_url=None)
-    app.state.gateway = GatewayState(settings, bus, store, spec,
-                                     ModelRegistry(bus, store, settings.model_ttl_s))
+                  openapi_url=None, docs_url=None, redoc_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
+    app.state.gateway = GatewayState(
+        settings, bus, store, spec, ModelRegistry(bus, store, settings.model_ttl_s),
+        ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s))
     http_errors.install(app)
     app.include_router(router)
     app.add_middleware(TracingMiddleware)

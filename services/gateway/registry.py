@@ -7,6 +7,9 @@ Rules:
 - A model is served while at least one tokenizer announcing it is alive; it is ready (for
   /health) when an engine announcing it is alive too.
 - `created` of a model is the first time any gateway saw it, kept without TTL so it stays stable.
+- `get()` (every generation request asks it) answers a model found within the last
+  `lookup_cache_s` from memory, without reading the Store; a model not found is always read
+  again, so a new model is served as soon as it is recorded.
 """
 
 from __future__ import annotations
@@ -48,9 +51,12 @@ class HealthView:
 class ModelRegistry:
     """Listens to DISCOVERY_ANNOUNCE and answers model and health questions from the Store."""
 
+    lookup_cache_s = 1.0
+
     def __init__(self, bus: Bus, store: Store, ttl_s: float):
         self.bus, self.store, self.ttl_s = bus, store, ttl_s
         self._sub: Any = None
+        self._found: dict[str, tuple[float, ModelInfo]] = {}  # model → (expiry, info)
 
     async def start(self) -> None:
         self._sub = await self.bus.subscribe(subjects.DISCOVERY_ANNOUNCE, Announcement,
@@ -100,10 +106,18 @@ class ModelRegistry:
         return infos
 
     async def get(self, model: str) -> ModelInfo | None:
+        now = time.monotonic()
+        hit = self._found.get(model)
+        if hit is not None and now < hit[0]:
+            return hit[1]
+        found = None
         for info in await self.models():
+            self._found[info.id] = (now + self.lookup_cache_s, info)
             if info.id == model:
-                return info
-        return None
+                found = info
+        if found is None:
+            self._found.pop(model, None)
+        return found
 
     async def health(self) -> HealthView:
         alive = await self.alive()

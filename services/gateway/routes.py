@@ -32,7 +32,6 @@ from services.gateway.plan import (
 from services.gateway.results import chat_completion, collect, text_completion
 from services.gateway.sse import EventStream, sse_events
 from services.gateway.streams import ChoiceStreams
-from services.gateway.tools import tools_for
 
 if TYPE_CHECKING:
     from services.gateway.app import GatewayState
@@ -114,7 +113,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await read_json(request)
     gw.spec.validate("createChatCompletion", body)
     await gw.require_model(body["model"])
-    tools = await tools_for(body, gw.bus, gw.settings.tools_timeout_s)
+    tools = await gw.tools.tools_for(body)
     return await generate(request, chat_plan(body, tools, gw.settings.max_n,
                                              reasoning_field=gw.settings.reasoning_field))
 
@@ -140,7 +139,7 @@ async def tokenize(request: Request) -> Response:
     if "messages" in body:
         req = TextRequest(
             kind="chat", messages=[normalize_message(m) for m in body["messages"]],
-            tools=await tools_for(body, gw.bus, gw.settings.tools_timeout_s),
+            tools=await gw.tools.tools_for(body),
             add_generation_prompt=bool(body.get("add_generation_prompt", True)),
             chat_template_kwargs=body.get("chat_template_kwargs"), **common)
     else:

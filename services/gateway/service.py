@@ -3,7 +3,9 @@ own discovery announcements.
 
 Rules:
 - `start()` returns once the socket is bound and the server accepts connections (`port` is then
-  the real port, also when configured as 0); a port in use fails `start()` with OSError.
+  the real port, also when configured as 0); a port in use fails `start()` with OSError. With
+  `reuse_port` (a worker of several: services/gateway/workers.py) it binds with SO_REUSEPORT,
+  beside its sibling workers on the same port.
 - uvicorn's own signal handling is off: the process owner (`run_forever`, or a test) decides
   when to `stop()`. Open streams get `shutdown_grace_s` to finish, then are cut.
 """
@@ -35,11 +37,13 @@ class _EmbeddedServer(uvicorn.Server):
         yield  # the service's owner handles signals
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
     except OSError:
@@ -54,7 +58,8 @@ class GatewayService:
 
     shutdown_grace_s = 2
 
-    def __init__(self, settings: GatewaySettings, bus: Bus, store: Store | None = None):
+    def __init__(self, settings: GatewaySettings, bus: Bus, store: Store | None = None,
+                 reuse_port: bool = False):
         self.settings, self.bus = settings, bus
         self.store = store if store is not None else make_store(settings.redis_url)
         self.app = create_app(settings, bus, self.store)
@@ -66,6 +71,7 @@ class GatewayService:
                                    health=self._health_detail)
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task[Any] | None = None
+        self.reuse_port = reuse_port
         self.port = settings.port
 
     @property
@@ -80,7 +86,7 @@ class GatewayService:
 
     async def start(self) -> None:
         await self.state.start()
-        sock = bind_socket(self.settings.host, self.settings.port)
+        sock = bind_socket(self.settings.host, self.settings.port, self.reuse_port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, lifespan="off", log_level=self.settings.log_level.lower(),
                                 timeout_graceful_shutdown=self.shutdown_grace_s,

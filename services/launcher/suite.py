@@ -52,6 +52,7 @@ class SuiteOptions:
     tp: int | None = None  # engine tensor-parallel ranks (FLOTILLA_TP)
     device_ids: str | None = None  # "0,1": GPU of each engine rank (FLOTILLA_DEVICE_IDS)
     isq: str | None = None  # in-situ weight quantization of the engine (FLOTILLA_ISQ)
+    fp8_kvcache: bool = False  # fp8 KV cache of the engine (FLOTILLA_KV_CACHE_DTYPE=fp8)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     commands: dict[str, list[str]] = field(default_factory=dict)
     """Replace a service's `python -m services.<name>` (tests run stand-ins this way)."""
@@ -118,7 +119,8 @@ class Suite:
             "engine": {"FLOTILLA_MODEL": str(model_path), "FLOTILLA_SERVED_MODEL_NAME": model,
                        **({"FLOTILLA_TP": str(opts.tp)} if opts.tp else {}),
                        **({"FLOTILLA_DEVICE_IDS": opts.device_ids} if opts.device_ids else {}),
-                       **({"FLOTILLA_ISQ": opts.isq} if opts.isq else {})},
+                       **({"FLOTILLA_ISQ": opts.isq} if opts.isq else {}),
+                       **({"FLOTILLA_KV_CACHE_DTYPE": "fp8"} if opts.fp8_kvcache else {})},
             "tools": ({"FLOTILLA_MCP_CONFIG": str(Path(opts.mcp_config).resolve())}
                       if opts.mcp_config else {}),
         }

@@ -100,7 +100,11 @@ def save_tiny(path: Path, case: Case, seed: int = 0) -> Any:
     config = AutoConfig.for_model(case.model_type, **{**base, **case.overrides})
     torch.manual_seed(seed)
     model_cls = getattr(transformers, case.hf_class)
-    hf = (model_cls.from_config(config) if case.hf_class.startswith("Auto")
+    # transformers <= 5.17 runs Gemma 2 through SDPA, which drops the attention soft-cap
+    # (later versions refuse SDPA for it): the reference must be eager attention.
+    kwargs = ({"attn_implementation": "eager"}
+              if getattr(config, "attn_logit_softcapping", None) else {})
+    hf = (model_cls.from_config(config, **kwargs) if case.hf_class.startswith("Auto")
           else model_cls(config))
     with torch.no_grad():
         for param in hf.parameters():

@@ -4,7 +4,14 @@ Tiny random transformers models (llama, qwen2, qwen3, phi3) are converted with t
 `convert_hf_to_gguf.py` that the llama-cpp-python source distribution ships (downloaded once from
 PyPI and cached), so the tensor names, the llama q/k row permutation, fused phi3 tensors, LongRoPE
 factor tensors and the metadata are llama.cpp's, not ours. The converter wants a tokenizer in the
-model directory: a tiny sentencepiece model is trained on the spot.
+model directory: a tiny sentencepiece model is trained on the spot (the converter's BPE path, which
+qwen2moe / qwen3moe take, would look the tokenizer up by a hash of known vocabularies, so it is
+pointed at the sentencepiece path: only the vocabulary metadata differs, no tensor).
+
+MoE cases (tests/engine/test_moe_models.py's tiny configs): mixtral (GGUF arch "llama" with
+experts), qwen2_moe and qwen3_moe, with stacked expert tensors, routers and qwen2moe's gated
+shared expert. llama.cpp's qwen2moe has no dense layers, so that case has no `mlp_only_layers`
+(the converter refuses `mlp.down_proj` of a dense layer: "Can not map tensor").
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from libs.common.model_cache import cache_dir
 from services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 from tests.engine.test_architectures import VOCAB, Case, save_tiny
+from tests.engine.test_moe_models import save_tiny as save_tiny_moe
 
 _MEMBERS = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
             "vendor/llama.cpp/gguf-py/")
@@ -40,6 +48,13 @@ CASES: dict[str, tuple[Case, str, float]] = {
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
             "original_max_position_embeddings": 16, "short_factor": [1.0, 1.1, 1.2, 1.3],
             "long_factor": [2.0, 2.5, 3.0, 3.5]})), "f32", 1e-5),
+}
+# name -> (test_moe_models.ARCHS key, config overrides, outtype, tolerance)
+MOE_CASES: dict[str, tuple[str, dict[str, Any], str, float]] = {
+    "mixtral": ("mixtral", {}, "f32", 1e-5),
+    "mixtral_f16": ("mixtral", {}, "f16", 5e-3),
+    "qwen2_moe": ("qwen2_moe", dict(mlp_only_layers=[]), "f32", 1e-5),
+    "qwen3_moe": ("qwen3_moe", {}, "f32", 1e-5),
 }
 
 
@@ -89,8 +104,16 @@ def converted(llama_cpp_converter: Path, tmp_path_factory: pytest.TempPathFactor
         (hf_dir / "tokenizer.model").write_bytes(tokenizer)
         jobs.append((str(hf_dir), outtype, str(gguf)))
         paths[name] = (hf_dir, gguf)
+    for name, (arch, extra, outtype, _) in MOE_CASES.items():
+        hf_dir, gguf = root / name, root / f"{name}.gguf"
+        save_tiny_moe(hf_dir, arch, **extra)
+        (hf_dir / "tokenizer.model").write_bytes(tokenizer)
+        jobs.append((str(hf_dir), outtype, str(gguf)))
+        paths[name] = (hf_dir, gguf)
     driver = (f"import sys; sys.path.insert(0, {str(llama_cpp_converter)!r})\n"
               "import convert_hf_to_gguf as c\n"
+              "from conversion.base import TextModel\n"
+              "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n"
               f"for src, outtype, out in {jobs!r}:\n"
               "    sys.argv = ['convert', src, '--outtype', outtype, '--outfile', out]\n"
               "    c.main()\n")
@@ -99,11 +122,11 @@ def converted(llama_cpp_converter: Path, tmp_path_factory: pytest.TempPathFactor
     return paths
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *MOE_CASES])
 def test_converted_gguf_matches_its_safetensors(converted: dict[str, tuple[Path, Path]],
                                                 name: str) -> None:
     hf_dir, gguf = converted[name]
-    case, _, tolerance = CASES[name]
+    outtype, tolerance = CASES[name][1:] if name in CASES else MOE_CASES[name][2:]
     ref_model, ref_config = load_model(hf_dir)
     model, config = load_model(gguf)
     assert config.architecture == ref_config.architecture
@@ -114,5 +137,5 @@ def test_converted_gguf_matches_its_safetensors(converted: dict[str, tuple[Path,
     prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = SingleSequenceRunner(ref_model).forward(prompt)
     err = rel_error(SingleSequenceRunner(model).forward(prompt), ref)
-    print(f"{name} ({CASES[name][1]}): GGUF vs safetensors logits rel. error {err:.2e}")
+    print(f"{name} ({outtype}): GGUF vs safetensors logits rel. error {err:.2e}")
     assert err < tolerance

@@ -13,6 +13,7 @@ tools service. The tokenizer's behaviour is chosen by the last message (or the p
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +159,11 @@ class FakeTools:
     async def start(self) -> None:
         self._sub = await self.bus.serve(subjects.TOOLS_LIST, ToolsListRequest, self._list,
                                          queue="tools")
+        # as the tools service: announce at start (a gateway drops its cached tool list)
+        await self.bus.publish(subjects.DISCOVERY_ANNOUNCE, Announcement(
+            service="tools", instance=f"tools-{uuid.uuid4().hex[:8]}"))
+        await self.bus.nc.flush()
+        await asyncio.sleep(0.05)  # delivered to the gateway's subscription on this connection
 
     async def stop(self) -> None:
         await self._sub.unsubscribe()

@@ -13,8 +13,8 @@ import pytest
 
 from libs.common import subjects
 from libs.common.bus import Bus
-from libs.common.messages import TextRequest, ToolsListReply, ToolsListRequest
-from services.gateway.tools import tools_for
+from libs.common.messages import Announcement, TextRequest, ToolsListReply, ToolsListRequest
+from services.gateway.tools import ToolsCache, tools_for
 from tests.gateway.conftest import chat
 from tests.gateway.fakes import FakeTokenizer, FakeTools
 
@@ -79,4 +79,36 @@ async def test_no_or_slow_tools_service_means_no_tools(bus: Bus,
         assert await tools_for({"messages": []}, bus, timeout_s=0.2) is None
         assert time.monotonic() - started < 0.9
     finally:
+        await sub.unsubscribe()
+
+
+async def test_tool_list_is_fetched_once_per_ttl_and_dropped_when_a_tools_service_starts(
+        bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    subject = f"test.tools.{uuid.uuid4().hex}"
+    monkeypatch.setattr(subjects, "TOOLS_LIST", subject)
+    calls: list[int] = []
+    offered = [OWN_TOOL]
+
+    async def serve(_: ToolsListRequest) -> ToolsListReply:
+        calls.append(1)
+        await asyncio.sleep(0.05)
+        return ToolsListReply(tools=list(offered))
+
+    sub = await bus.serve(subject, ToolsListRequest, serve)
+    cache = ToolsCache(bus, timeout_s=2.0, ttl_s=60.0)
+    await cache.start()
+    try:
+        burst = await asyncio.gather(*(cache.tools_for({"messages": []}) for _ in range(16)))
+        assert burst == [[OWN_TOOL]] * 16 and len(calls) == 1  # one round trip for the burst
+        assert await cache.tools_for({"messages": []}) == [OWN_TOOL] and len(calls) == 1
+        assert await cache.tools_for({"messages": [], "tools": []}) is None
+        offered.append({"type": "function", "function": {"name": "new_tool"}})
+        await bus.publish(subjects.DISCOVERY_ANNOUNCE, Announcement(
+            service="tools", instance=f"tools-{uuid.uuid4().hex[:8]}"))
+        deadline = time.monotonic() + 2
+        while len(await cache.tools()) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert await cache.tools() == offered and len(calls) == 2
+    finally:
+        await cache.stop()
         await sub.unsubscribe()

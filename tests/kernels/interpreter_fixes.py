@@ -4,7 +4,9 @@ Compiled GPU kernels are unaffected; these only make the interpreter compute wha
 - scalars are shape-(1,) numpy arrays turned into ints with int(array), which numpy >= 2.4
   rejects, so every loop with a runtime bound (`for n in range(lo, hi, BLOCK)`) fails;
 - tl.dot on bfloat16 multiplies the raw uint16 bit patterns as integers;
-- fp32 -> bf16 casts truncate instead of rounding to nearest even.
+- fp32 -> bf16 casts truncate instead of rounding to nearest even;
+- casts to fp8 e4m3 round ties up, drop the mantissa carry and mishandle subnormals; the GPU
+  (cvt.rn.satfinite) rounds to nearest even and saturates at +-448.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
@@ -26,6 +29,13 @@ def _fp32_to_bf16_rne(data: np.ndarray) -> np.ndarray:
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     nan = np.isnan(data)
     return np.where(nan, np.uint16(0x7FC0), rounded.astype(np.uint16))
+
+
+def _to_e4m3_satfinite(data: np.ndarray, src: Any) -> np.ndarray:
+    if src == tl.bfloat16:
+        data = (data.astype(np.uint32) << 16).view(np.float32)
+    x = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
 
 
 def apply() -> None:
@@ -57,6 +67,9 @@ def apply() -> None:
     def create_fp_to_fp(self: Any, src: Any, dst_type: Any, rounding_mode: Any) -> Any:
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             return interpreter.TensorHandle(_fp32_to_bf16_rne(src.data), tl.bfloat16)
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar != tl.float8e4nv:
+            data = _to_e4m3_satfinite(src.data, src.dtype.scalar)
+            return interpreter.TensorHandle(data, tl.float8e4nv)
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
 
     interpreter._patch_lang_tensor = patch_lang_tensor

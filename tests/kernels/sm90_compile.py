@@ -1,8 +1,9 @@
 """Compile every kernel for H100 (sm_90) with its default tiles and report register spills.
 
 Run as `python -m tests.kernels.sm90_compile` in a process without TRITON_INTERPRET (the kernels
-must be decorated as real JIT functions); prints one JSON object {config: spill bytes}. Needs no
-GPU: triton ships ptxas. Used by test_compile_sm90.py.
+must be decorated as real JIT functions); prints one JSON object {config: spill bytes}
+(`... sm90_compile fp8kv`: the fp8 KV-cache variants instead). Needs no GPU: triton ships ptxas.
+Used by test_compile_sm90.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 ATTN_PTRS = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
 ATTN_PTRS |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
 ATTN_PTRS |= {"sm_scale": "fp32", "softcap": "fp32"}
+SCALE_PTRS = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}  # fp8 KV scales (unused otherwise)
+ATTN_PTRS |= SCALE_PTRS
 
 
 def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, Any],
@@ -63,7 +66,8 @@ def spill_report() -> dict[str, int]:
             constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_SIZE=16, BLOCK_M=128,
                               BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_D=head_dim,
                               LONGEST_FIRST=True,
-                              USE_SOFTCAP=extras, USE_WINDOW=extras, DOT_PRECISION="tf32")
+                              USE_SOFTCAP=extras, USE_WINDOW=extras, DOT_PRECISION="tf32",
+                              KV_FP8=False)
             report = compile_sm90("prefill_attention", "_prefill_kernel", ATTN_PTRS,
                                   constexprs, 8)
             spills[f"prefill d={head_dim} softcap+window={extras}"] = spill_bytes(report)
@@ -73,7 +77,7 @@ def spill_report() -> dict[str, int]:
                 types["out_ptr"] = "*fp32"
             constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_H=16, BLOCK_SIZE=16, BLOCK_N=64,
                               BLOCK_D=head_dim, NUM_SPLITS=num_splits, USE_SOFTCAP=True,
-                              USE_WINDOW=True, DOT_PRECISION="tf32")
+                              USE_WINDOW=True, DOT_PRECISION="tf32", KV_FP8=False)
             report = compile_sm90("paged_attention", "_decode_split_kernel", types, constexprs,
                                   4 if head_dim <= 64 else 2)
             spills[f"decode d={head_dim} splits={num_splits}"] = spill_bytes(report)
@@ -91,13 +95,14 @@ def spill_report() -> dict[str, int]:
          dict(BLOCK=1024), 4),
         ("kv_cache", "_write_kv_kernel",
          {n: bf16 for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
-         | {"slot_ptr": "*i64"}, dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), 2),
+         | {"slot_ptr": "*i64"} | SCALE_PTRS,
+         dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, KV_FP8=False), 2),
         ("rotary_kv", "_rotary_kv_kernel",
          {n: bf16 for n in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr",
                             "v_cache_ptr")} | {"pos_ptr": "*i64", "slot_ptr": "*i64",
-                                               "cache_ptr": "*fp32"},
+                                               "cache_ptr": "*fp32"} | SCALE_PTRS,
          dict(IS_NEOX=True, BLOCK_SIZE=16, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_P=1,
-              BLOCK_D=128, HAS_PASS=False), 4),
+              BLOCK_D=128, HAS_PASS=False, KV_FP8=False), 4),
         ("rotary", "_rotary_kernel",
          {n: bf16 for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")}
          | {"pos_ptr": "*i64", "cache_ptr": "*fp32"},
@@ -111,7 +116,47 @@ def spill_report() -> dict[str, int]:
     return spills
 
 
+def fp8_kv_spill_report() -> dict[str, int]:
+    """Spill bytes of the fp8 KV-cache variants (e4m3 caches, fp32 scales, KV_FP8=True) at
+    Llama-3-8B shapes with the launchers' default tiles."""
+    fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32",
+           "v_scale_ptr": "*fp32"}
+    spills: dict[str, int] = {}
+    for head_dim in (64, 128):
+        constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_SIZE=16, BLOCK_M=128,
+                          BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_D=head_dim,
+                          LONGEST_FIRST=True, USE_SOFTCAP=False, USE_WINDOW=False,
+                          DOT_PRECISION="tf32", KV_FP8=True)
+        report = compile_sm90("prefill_attention", "_prefill_kernel", ATTN_PTRS | fp8,
+                              constexprs, 8)
+        spills[f"fp8 prefill d={head_dim}"] = spill_bytes(report)
+        for num_splits in (1, 8):
+            types = ATTN_PTRS | fp8 | {"lse_ptr": "*fp32"}
+            if num_splits > 1:
+                types["out_ptr"] = "*fp32"
+            constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_H=16, BLOCK_SIZE=16, BLOCK_N=64,
+                              BLOCK_D=head_dim, NUM_SPLITS=num_splits, USE_SOFTCAP=True,
+                              USE_WINDOW=True, DOT_PRECISION="tf32", KV_FP8=True)
+            report = compile_sm90("paged_attention", "_decode_split_kernel", types, constexprs,
+                                  4 if head_dim <= 64 else 2)  # the launcher's warps
+            spills[f"fp8 decode d={head_dim} splits={num_splits}"] = spill_bytes(report)
+    bf16 = "*bf16"
+    spills["fp8 _write_kv_kernel"] = spill_bytes(compile_sm90(
+        "kv_cache", "_write_kv_kernel",
+        {"k_ptr": bf16, "v_ptr": bf16, "slot_ptr": "*i64"} | fp8,
+        dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, KV_FP8=True), 2))
+    for has_pass in (False, True):
+        spills[f"fp8 _rotary_kv_kernel pass={has_pass}"] = spill_bytes(compile_sm90(
+            "rotary_kv", "_rotary_kv_kernel",
+            {n: bf16 for n in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr")} | fp8
+            | {"pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": "*fp32"},
+            dict(IS_NEOX=True, BLOCK_SIZE=16, BLOCK_HQ=32, BLOCK_HK=8,
+                 BLOCK_R=32 if has_pass else 64, BLOCK_P=64 if has_pass else 1, BLOCK_D=128,
+                 HAS_PASS=has_pass, KV_FP8=True), 4))
+    return spills
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces the JIT compiler")
-    print(json.dumps(spill_report()))
+    print(json.dumps(fp8_kv_spill_report() if sys.argv[1:] == ["fp8kv"] else spill_report()))

@@ -43,12 +43,12 @@ def configs(qtypes: list[int] | None = None
     w4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
     for perm in (False, True):
         out.append(("w4a16", "_gemv_kernel", w4,
-                    dict(HAS_PERM=perm, BLOCK_N=8, CHUNK=128, NCHUNK=8), 4))
+                    dict(HAS_PERM=perm, BLOCK_N=4 if perm else 8, CHUNK=128, STEP=1024), 4))
         out.append(("w4a16", "_gemm_kernel", w4 | {"out_ptr": "*fp32"},
                     dict(HAS_PERM=perm, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, ATOMIC=True,
                          DOT_PRECISION="tf32"), 4))
     fp8 = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    out.append(("fp8", "_gemv_kernel", fp8, dict(BLOCK_N=8, CHUNK=128, NCHUNK=4), 4))
+    out.append(("fp8", "_gemv_kernel", fp8, dict(BLOCK_N=8, CHUNK=128, STEP=512), 4))
     out.append(("fp8", "_gemm_kernel", fp8,
                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"), 4))
     return out
@@ -63,8 +63,38 @@ def spill_report(qtypes: list[int] | None = None) -> dict[str, int]:
     return report
 
 
+def tuned_gemv_report() -> dict[str, int]:
+    """Spill bytes of every autotune config of the decode GEMVs (w4a16, Q4_K/Q5_K, fp8)."""
+    from kernels import fp8, gguf_kquant_gemv, w4a16
+
+    gguf = BF16_IO | {"w_ptr": "*u8", "w16_ptr": "*fp16"}
+    w4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
+    fp8_types = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    jobs: list[tuple[str, str, dict[str, str], dict[str, Any], int]] = []
+    for perm, configs in ((False, w4a16.GEMV_CONFIGS), (True, w4a16.GEMV_CONFIGS_PERM)):
+        for c in configs:
+            jobs.append(("w4a16", "_gemv_kernel", w4, dict(HAS_PERM=perm, CHUNK=128, **c.kwargs),
+                         c.num_warps))
+    for c in gguf_kquant_gemv.GEMV_CONFIGS:
+        for qtype in (Q4_K, Q5_K):
+            jobs.append(("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
+                         dict(FIVE_BITS=qtype == Q5_K, TYPE_SIZE=GGUF_TYPES[qtype].type_size,
+                              **c.kwargs), c.num_warps))
+    for c in fp8.GEMV_CONFIGS:
+        jobs.append(("fp8", "_gemv_kernel", fp8_types, dict(CHUNK=128, **c.kwargs), c.num_warps))
+    report = {}
+    for module, kernel, types, constexprs, warps in jobs:
+        name = f"{module}.{kernel} " + " ".join(f"{k}={v}" for k, v in constexprs.items()) + \
+            f" warps={warps}"
+        report[name] = spill_bytes(compile_sm90(module, kernel, types, constexprs, warps))
+    return report
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces the JIT compiler")
+    if sys.argv[1:] == ["tuned"]:  # every autotune config of the decode GEMVs
+        print(json.dumps(tuned_gemv_report()))
+        sys.exit(0)
     # argv: ggml type ids to compile (default: all ten)
     print(json.dumps(spill_report([int(a) for a in sys.argv[1:]] or None)))

@@ -34,3 +34,15 @@ def test_quant_kernels_compile_for_sm90_without_spills() -> None:
     spills = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(spills) == 3 * 3 + 2 + 4 + 2
     assert {name: n for name, n in spills.items() if n} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+def test_decode_gemv_autotune_configs_compile_for_sm90_without_spills() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.quant.sm90_compile", "tuned"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    spills = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(spills) == 8 + 7 + 2 * 8 + 8  # w4a16 (+ act-order), Q4_K / Q5_K, fp8
+    assert {name: n for name, n in spills.items() if n} == {}

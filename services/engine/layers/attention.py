@@ -5,6 +5,9 @@ Rules:
   [num_blocks, block_size, *kv_cache_shape()[0 / 1]] per layer ([..., num_kv_heads, head_dim]
   for both here; MLA declares a latent K and an empty V) and binds it with `bind_kv_cache` before
   the first forward; the runner owns and frees that memory.
+- An fp8 KV cache (`--fp8-kvcache`) is e4m3 K/V tensors plus `KVScales` (fp32, one per token and
+  KV head), bound together; the kernels quantize on write and dequantize as they read
+  (kernels/kv_quant.py). Layers that cannot read one set `supports_fp8_kv_cache = False`.
 - Batch layout, positions and slots come from `get_forward_context()` (see forward_context.py).
 - q/k/v arrive already projected and rotated, flattened as [T, heads * head_dim]; the output is
   [T, num_heads * head_dim]. `num_heads` / `num_kv_heads` are this rank's head counts.
@@ -16,11 +19,14 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.kv_quant import KVScales
 from services.engine.forward_context import get_forward_context
 from services.engine.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
+    supports_fp8_kv_cache = True
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
@@ -31,17 +37,20 @@ class Attention(nn.Module):
         self.scale, self.sliding_window, self.logit_softcap = scale, sliding_window, logit_softcap
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kv_scales: KVScales | None = None
 
     def kv_cache_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-token shapes of this layer's K and V cache entries (a 0 in V's: no V cache)."""
         return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      kv_scales: KVScales | None = None) -> None:
+        """kv_scales: the fp32 scales of e4m3 caches (None: caches in the model dtype)."""
         expected = (self.num_kv_heads, self.head_dim)
         if tuple(k_cache.shape[2:]) != expected or k_cache.shape != v_cache.shape:
             raise ValueError(f"kv cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
                              f"does not end in (num_kv_heads, head_dim) = {expected}")
-        self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_cache, self.v_cache, self.kv_scales = k_cache, v_cache, kv_scales
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rotary: RotaryEmbedding | None = None,
@@ -56,13 +65,14 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if rotary is None:
-            kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                   self.kv_scales)
         else:
             assert positions is not None, "a fused rotary needs the positions"
             q = kernels.rotary_write_kv_cache(positions, q, k, v, rotary.cos_sin_cache,
                                               rotary.is_neox, self.k_cache, self.v_cache,
-                                              meta.slot_mapping)
+                                              meta.slot_mapping, self.kv_scales)
         out = kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
                                       sliding_window=self.sliding_window,
-                                      logit_softcap=self.logit_softcap)
+                                      logit_softcap=self.logit_softcap, kv_scales=self.kv_scales)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -13,7 +13,13 @@ Rules:
   device tensors only (CUDA-graph safe): q_lat = q_nope W_UK (per head, [H, kv_lora_rank]),
   scores = q_lat . c + q_pe . k_pe, out = (softmax(scores) . c) W_UV^T. No per-step
   decompression of the context.
-- Both paths are torch (CPU and GPU) for now; no Triton MLA kernel yet.
+- With FLOTILLA_MLA_KERNEL=triton, on CUDA every batch runs the absorbed form in Triton
+  (kernels/mla_attention.py: split-KV decode, causal extend for prefill / mixed batches) reading
+  the latent cache directly: q_lat = q_nope W_UK by one batched matmul, out_lat from the kernel,
+  then out_lat W_UV^T. Opt-in for now: the kernels match their reference on an H200 at
+  DeepSeek-V3 sizes, but a tiny DeepSeek-V3 through the engine on CUDA (fp32, with the fused-MoE
+  kernel) did not match transformers' greedy tokens and the cause is not isolated yet
+  (bench/moe_gpu_diag.py). The two torch paths above serve every other case.
 - forward(q_nope [T, H, nope], q_pe [T, H, rope] rotated, latent [T, r] normed,
   k_pe [T, rope] rotated, w_kv_b [H*(nope+v), r]) -> [T, H * v]. H is this rank's head count.
 """
@@ -21,14 +27,18 @@ Rules:
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
 
 import kernels
+from kernels.kv_quant import KVScales
+from kernels.mla_attention import mla_attention_triton
 from services.engine.forward_context import AttentionMetadata, get_forward_context
 from services.engine.layers.attention import Attention
 
+MLA_KERNEL = os.environ.get("FLOTILLA_MLA_KERNEL", "torch").lower() == "triton"
 SCORES_BYTES = 1 << 28  # bound on the prefill path's fp32 score block per query chunk
 
 
@@ -44,6 +54,8 @@ def yarn_softmax_mscale(rope_scaling: dict[str, Any] | None) -> float:
 
 
 class MLAAttention(Attention):
+    supports_fp8_kv_cache = False  # the latent cache stays in the model dtype
+
     def __init__(self, num_heads: int, nope_dim: int, rope_dim: int, v_dim: int,
                  kv_lora_rank: int, scale: float) -> None:
         super().__init__(num_heads, kv_lora_rank + rope_dim, scale, num_kv_heads=1)
@@ -53,7 +65,10 @@ class MLAAttention(Attention):
     def kv_cache_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (1, self.kv_lora_rank + self.rope_dim), (0,)
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      kv_scales: KVScales | None = None) -> None:
+        if kv_scales is not None:
+            raise ValueError("MLA attention has no fp8 KV cache")
         k_shape, _ = self.kv_cache_shape()
         if tuple(k_cache.shape[2:]) != k_shape or v_cache.numel() != 0:
             raise ValueError(f"MLA cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)}: expected "
@@ -72,11 +87,24 @@ class MLAAttention(Attention):
         kernels.write_kv_cache(entry, entry, self.k_cache, self.k_cache, meta.slot_mapping)
         w = w_kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
-        if meta.is_decode_only:
+        if self.use_kernel(q_nope):
+            out = self._absorbed_triton(q_nope, q_pe, w_uk, w_uv, meta)
+        elif meta.is_decode_only:
             out = self._decode(q_nope, q_pe, w_uk, w_uv, meta)
         else:
             out = self._prefill(q_nope, q_pe, w_uk, w_uv, meta)
         return out.reshape(q_nope.shape[0], self.num_heads * self.v_dim)
+
+    def use_kernel(self, t: torch.Tensor) -> bool:
+        return MLA_KERNEL and kernels.use_triton(t)
+
+    def _absorbed_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
+                         w_uv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # [H, T, nope] x [H, nope, r]: the kernel reads q_lat through its (token, head) strides
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)
+        out_lat = mla_attention_triton(q_lat, q_pe, self.k_cache, meta, self.scale)
+        out = torch.bmm(out_lat.transpose(0, 1), w_uv.to(out_lat.dtype).transpose(1, 2))
+        return out.transpose(0, 1)  # [T, H, v]
 
     def _context(self, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent and k_pe of every slot of `block_table` [..., n]:

@@ -9,6 +9,8 @@ Rules:
   converter permutes the rows of q/k projections for llama-family models (interleaved rotary
   pairs), which is undone here so the HF-layout (neox) rotary applies. Architectures without a
   verified name map are refused.
+- Stacked expert tensors [E, out, in] (MoE) are dequantized and yielded one expert at a time
+  under the per-expert HF names the MoE models load (experts are never kept quantized).
 - Tied embeddings are inferred from the absence of an `output.weight` tensor.
 """
 
@@ -23,7 +25,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from services.engine.loader.gguf_names import MAPPED_ARCHS, PERMUTED_ARCHS, hf_name
+from services.engine.loader.gguf_names import EXPERT, MAPPED_ARCHS, PERMUTED_ARCHS, hf_name
 from services.engine.model_config import ModelConfig
 from services.engine.quant.gguf import QuantBytes
 
@@ -96,6 +98,10 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch)
         if name is None:
+            continue
+        if EXPERT in name:
+            for e, weight in enumerate(_dequantized(tensor)):
+                yield name.replace(EXPERT, str(e)), torch.from_numpy(weight.copy())
             continue
         raw = keep is not None and keep(name)
         array = np.asarray(tensor.data) if raw else _dequantized(tensor)

@@ -6,6 +6,13 @@ the llama map; an architecture whose converter gives a GGUF name another meaning
 mistral) has its q/k rows permuted by the converter (interleaved rotary pairs), which the loader
 undoes. Gemma GGUFs are not mapped: llama.cpp stores their norms as 1 + w and hard-codes their
 attention scale and sliding pattern per model size.
+
+Mixture-of-experts GGUFs store each layer's experts stacked in one [E, out, in] tensor
+(`ffn_{gate,up,down}_exps`); their HF name holds an `{e}` (EXPERT) that the loader fills in with
+each expert's index. The router is `ffn_gate_inp`, qwen2moe's shared expert `ffn_*_shexp` with
+its sigmoid gate `ffn_gate_inp_shexp`. Mixtral converts to arch "llama" (with an expert count)
+under its own HF names (block_sparse_moe, experts w1 / w3 / w2). deepseek2 is not mapped: its
+converter splits kv_b_proj per head into attn_k_b (transposed) / attn_v_b.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import re
 
 # Architectures whose llama.cpp converter applies the q/k row permutation.
 PERMUTED_ARCHS = frozenset({"llama", "mistral"})
+EXPERT = "{e}"  # stands for the expert index in the HF names of stacked expert tensors
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -33,18 +41,33 @@ BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # qwen2moe / qwen3moe router
+    "ffn_gate_exps": f"mlp.experts.{EXPERT}.gate_proj",
+    "ffn_up_exps": f"mlp.experts.{EXPERT}.up_proj",
+    "ffn_down_exps": f"mlp.experts.{EXPERT}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "llama": {  # Mixtral
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        "ffn_gate_exps": f"block_sparse_moe.experts.{EXPERT}.w1",
+        "ffn_up_exps": f"block_sparse_moe.experts.{EXPERT}.w3",
+        "ffn_down_exps": f"block_sparse_moe.experts.{EXPERT}.w2",
+    },
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 # Architectures with a verified map (the loader refuses others rather than guess).
-MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
+MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe"})
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """HF checkpoint name of a GGUF tensor, or None for tensors the model does not load."""
+    """HF checkpoint name of a GGUF tensor, or None for tensors the model does not load. Stacked
+    expert tensors get a name holding EXPERT."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.match(gguf_name)
