@@ -1,6 +1,6 @@
 """Every supported family at real hidden sizes on the GPU in bf16 against transformers.
 
-    python bench/family_parity.py [--only llama,gemma2] [--smoke] [--out FILE]
+    python bench/family_parity.py [--only llama,gemma2] [--smoke] [--device cpu] [--out FILE]
 
 Per family (shapes and reductions: bench/family_shapes.py): transformers builds the model from a
 fixed seed on the device, rounds it to bf16 and saves it as safetensors, then loads it back with
@@ -18,6 +18,14 @@ transformers' bf16 error against its own fp32 truth is printed as `hf`, the nois
 `x hf` is our error against the truth divided by it (1: as close to fp32 as transformers' bf16).
 One table row per family, JSON to --out (default $OUT/family_parity.json). --smoke runs the same
 code on CPU in fp32 at the CPU parity tests' tiny sizes (a check of the script, not of the GPU).
+`--device cpu` runs the real sizes in bf16 on the CPU (unquantized; ~12 GB of memory for the
+largest family): the engine then serves with its torch reference kernels, so this checks the
+model code and the references, not the Triton kernels (and no CUDA graphs).
+
+For MoE families the top-k expert set of every router call in the prompt forward is recorded
+(bench/routing_flips.py): `flips` counts prompt tokens whose experts in some layer differ from
+the fp32 truth's, transformers' bf16 / ours; the JSON also gives both errors against the truth
+on the tokens routed like the truth in both runs.
 
 transformers 5.17 runs Gemma 2 through SDPA, which silently drops the attention soft-cap (5.23
 marks Gemma 2 as not SDPA-capable); configs with an attention soft-cap are therefore built with
@@ -27,6 +35,7 @@ eager attention, the definition of the model.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -43,6 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.family_shapes import FAMILIES, REDUCTIONS, Family, config_dict  # noqa: E402
+from bench.routing_flips import capture_routing, routing_flips  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -54,6 +64,8 @@ class Reference(NamedTuple):
     bf16_logits: torch.Tensor  # [P, V] transformers in the run dtype
     tokens: list[int]  # transformers' greedy tokens in the run dtype
     truth: torch.Tensor  # [P + N, V] fp32 forward of prompt + tokens, same weights
+    routing_bf16: list[torch.Tensor]  # per MoE layer [P, K] expert ids (empty: dense)
+    routing_truth: list[torch.Tensor]  # per MoE layer [P + N, K] expert ids of the truth
 
 
 class Ours(NamedTuple):
@@ -61,6 +73,7 @@ class Ours(NamedTuple):
     tokens: list[int]
     logprobs: list[float]  # of each sampled token
     graphs: bool  # decode steps replayed CUDA graphs
+    routing: list[torch.Tensor]  # per MoE layer [P, K] expert ids of the prompt forward
 
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -68,7 +81,7 @@ def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def build_reference(family: Family, smoke: bool, path: Path, prompt: list[int],
-                    device: str, dtype: torch.dtype) -> Reference:
+                    device: str, dtype: torch.dtype, seed: int = 0) -> Reference:
     """Random-init the model in transformers, save it in `dtype`, and run it loaded back in
     `dtype` (the bf16 reference) and in float32 (the truth: an exact upcast of the weights)."""
     import transformers
@@ -78,7 +91,7 @@ def build_reference(family: Family, smoke: bool, path: Path, prompt: list[int],
     kwargs = {}
     if getattr(config, "attn_logit_softcapping", None):
         kwargs["attn_implementation"] = "eager"  # 5.17's SDPA path ignores the soft-cap
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(device):
         if family.case.hf_class.startswith("Auto"):
             hf = getattr(transformers, family.case.hf_class).from_config(config, **kwargs)
@@ -96,18 +109,23 @@ def build_reference(family: Family, smoke: bool, path: Path, prompt: list[int],
     _keep_fp32(hf)
     hf.save_pretrained(path)
     del hf
+    _free()
     ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
         hf = load_reference(family, path, dtype, device, kwargs)
-        bf16_logits = hf(ids).logits[0].float().cpu()
-        out = hf.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+        with capture_routing(hf) as routing_bf16:
+            bf16_logits = hf(ids).logits[0].float().cpu()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS,
                           do_sample=False, eos_token_id=None, pad_token_id=0)
         tokens = out[0, len(prompt):].tolist()
         del hf
+        _free()
         hf = load_reference(family, path, torch.float32, device, kwargs)
-        truth = hf(out).logits[0].float().cpu()
+        with capture_routing(hf) as routing_truth:
+            truth = hf(out).logits[0].float().cpu()
     del hf
-    return Reference(bf16_logits, tokens, truth)
+    return Reference(bf16_logits, tokens, truth, routing_bf16, routing_truth)
 
 
 def load_reference(family: Family, path: Path, dtype: torch.dtype, device: str,
@@ -138,9 +156,10 @@ def _keep_fp32(hf: torch.nn.Module) -> None:
 
 def run_ours(path: Path, prompt: list[int], device: str, dtype: str) -> Ours:
     engine = Engine(EngineConfig(model=str(path), device=device, dtype=dtype, max_num_seqs=2,
-                                 max_model_len=256, kvcache_mem_mib=256))
+                                 max_model_len=256, kvcache_mem_mib=256, quantization=None))
     try:
-        logits = engine.prompt_logits(prompt)
+        with capture_routing(engine.runner.model) as routing:
+            logits = engine.prompt_logits(prompt)
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
                                 logprobs=0)
         engine.add_request("greedy", prompt, params)
@@ -150,7 +169,7 @@ def run_ours(path: Path, prompt: list[int], device: str, dtype: str) -> Ours:
             for out in engine.step():
                 tokens.extend(out.new_token_ids)
                 logprobs.extend(lp.logprob for lp in out.logprobs or [])
-        return Ours(logits, tokens, logprobs, engine.runner.graphs is not None)
+        return Ours(logits, tokens, logprobs, engine.runner.graphs is not None, routing)
     finally:
         engine.shutdown()
 
@@ -177,24 +196,49 @@ def compare(ref: Reference, ours: Ours) -> dict[str, Any]:
         tokens_equal=equal, decode_err=dec_err, tie_gap=gap, cuda_graphs=ours.graphs,
         tokens=ours.tokens, hf_tokens=ref.tokens, logprobs_returned=len(ours.logprobs))
     res["x_hf"] = err_fp32 / max(res["hf_bf16_vs_fp32"], 1e-12)  # our bf16 error / transformers'
+    if ref.routing_truth:
+        res["routing"] = routing_report(ref, ours)
     res["ok"] = bool(err_bf16 < LOGITS_TOL and err_fp32 < LOGITS_TOL
                      and dec_err < DECODE_TOL and gap < DECODE_TOL
                      and len(ours.logprobs) == NEW_TOKENS)
     return res
 
 
-def run_family(name: str, smoke: bool) -> dict[str, Any]:
+def routing_report(ref: Reference, ours: Ours) -> dict[str, Any]:
+    """Routing flips against the truth (transformers' bf16, ours) and between the bf16 runs, and
+    both prompt-logits errors against the truth on the tokens neither run flipped. A flip also
+    reaches later tokens a little through attention; those tokens still count as unflipped."""
+    n = ref.bf16_logits.shape[0]
+    hf = routing_flips(ref.routing_bf16, ref.routing_truth, n)
+    our = routing_flips(ours.routing, ref.routing_truth, n)
+    rows = sorted(set(range(n)) - set(hf["flipped"]) - set(our["flipped"]))
+    truth = ref.truth[:n]
+
+    def err(logits: torch.Tensor, picked: list[int]) -> float | None:
+        return rel_error(logits[picked], truth[picked]) if picked else None
+
+    return dict(
+        hf_bf16_vs_truth=hf, ours_vs_truth=our,
+        ours_vs_hf_bf16=routing_flips(ours.routing, ref.routing_bf16, n),
+        unflipped_tokens=len(rows),
+        err_fp32_unflipped=err(ours.logits, rows),
+        hf_bf16_vs_fp32_unflipped=err(ref.bf16_logits, rows),
+        err_fp32_own_flipped=err(ours.logits, our["flipped"]),
+        hf_bf16_vs_fp32_own_flipped=err(ref.bf16_logits, hf["flipped"]))
+
+
+def run_family(name: str, smoke: bool, device: str, seed: int = 0,
+               dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     family = FAMILIES[name]
-    device = "cpu" if smoke else "cuda"
-    dtype = torch.float32 if smoke else torch.bfloat16
+    dtype = torch.float32 if smoke else dtype
     vocab = config_dict(family, smoke).get("vocab_size") or config_dict(
         family, smoke)["text_config"]["vocab_size"]
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist()
-    path = Path(tempfile.mkdtemp(prefix=f"parity-{name}-", dir=_scratch_dir()))
+    path = Path(tempfile.mkdtemp(prefix=f"parity-{name}-", dir=_scratch_dir(device)))
     start = time.perf_counter()
     try:
-        ref = build_reference(family, smoke, path, prompt, device, dtype)
+        ref = build_reference(family, smoke, path, prompt, device, dtype, seed)
         _free()
         ours = run_ours(path, prompt, device, str(dtype).removeprefix("torch."))
         return dict(compare(ref, ours), seconds=time.perf_counter() - start)
@@ -203,8 +247,11 @@ def run_family(name: str, smoke: bool) -> dict[str, Any]:
         _free()
 
 
-def _scratch_dir() -> str | None:
-    """/dev/shm when it has room for a checkpoint (the largest is ~6 GB), else the default."""
+def _scratch_dir(device: str) -> str | None:
+    """/dev/shm when it has room for a checkpoint (the largest is ~6 GB), else the default. Not
+    on CPU: /dev/shm is memory, which the CPU run needs for the models themselves."""
+    if device == "cpu":
+        return None
     try:
         return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 16 << 30 else None
     except OSError:
@@ -215,6 +262,8 @@ def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    elif sys.platform == "linux":  # give freed model memory back before the next one loads
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _row(name: str, res: dict[str, Any]) -> str:
@@ -225,13 +274,26 @@ def _row(name: str, res: dict[str, Any]) -> str:
             f"{res['hf_bf16_vs_fp32']:8.2e} {min(res['x_hf'], 99):5.2f} "
             f"{res['tokens_equal']:>2d}/{NEW_TOKENS} "
             f"{res['decode_err']:6.3f} {res['tie_gap']:6.3f} "
-            f"{'PASS' if res['ok'] else 'FAIL':4s} {res['seconds']:5.1f}s")
+            f"{'PASS' if res['ok'] else 'FAIL':4s} {res['seconds']:5.1f}s"
+            f"{_flips(res.get('routing'))}")
+
+
+def _flips(routing: dict[str, Any] | None) -> str:
+    if not routing:
+        return ""
+    return (f"  flips hf {routing['hf_bf16_vs_truth']['tokens']}/ours "
+            f"{routing['ours_vs_truth']['tokens']} of {PROMPT_LEN}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(FAMILIES), help="comma-separated families")
     ap.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny sizes (script check)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: real sizes in bf16 through the torch reference kernels")
+    ap.add_argument("--seed", type=int, default=0, help="weights' seed (another model instance)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="float32: reference and truth coincide; a check of routing and model code")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/family_parity.json")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
@@ -240,21 +302,28 @@ def main() -> None:
         ap.error(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
     import transformers
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    head: dict[str, Any] = dict(gpu=gpu, torch=torch.__version__,
+    device = "cpu" if args.smoke else args.device
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "none (CPU)"
+    kernels = ("Triton" if device == "cuda" else
+               "torch references (CPU: checks model code and references, not Triton kernels)")
+    head: dict[str, Any] = dict(gpu=gpu, device=device, kernels=kernels, seed=args.seed,
+                                torch=torch.__version__,
                                 transformers=transformers.__version__, smoke=args.smoke,
-                                dtype="float32" if args.smoke else "bfloat16",
+                                dtype="float32" if args.smoke else args.dtype,
                                 reductions=REDUCTIONS, prompt_len=PROMPT_LEN,
                                 new_tokens=NEW_TOKENS, logits_tol=LOGITS_TOL,
                                 decode_tol=DECODE_TOL)
-    print(f"GPU {gpu}, torch {torch.__version__}, transformers {transformers.__version__}"
-          f"{', SMOKE (CPU fp32 tiny)' if args.smoke else ''}\nreductions: {REDUCTIONS}")
+    print(f"GPU {gpu}, {head['dtype']}, seed {args.seed}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}"
+          f"{', SMOKE (CPU fp32 tiny)' if args.smoke else ''}\nreductions: {REDUCTIONS}\n"
+          f"engine kernels: {kernels}")
     print(f"{'family':12s} {'shape':44s} {'vs bf16':>8s} {'vs fp32':>8s} {'hf':>8s} {'x hf':>5s} "
           f"{'eq':>4s} {'dec':>6s} {'gap':>6s} {'':4s} {'time':>6s}", flush=True)
     results: dict[str, Any] = {}
     for name in names:
         try:
-            results[name] = run_family(name, args.smoke)
+            results[name] = run_family(name, args.smoke, device, args.seed,
+                                       getattr(torch, args.dtype))
         except Exception as exc:  # noqa: BLE001 - one family's failure must not stop the rest
             traceback.print_exc()
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "ok": False}

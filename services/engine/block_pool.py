@@ -47,6 +47,12 @@ class BlockPool:
         """Take n blocks for exclusive use (ref_cnt 1), evicting cached blocks if needed."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"asked for {n} blocks, only {self.num_free_blocks} free")
+        free = self._free_uncached
+        if n <= len(free):  # the common case, without the eviction branch
+            blocks = [free.popleft() for _ in range(n)]
+            for block in blocks:
+                self.ref_cnt[block] = 1
+            return blocks
         blocks = []
         for _ in range(n):
             if self._free_uncached:

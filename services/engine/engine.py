@@ -266,8 +266,7 @@ class Engine:
         not if a running request's sampling reads its generated tokens on the host (penalties,
         a grammar's bitmask)."""
         return self.async_scheduling and not any(
-            r.sampling_params.has_penalties or r.sampling_params.guided is not None
-            for r in self.scheduler.running)
+            r.samples_from_host_tokens for r in self.scheduler.running)
 
     def _add_placeholders(self, requests: list[ScheduledRequest]) -> list[tuple[Request, int]]:
         slots = []
@@ -284,24 +283,32 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         result = inflight.launched.result()
         outputs = []
+        live = self.scheduler.requests
+        generated = 0
+        # Runs for every sampled token: the unfinished case builds its output inline.
         for (request, index), token, logprobs in zip(inflight.slots, result.token_ids,
                                                      result.logprobs, strict=True):
-            if self.scheduler.requests.get(request.request_id) is not request:
+            if live.get(request.request_id) is not request:
                 continue  # aborted (or finished) while its step ran
             request.token_ids[index] = token
-            self._counts.tokens_generated += 1
+            generated += 1
             num_output = index + 1 - request.num_prompt_tokens
             status = None
             if token in request.stop_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif num_output >= request.max_tokens:
                 status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                del request.token_ids[index + 1:]  # a placeholder of a step launched since
-                self.scheduler.finish_request(request.request_id, status)
-                self._counts.finished += 1
             lps = None if logprobs is None else [logprobs]
+            if status is None:
+                outputs.append(RequestOutput(
+                    request.request_id, [token], False, None, request.num_prompt_tokens,
+                    max(request.num_cached_tokens, 0), num_output, lps))
+                continue
+            del request.token_ids[index + 1:]  # a placeholder of a step launched since
+            self.scheduler.finish_request(request.request_id, status)
+            self._counts.finished += 1
             outputs.append(self._output(request, [token], lps, num_output))
+        self._counts.tokens_generated += generated
         return outputs
 
     def _output(

@@ -60,12 +60,24 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
-        """Extend request.block_hashes to cover the full blocks among its first num_tokens."""
+        """Extend request.block_hashes to cover the full blocks among its first num_tokens.
+
+        Same digests as hash_block, block by block; the new blocks' ids are packed once and
+        hashed from views of that buffer (a long prompt has hundreds of blocks)."""
         bs = self.block_size
         hashes = request.block_hashes
-        tokens = request.token_ids
-        for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+        first, last = len(hashes), num_tokens // bs
+        if first >= last:
+            return
+        ids = array("q", request.token_ids[first * bs : last * bs])
+        packed, step = memoryview(ids).cast("B"), bs * ids.itemsize
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        blake2b = hashlib.blake2b
+        for offset in range(0, len(packed), step):
+            h = blake2b(parent, digest_size=16)
+            h.update(packed[offset : offset + step])
+            parent = h.digest()
+            hashes.append(parent)
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request, in full blocks, leaving >= 1 token to compute."""
@@ -74,8 +86,9 @@ class KVCacheManager:
         max_hit_tokens = request.num_tokens - 1
         self._update_block_hashes(request, max_hit_tokens)
         blocks: list[int] = []
+        lookup = self.pool.get_cached_block
         for h in request.block_hashes[: max_hit_tokens // self.block_size]:
-            block = self.pool.get_cached_block(h)
+            block = lookup(h)
             if block is None:
                 break
             blocks.append(block)
@@ -89,30 +102,33 @@ class KVCacheManager:
         computed_blocks: a prefix hit from get_computed_blocks for a request that holds no blocks
         yet; they are claimed here together with the new blocks.
         """
-        computed_blocks = computed_blocks or []
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        # Called for every scheduled request every step: the common decode case (no prefix hit,
+        # no new block, no block filled) does only the arithmetic.
+        bs = self.block_size
+        pool = self.pool
+        num_hit = len(computed_blocks) if computed_blocks else 0
+        num_computed = request.num_computed_tokens + num_hit * bs
         total_tokens = num_computed + num_new_tokens
-        num_new_blocks = (
-            self.blocks_needed(total_tokens) - len(request.block_ids) - len(computed_blocks)
-        )
-        # Claiming a cached block that nobody references takes it off the free list too.
-        num_reclaimed = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
-        if num_new_blocks + num_reclaimed > self.pool.num_free_blocks:
-            return False
+        num_new_blocks = -(-total_tokens // bs) - len(request.block_ids) - num_hit
         if computed_blocks:
-            self.pool.touch(computed_blocks)
+            # Claiming a cached block that nobody references takes it off the free list too.
+            ref_cnt = pool.ref_cnt
+            num_reclaimed = sum(1 for b in computed_blocks if ref_cnt[b] == 0)
+            if num_new_blocks + num_reclaimed > pool.num_free_blocks:
+                return False
+            pool.touch(computed_blocks)
             request.block_ids.extend(computed_blocks)
+        elif num_new_blocks > 0 and num_new_blocks > pool.num_free_blocks:
+            return False
         if num_new_blocks > 0:
-            request.block_ids.extend(self.pool.get_new_blocks(num_new_blocks))
-        if self.enable_prefix_caching:
+            request.block_ids.extend(pool.get_new_blocks(num_new_blocks))
+        if self.enable_prefix_caching and num_computed // bs < total_tokens // bs:
             self._cache_full_blocks(request, num_computed, total_tokens)
         return True
 
     def _cache_full_blocks(self, request: Request, start_token: int, end_token: int) -> None:
         bs = self.block_size
         first, last = start_token // bs, end_token // bs
-        if first >= last:
-            return
         self._update_block_hashes(request, end_token)
         for i in range(first, last):
             self.pool.cache_block(request.block_ids[i], request.block_hashes[i])

@@ -70,6 +70,10 @@ class Request:
             frozenset() if sampling_params.ignore_eos else eos_token_ids
         )
         self.generator = generator
+        # Sampling reads the generated tokens on the host (penalties, a grammar): no async
+        # overlap for the step after one of its tokens. The params are fixed once added.
+        self.samples_from_host_tokens = (sampling_params.has_penalties
+                                         or sampling_params.guided is not None)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled

@@ -78,7 +78,7 @@ class SchedulerOutput:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(r.num_tokens == 1 for r in self.requests)
+        return all(len(r.token_ids) == 1 for r in self.requests)
 
 
 class Scheduler:
@@ -107,15 +107,24 @@ class Scheduler:
         scheduled: set[str] = set()
         # Running requests: decodes first, then unfinished prefill chunks. A request whose
         # last token is still being sampled (async scheduling) waits for it.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1
-                   and r.num_output_tokens < r.max_tokens]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:  # one pass, no properties: it runs for every request every step
+            left = len(r.token_ids) - r.num_computed_tokens
+            if left == 1:
+                if len(r.token_ids) - r.num_prompt_tokens < r.max_tokens:
+                    decodes.append(r)
+            elif left > 1:
+                prefills.append(r)
+        running = RequestStatus.RUNNING
         for request in decodes + prefills:
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+            if request.status is not running:  # preempted earlier in this loop
                 continue
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            # A decode's one token always fits (budget > 0); only prefill chunks are sized.
+            num_new = (1 if len(request.token_ids) - request.num_computed_tokens == 1
+                       else self._num_new_tokens(request, request.num_computed_tokens, budget))
             if num_new == 0:
                 continue
             if not self._allocate_or_preempt(request, num_new, scheduled, out):
@@ -178,18 +187,19 @@ class Scheduler:
     ) -> None:
         start = request.num_computed_tokens
         end = start + num_new
+        tokens = request.token_ids
         out.requests.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.token_ids[start:end],
+                token_ids=tokens[start:end],
                 num_computed_tokens=start,
                 block_ids=request.block_ids,
                 is_prefill=start < request.num_prompt_tokens or num_new > 1,
-                samples=end == request.num_tokens,
+                samples=end == len(tokens),
                 sampling_params=request.sampling_params,
                 generator=request.generator,
                 prompt_len=request.num_prompt_tokens,
-                all_token_ids=request.token_ids,
+                all_token_ids=tokens,
             )
         )
         out.num_batched_tokens += num_new

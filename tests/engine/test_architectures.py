@@ -132,7 +132,8 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path: Path, name: str) 
 
     hf.generation_config.eos_token_id = None  # a random model must not stop early
     with torch.no_grad():
-        ref = hf.generate(prompt[None], max_new_tokens=16, do_sample=False, pad_token_id=0,
+        ref = hf.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
+                          max_new_tokens=16, do_sample=False, pad_token_id=0,
                           output_logits=True, return_dict_in_generate=True)
     expected = ref.sequences[0, PROMPT_LEN:].tolist()
     step_err = rel_error(decode_logits(runner, prompt.tolist(), expected),
@@ -182,7 +183,9 @@ def test_engine_batches_match_transformers_per_sequence(tmp_path: Path, name: st
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
+            ids = torch.tensor([prompt])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                              min_new_tokens=16,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
         assert got[f"r{i}"] == ref[0, len(prompt):].tolist(), f"request r{i}"
 

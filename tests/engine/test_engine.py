@@ -40,7 +40,9 @@ def prompts(n: int, seed: int = 1) -> list[list[int]]:
 
 def hf_greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+        ids = torch.tensor([prompt])  # explicit mask: a token 0 is not padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             min_new_tokens=n,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

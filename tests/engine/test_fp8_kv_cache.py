@@ -96,7 +96,9 @@ def test_fp8_kv_greedy_decode_matches_transformers_with_fp8_kv(tiny) -> None:
     got = greedy(engine(path, "fp8"), ps, 12)
     for p, toks in zip(ps, got, strict=True):
         with torch.no_grad():
-            out = hf_fp8.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
+            ids = torch.tensor([p])
+            out = hf_fp8.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                  min_new_tokens=12,
                                   do_sample=False, eos_token_id=None, pad_token_id=0)
         assert toks == out[0, len(p):].tolist()
 

@@ -12,11 +12,16 @@ MoE cases (tests/engine/test_moe_models.py's tiny configs): mixtral (GGUF arch "
 experts), qwen2_moe and qwen3_moe, with stacked expert tensors, routers and qwen2moe's gated
 shared expert. llama.cpp's qwen2moe has no dense layers, so that case has no `mlp_only_layers`
 (the converter refuses `mlp.down_proj` of a dense layer: "Can not map tensor").
+DeepSeek-V2 (no q_lora_rank, grouped softmax routing, YaRN with mscale) and DeepSeek-V3
+(q_lora_rank, sigmoid routing with correction bias) both convert to arch "deepseek2" with
+kv_b_proj split per head into attn_k_b / attn_v_b; a pre-split file (attn_kv_b whole, as older
+converters wrote) is rebuilt from the V2 one with kv_b_proj taken from the safetensors.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import tarfile
@@ -24,8 +29,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from libs.common.model_cache import cache_dir
 from services.engine.loader import load_model
@@ -55,6 +62,8 @@ MOE_CASES: dict[str, tuple[str, dict[str, Any], str, float]] = {
     "mixtral_f16": ("mixtral", {}, "f16", 5e-3),
     "qwen2_moe": ("qwen2_moe", dict(mlp_only_layers=[]), "f32", 1e-5),
     "qwen3_moe": ("qwen3_moe", {}, "f32", 1e-5),
+    "deepseek_v2": ("deepseek_v2", {}, "f32", 1e-4),
+    "deepseek_v3": ("deepseek_v3", {}, "f32", 1e-4),
 }
 
 
@@ -139,3 +148,40 @@ def test_converted_gguf_matches_its_safetensors(converted: dict[str, tuple[Path,
     err = rel_error(SingleSequenceRunner(model).forward(prompt), ref)
     print(f"{name} ({outtype}): GGUF vs safetensors logits rel. error {err:.2e}")
     assert err < tolerance
+
+
+def test_pre_split_deepseek2_gguf_matches_its_safetensors(
+        converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """Older llama.cpp converters wrote kv_b_proj whole (attn_kv_b) and the per-head sizes as
+    key_length / value_length with head_count_kv = head count (no *_length_mla keys)."""
+    gguf = pytest.importorskip("gguf")
+    hf_dir, split_file = converted["deepseek_v2"]
+    hf = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(hf_dir / "model.safetensors")
+    reader = gguf.GGUFReader(split_file)
+    old = gguf.GGUFWriter(tmp_path / "old.gguf", "deepseek2")
+    replaced = ("key_length", "value_length", "key_length_mla", "value_length_mla",
+                "head_count_kv")
+    for key, field in reader.fields.items():
+        if key.startswith("deepseek2.") and key.rsplit(".", 1)[1] not in replaced:
+            old.add_key_value(key, field.contents(), field.types[0])
+    old.add_key_length(hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"])
+    old.add_value_length(hf["v_head_dim"])
+    old.add_head_count_kv(hf["num_attention_heads"])
+    for tensor in reader.tensors:
+        if tensor.name.endswith(".attn_k_b.weight"):
+            continue
+        if tensor.name.endswith(".attn_v_b.weight"):
+            layer = tensor.name.split(".")[1]
+            kv_b = state[f"model.layers.{layer}.self_attn.kv_b_proj.weight"].numpy()
+            old.add_tensor(f"blk.{layer}.attn_kv_b.weight", kv_b)
+        else:
+            old.add_tensor(tensor.name, np.array(tensor.data))
+    old.write_header_to_file()
+    old.write_kv_data_to_file()
+    old.write_tensors_to_file()
+    old.close()
+    prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = SingleSequenceRunner(load_model(hf_dir)[0]).forward(prompt)
+    err = rel_error(SingleSequenceRunner(load_model(tmp_path / "old.gguf")[0]).forward(prompt), ref)
+    assert err < 1e-4, f"pre-split deepseek2 GGUF vs safetensors logits rel. error {err:.2e}"

@@ -30,7 +30,8 @@ def _save(path: Path, dtype: torch.dtype, **cfg: object):
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n,
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                              min_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return out[0, len(prompt):].tolist()

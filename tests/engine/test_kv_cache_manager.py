@@ -1,5 +1,8 @@
 """KVCacheManager: block ids per request, prefix hits by chained full-block hashes, ref counts."""
 
+import hashlib
+import struct
+
 from services.engine.kv_cache_manager import KVCacheManager, hash_block
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
@@ -80,6 +83,29 @@ def test_hash_is_chained_over_the_whole_prefix() -> None:
     assert prefill(kv, b) == 0
     assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [0, 2, 3, 4])
     assert hash_block(b"x", [5, 6, 7, 8]) != hash_block(b"y", [5, 6, 7, 8])
+
+
+def test_block_hashes_are_blake2b_chains_over_int64_ids() -> None:
+    """Block i's hash is blake2b-128 seeded with block i-1's digest (a fixed root for block 0)
+    over its ids as native int64, whether the blocks are hashed in one call or several."""
+    tokens = [5, 2**40, 7, 0, 1, 2, 3, 4, 9, 9, 9, 9, 3]
+    parent, expected = b"flotilla-kv-root", []
+    for i in range(len(tokens) // BS):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(struct.pack(f"={BS}q", *tokens[i * BS : (i + 1) * BS]))
+        parent = h.digest()
+        expected.append(parent)
+    whole = make("a", tokens)
+    prefill(KVCacheManager(num_blocks=8, block_size=BS), whole)
+    assert whole.block_hashes == expected
+    assert hash_block(None, tokens[:BS]) == expected[0]
+    assert hash_block(expected[0], tokens[BS : 2 * BS]) == expected[1]
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    parts = make("b", tokens)
+    for n in (5, 3, 5):  # chunks: the hashes are extended block by block
+        assert kv.allocate_slots(parts, n)
+        parts.num_computed_tokens += n
+    assert parts.block_hashes == expected
 
 
 def test_blocks_filled_by_decode_become_cached() -> None:

@@ -42,7 +42,8 @@ def test_prompt_logits_and_greedy_match_transformers(tmp_path: Path, variant: st
 
     hf.generation_config.eos_token_id = None  # a random model must not stop early
     with torch.no_grad():
-        ref = hf.generate(prompt[None], max_new_tokens=16, do_sample=False, pad_token_id=0)
+        ref = hf.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
+                          max_new_tokens=16, do_sample=False, pad_token_id=0)
     expected = ref[0, len(prompt):].tolist()
     assert runner.greedy_recompute(prompt.tolist(), 16) == expected
     assert runner.greedy_cached(prompt.tolist(), 16) == expected

@@ -66,11 +66,29 @@ def save_tiny(path: Path, arch: str, seed: int = 0, **extra: Any) -> torch.nn.Mo
     return hf.eval()
 
 
-def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:  # a transformers model
+    # An explicit all-ones mask: given only pad_token_id, generate() infers the mask from
+    # input_ids != pad_token_id and hides every token 0 of a random prompt.
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                          do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def test_hf_greedy_reference_attends_to_token_zero(tmp_path: Path) -> None:
+    """The reference itself: a prompt holding token 0 (= pad_token_id) is attended in full, as
+    by plain forwards. Without the mask, prompt 1 of the H200 MLA test (token 0 at position 20)
+    gave transformers 47, 112, ... against the engine's (correct) 153, 110, ..."""
+    hf = save_tiny(tmp_path, "deepseek_v3")
+    gen = torch.Generator().manual_seed(7)
+    prompt = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 40)][1]
+    assert prompt[20] == 0
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(3):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert hf_greedy(hf, prompt, 3) == seq[len(prompt):]
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -146,7 +164,8 @@ def test_gpu_engine_mla_kernels_match_transformers(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSeek-V3 (tiny, fp32) on CUDA: Triton MLA prefill and decode, CUDA graphs, against
     transformers on the CPU. Failed on an H200 (2026-11-22; prompt 2 of 3 from its first
-    token), hence FLOTILLA_MLA_KERNEL is opt-in; bench/moe_gpu_diag.py splits the cause."""
+    token) because of the reference, not the kernels: prompt 2 holds token 0, which hf_greedy
+    then masked as padding (see test_hf_greedy_reference_attends_to_token_zero)."""
     monkeypatch.setattr("services.engine.layers.mla.MLA_KERNEL", True)
     hf = save_tiny(tmp_path, "deepseek_v3")
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)

@@ -16,10 +16,11 @@ Rules:
 - With FLOTILLA_MLA_KERNEL=triton, on CUDA every batch runs the absorbed form in Triton
   (kernels/mla_attention.py: split-KV decode, causal extend for prefill / mixed batches) reading
   the latent cache directly: q_lat = q_nope W_UK by one batched matmul, out_lat from the kernel,
-  then out_lat W_UV^T. Opt-in for now: the kernels match their reference on an H200 at
-  DeepSeek-V3 sizes, but a tiny DeepSeek-V3 through the engine on CUDA (fp32, with the fused-MoE
-  kernel) did not match transformers' greedy tokens and the cause is not isolated yet
-  (bench/moe_gpu_diag.py). The two torch paths above serve every other case.
+  then out_lat W_UV^T. Opt-in until it is timed against the torch paths in the engine: the
+  kernels match their reference on an H200 at DeepSeek-V3 sizes, and the whole model with every
+  Triton kernel forced (interpreter) matches transformers' greedy tokens; the engine-level GPU
+  test that failed on the H200 had a wrong reference (transformers treating token 0 as padding).
+  The two torch paths above serve every other case.
 - forward(q_nope [T, H, nope], q_pe [T, H, rope] rotated, latent [T, r] normed,
   k_pe [T, rope] rotated, w_kv_b [H*(nope+v), r]) -> [T, H * v]. H is this rank's head count.
 """

@@ -11,6 +11,9 @@ Rules:
   verified name map are refused.
 - Stacked expert tensors [E, out, in] (MoE) are dequantized and yielded one expert at a time
   under the per-expert HF names the MoE models load (experts are never kept quantized).
+- deepseek2 (DeepSeek-V2 / V3, gguf_deepseek2.py): the config gets its MLA / routing keys, and
+  the attn_k_b / attn_v_b halves of each layer's kv_b_proj are dequantized (kv_b_proj stays
+  float in the model) and joined into one tensor once both have been read.
 - Tied embeddings are inferred from the absence of an `output.weight` tensor.
 """
 
@@ -25,7 +28,14 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from services.engine.loader.gguf_names import EXPERT, MAPPED_ARCHS, PERMUTED_ARCHS, hf_name
+from services.engine.loader.gguf_deepseek2 import deepseek2_config, join_kv_b
+from services.engine.loader.gguf_names import (
+    EXPERT,
+    KV_B_PARTS,
+    MAPPED_ARCHS,
+    PERMUTED_ARCHS,
+    hf_name,
+)
 from services.engine.model_config import ModelConfig
 from services.engine.quant.gguf import QuantBytes
 
@@ -73,9 +83,13 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     names = {t.name for t in reader.tensors}
     long, short = _vector(reader, "rope_factors_long.weight"), _vector(reader,
                                                                        "rope_factors_short.weight")
+    meta = _metadata(reader)
     config = ModelConfig.from_gguf_metadata(
-        _metadata(reader), "output.weight" not in names, _vector(reader, "rope_freqs.weight"),
+        meta, "output.weight" not in names, _vector(reader, "rope_freqs.weight"),
         longrope_factors=(long, short) if long is not None and short is not None else None)
+    if arch == "deepseek2":
+        config = deepseek2_config(config, meta, any(n.endswith(".exp_probs_b.bias")
+                                                    for n in names))
     return GGUFCheckpoint(config, reader)
 
 
@@ -95,9 +109,17 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
     config, reader = checkpoint
     arch = _arch(reader)
     permuted = arch in PERMUTED_ARCHS
+    kv_b_parts: dict[str, dict[str, np.ndarray]] = {}  # kv_b_proj name -> part -> array
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch)
         if name is None:
+            continue
+        if tensor.name.endswith(KV_B_PARTS):
+            parts = kv_b_parts.setdefault(name, {})
+            parts[tensor.name.rsplit(".", 2)[1]] = _dequantized(tensor)
+            if len(parts) == 2:
+                del kv_b_parts[name]
+                yield name, torch.from_numpy(join_kv_b(parts["attn_k_b"], parts["attn_v_b"]))
             continue
         if EXPERT in name:
             for e, weight in enumerate(_dequantized(tensor)):
@@ -113,3 +135,5 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
             array = array.copy()
         out = torch.from_numpy(array)
         yield name, (QuantBytes.wrap(out, int(tensor.tensor_type)) if raw else out)
+    if kv_b_parts:
+        raise ValueError(f"GGUF has only one half (attn_k_b / attn_v_b) of {sorted(kv_b_parts)}")

@@ -11,8 +11,12 @@ Mixture-of-experts GGUFs store each layer's experts stacked in one [E, out, in] 
 (`ffn_{gate,up,down}_exps`); their HF name holds an `{e}` (EXPERT) that the loader fills in with
 each expert's index. The router is `ffn_gate_inp`, qwen2moe's shared expert `ffn_*_shexp` with
 its sigmoid gate `ffn_gate_inp_shexp`. Mixtral converts to arch "llama" (with an expert count)
-under its own HF names (block_sparse_moe, experts w1 / w3 / w2). deepseek2 is not mapped: its
-converter splits kv_b_proj per head into attn_k_b (transposed) / attn_v_b.
+under its own HF names (block_sparse_moe, experts w1 / w3 / w2).
+
+deepseek2 (DeepSeek-V2 / V3, gguf_deepseek2.py) names its MLA projections and plural
+shared_experts; both halves of its split kv_b_proj (KV_B_PARTS) map to kv_b_proj, which the
+loader joins. An entry keyed "part.kind" names the whole HF suffix (V3's router correction bias
+is a buffer, `e_score_correction_bias`, not a `.bias`).
 """
 
 from __future__ import annotations
@@ -58,9 +62,26 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_down_exps": f"block_sparse_moe.experts.{EXPERT}.w2",
     },
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "deepseek2": {
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",  # converters before the k_b / v_b split
+        "attn_k_b": "self_attn.kv_b_proj",
+        "attn_v_b": "self_attn.kv_b_proj",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
 }
+# GGUF block tensors that are the (k, v) halves of one HF kv_b_proj (deepseek2).
+KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 # Architectures with a verified map (the loader refuses others rather than guess).
-MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe"})
+MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe",
+                         "deepseek2"})
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -74,5 +95,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if match is None:
         return None
     layer, part, kind = match.groups()
-    name = ARCH_BLOCK_NAMES.get(arch, {}).get(part) or BLOCK_NAMES.get(part)
+    arch_names = ARCH_BLOCK_NAMES.get(arch, {})
+    if f"{part}.{kind}" in arch_names:
+        return f"model.layers.{layer}.{arch_names[f'{part}.{kind}']}"
+    name = arch_names.get(part) or BLOCK_NAMES.get(part)
     return None if name is None else f"model.layers.{layer}.{name}.{kind}"
