@@ -18,7 +18,7 @@ transformers' bf16 error against its own fp32 truth is printed as `hf`, the nois
 `x hf` is our error against the truth divided by it (1: as close to fp32 as transformers' bf16).
 One table row per family, JSON to --out (default $OUT/family_parity.json). --smoke runs the same
 code on CPU in fp32 at the CPU parity tests' tiny sizes (a check of the script, not of the GPU).
-`--device cpu` runs the real sizes in bf16 on the CPU (unquantized; ~12 GB of memory for the
+`--device cpu` runs the real sizes in bf16 on the CPU (unquantized; ~13 GB of memory for the
 largest family): the engine then serves with its torch reference kernels, so this checks the
 model code and the references, not the Triton kernels (and no CUDA graphs).
 

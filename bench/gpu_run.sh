@@ -3,7 +3,8 @@
 # A/B), decode/prefill profiles, the suite through gateway -> NATS -> tokenizer -> engine against
 # the engine alone, transformers' continuous batching as B3's peer, decode attention tilings.
 # Usage (device tool, carry [".whl"]): bash bench/gpu_run.sh [quick|perf|full]   (default full)
-#   quick: tests only; perf: no suite / peer / tilings; full: everything (~7 minutes).
+#   quick: tests only; perf: no suite / peer / tilings / parity; full: everything (~12 minutes:
+#   split it with TESTS= or run the steps one by one when a call's 10-minute limit is near).
 # TESTS="..." overrides the test selection. Missing packages travel as wheels in .whl
 # (docs/benchmarks.md lists them).
 set -uo pipefail
@@ -21,7 +22,9 @@ quiet() { grep -v "UserWarning\|_warn_once\|cudaStream\|Activity Buffer\|^\s*$";
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 step "GPU tests"
-timeout 300 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels tests/engine/test_gpu_engine.py} 2>&1 | tail -4
+timeout 400 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" ${TESTS:-tests/kernels \
+  tests/engine/test_gpu_engine.py tests/engine/test_fp8_kv_cache.py tests/engine/test_moe_models.py} \
+  2>&1 | grep -E "passed|failed|^FAILED|^E " | head -20
 } 2>&1 | tee "$LOG"
 [[ $mode == quick ]] && exit 0
 {
@@ -29,6 +32,12 @@ step "engine benchmarks, async scheduling"
 timeout 240 python3 bench/engine_bench.py --out "$OUT/engine_bench.json" 2>&1 | tail -9
 step "engine benchmarks, synchronous (A/B)"
 timeout 150 python3 bench/engine_bench.py --sync --only B1,B3 --out "$OUT/engine_bench_sync.json" 2>&1 | tail -4
+step "decode GEMVs: cuBLAS vs ours, M=1..16"
+timeout 90 python3 bench/gemv_sweep.py --m 1,2,4,8,16 --out "$OUT/gemv_sweep.json" 2>&1 | tail -30
+step "FP8 KV cache kernels"
+timeout 60 python3 bench/fp8_kv_cache.py 2>&1 | tail -6
+step "host work per step vs device span (B4 prefill, B3 decode)"
+timeout 120 python3 bench/host_overhead.py --device cuda --repeats 5 --decode-steps 10 2>&1 | tail -20
 step "profile: batch-1 decode"
 timeout 120 python3 bench/profile_decode.py --batch 1 2>&1 | head -24 | quiet
 step "profile: batch-256 decode"
@@ -44,6 +53,9 @@ if ! timeout 300 python3 bench/suite_bench.py --switch-interval 0.005 0.0005 \
   for f in "$OUT"/suite_logs/*.log; do echo "--- $f"; tail -30 "$f"; done
 fi
 rm -rf "$OUT/suite_logs"
+step "architectures at real hidden sizes vs transformers (bf16)"
+timeout 400 python3 bench/family_parity.py --out "$OUT/family_parity.json" 2>&1 \
+  | grep -v -i "warn\|Writing\|rope_param\|Loading" | tail -22
 step "peer: transformers continuous batching (B3 shape)"
 timeout 150 python3 bench/peer_transformers.py --requests 256 --prompt 128 --new 128 2>&1 | tail -1
 step "decode attention tilings (CUDA-graph replays)"
