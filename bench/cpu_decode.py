@@ -1,7 +1,7 @@
 """Batch-1 CPU decode speed of the engine's model path (paged KV cache, kernels' torch refs).
 
-    python bench/cpu_decode.py [--model PATH] [--dtype float32|bfloat16] [--quantization int8]
-                               [--tokens 128] [--threads 2]
+    python bench/cpu_decode.py [--model PATH] [--dtype float32|bfloat16]
+                               [--quantization cpu|int8|int4] [--tokens 128] [--threads 2]
 
 Prefills a short prompt, then decodes greedily one token per forward (cached K/V) and prints
 decode tokens/second: overall, and the best window of 16 tokens (other processes on a small
@@ -32,7 +32,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="path or hub id; default: embedded model")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--quantization", default=None, choices=[None, "none", "int8"])
+    parser.add_argument("--quantization", default=None,
+                        choices=[None, "none", "cpu", "int8", "int4"],
+                        help="cpu: the engine's CPU default (int4 for a Q4_1 GGUF, else int8)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -22,14 +22,16 @@ def write_kv_cache_ref(
     kv_scales: KVScales | None = None,
 ) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    slots = slot_mapping
+    if slots.numel() and int(slots.min()) < 0:  # padding rows: select (a sync) only if present
+        keep = slots >= 0
+        k, v, slots = k[keep], v[keep], slots[keep]
     if kv_scales is None:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
         return
     for x, cache, scales in ((k, k_cache, kv_scales.k), (v, v_cache, kv_scales.v)):
-        q, scale = quantize_kv_ref(x[keep])
+        q, scale = quantize_kv_ref(x)
         # index_copy_ has no float8 kernel on every backend: copy the bytes.
         cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
             0, slots, q.view(torch.uint8))

@@ -26,6 +26,13 @@ from services.engine.forward_context import AttentionMetadata
 _REF_CHUNK_ELEMS = 1 << 25
 
 
+def _rows(values: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A run of consecutive ints as a slice (views, no gather), else an index tensor."""
+    if values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return torch.tensor(values, device=device)
+
+
 def decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -35,37 +42,48 @@ def decode_attention_ref(
     sliding_window: int | None,
     logit_softcap: float | None,
     seqs: list[int],
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Batched reference for sequences with exactly one new token: pads their KV to a common
-    length and runs one masked attention per chunk of sequences."""
+    length and runs one masked attention per chunk of sequences. `out` None: the query rows are
+    exactly 0..len(seqs)-1 and the result is returned as a new tensor (the batch-1 CPU decode
+    path: no zero-filled output, no gathers of q or the block table, no mask when every
+    sequence of a chunk has the same length)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     seq_lens_cpu, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
     per_seq = max((seq_lens_cpu[i] for i in seqs), default=1) * num_kv_heads * head_dim
     chunk = max(1, _REF_CHUNK_ELEMS // per_seq)
+    result = out if out is not None else torch.empty_like(q)
     for c in range(0, len(seqs), chunk):
         ids = seqs[c : c + chunk]
-        lens = torch.tensor([seq_lens_cpu[i] for i in ids], device=q.device)
-        rows = torch.tensor([qsl[i] for i in ids], device=q.device)
-        max_len = max(seq_lens_cpu[i] for i in ids)
+        ids_lens = [seq_lens_cpu[i] for i in ids]
+        max_len = max(ids_lens)
         num_blocks = -(-max_len // block_size)
-        ids_t = torch.tensor(ids, device=q.device)
-        tables = meta.block_tables.index_select(0, ids_t)[:, :num_blocks].long().flatten()
+        tables = meta.block_tables[_rows(ids, q.device)][:, :num_blocks].reshape(-1)
         gathered = (len(ids), num_blocks * block_size, num_kv_heads, head_dim)
         k = k_cache.index_select(0, tables).view(gathered)
         v = v_cache.index_select(0, tables).view(gathered)
         if kv_scales is not None:
             k = dequantize_kv_ref(k, kv_scales.k.index_select(0, tables).view(gathered[:3]))
             v = dequantize_kv_ref(v, kv_scales.v.index_select(0, tables).view(gathered[:3]))
-        k_pos = torch.arange(k.shape[1], device=q.device)
-        mask = k_pos[None, :] < lens[:, None]
-        if sliding_window is not None:
-            mask &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
-        attn = attend_ref(q.index_select(0, rows)[:, None], k, v, mask[:, None], scale,
-                          logit_softcap)
-        out.index_copy_(0, rows, attn[:, 0])
-    return out
+        mask = None
+        if sliding_window is None and min(ids_lens) == max_len:
+            k, v = k[:, :max_len], v[:, :max_len]  # every key of the chunk is visible
+        else:
+            lens = torch.tensor(ids_lens, device=q.device)
+            k_pos = torch.arange(k.shape[1], device=q.device)
+            mask = k_pos[None, :] < lens[:, None]
+            if sliding_window is not None:
+                mask &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
+            mask = mask[:, None]
+        rows = _rows([qsl[i] for i in ids], q.device)
+        attn = attend_ref(q[rows][:, None], k, v, mask, scale, logit_softcap)[:, 0]
+        if isinstance(rows, slice):
+            result[rows] = attn
+        else:
+            result.index_copy_(0, rows, attn)
+    return result
 
 
 def paged_attention_ref(
@@ -79,11 +97,15 @@ def paged_attention_ref(
     kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Torch reference: decode rows batched, prefill/extend rows one sequence at a time."""
-    out = torch.zeros_like(q)
     qsl = meta.query_start_loc_cpu
     q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     extend = [i for i, n in enumerate(q_lens) if n > 1]
+    if decode and not extend and len(decode) == meta.num_seqs == q.shape[0]:
+        # Decode only, no padding rows: every output row is written.
+        return decode_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window,
+                                    logit_softcap, decode, None, kv_scales)
+    out = torch.zeros_like(q)
     if decode:
         decode_attention_ref(
             q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, decode, out,

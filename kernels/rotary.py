@@ -33,7 +33,9 @@ def _rotate_ref(
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     rotated = torch.cat((o1, o2), -1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
-    return torch.cat((rotated, rest), -1).to(x.dtype)
+    if rest.shape[-1]:
+        rotated = torch.cat((rotated, rest), -1)
+    return rotated.to(x.dtype)
 
 
 def rotary_embedding_ref(
@@ -43,9 +45,14 @@ def rotary_embedding_ref(
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
 ) -> RotaryOutput:
-    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # [T, rot_dim / 2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return RotaryOutput(_rotate_ref(q, cos, sin, is_neox), _rotate_ref(k, cos, sin, is_neox))
+    cos_sin = cos_sin_cache.index_select(0, positions).float()[:, None, :]
+    cos, sin = cos_sin.chunk(2, dim=-1)  # [T, 1, rot_dim / 2] each
+    if q.shape[0] != 1 or q.dtype != k.dtype:
+        return RotaryOutput(_rotate_ref(q, cos, sin, is_neox), _rotate_ref(k, cos, sin, is_neox))
+    # Batch-1 decode: one elementwise pass over q and k together (the same numbers as two
+    # passes, fewer ops); with one token the split halves stay contiguous.
+    qk = _rotate_ref(torch.cat((q, k), 1), cos, sin, is_neox)
+    return RotaryOutput(*qk.split((q.shape[1], k.shape[1]), 1))
 
 
 @triton.jit

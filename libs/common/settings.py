@@ -89,7 +89,8 @@ class EngineSettings(CommonSettings):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs")
     quantization: str = Field(
-        "auto", description="Weights: auto (int8 on CPU; GGUF blocks kept on GPU) | none | int8 "
+        "auto", description="Weights: auto (CPU: int4 for Q4_1 GGUF, else int8; GPU: GGUF blocks "
+        "kept) | none | int8 | int4 "
         "| gguf (keep GGUF blocks) | gptq | awq; pre-quantized checkpoints pick their own")
     isq: Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k",
                  "fp8"] | None = Field(None, description="Quantize float weights while loading")

@@ -27,6 +27,7 @@ import torch
 from libs.common.model_cache import resolve_model
 from services.engine.executor import make_executor
 from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.loader import CPU_DEFAULT
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import LaunchedStep
 from services.engine.request import Request, RequestStatus, TokenLogprobs
@@ -65,8 +66,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     num_kv_blocks: int | None = None
-    # weight quantization by name (services/engine/quant); "auto": int8 weight-only on CPU (batch-1
-    # decode there is bound by weight bytes), none on GPU
+    # weight quantization by name (services/engine/quant); "auto": weight-only on CPU (batch-1
+    # decode there is bound by weight bytes: int4 for a Q4_1 GGUF, else int8), none on GPU
     quantization: str | None = None
     # in-situ quantization of a float checkpoint while loading (services/engine/quant/isq.py):
     # q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k fp8; takes precedence over `quantization`
@@ -120,7 +121,7 @@ class EngineConfig:
             return self.isq
         if self.quantization != "auto":
             return self.quantization
-        return None if self.resolved_device.startswith("cuda") else "int8"
+        return None if self.resolved_device.startswith("cuda") else CPU_DEFAULT
 
     @property
     def resolved_dtype(self) -> torch.dtype:

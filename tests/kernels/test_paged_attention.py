@@ -57,11 +57,13 @@ def test_paged_attention_mixed_batch_dispatch() -> None:
     torch.testing.assert_close(out, ref, **tolerance(torch.bfloat16))
 
 
+# Equal lengths (a batch of one included) take the unmasked fast path of the decode reference.
+@pytest.mark.parametrize("seq_lens", [[1, 8, 9, 30, 64], [20, 20, 20], [37]])
 @pytest.mark.parametrize("window,softcap", [(None, None), (3, 2.0)])
 def test_batched_decode_ref_matches_per_sequence_ref(
-    window: int | None, softcap: float | None
+    window: int | None, softcap: float | None, seq_lens: list[int]
 ) -> None:
-    case = make_case([1] * 5, [1, 8, 9, 30, 64], 6, 3, 32, 8, torch.float32)
+    case = make_case([1] * len(seq_lens), seq_lens, 6, 3, 32, 8, torch.float32)
     batched = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.2, window,
                                   softcap)
     per_seq = prefill_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.2, window,

@@ -43,12 +43,13 @@ def test_rms_norm_reads_strided_rows() -> None:
     torch.testing.assert_close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
 
 
-def test_rms_norm_ref_matches_transformers() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp32: the fused fast path
+def test_rms_norm_ref_matches_transformers(dtype: torch.dtype) -> None:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    norm = LlamaRMSNorm(48, eps=1e-6).to(torch.bfloat16)
+    norm = LlamaRMSNorm(48, eps=1e-6).to(dtype)
     torch.nn.init.normal_(norm.weight)
-    x = torch.randn(4, 48, dtype=torch.bfloat16)
+    x = torch.randn(4, 48, dtype=dtype)
     torch.testing.assert_close(rms_norm_ref(x, norm.weight.data, 1e-6), norm(x))
 
 

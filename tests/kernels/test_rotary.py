@@ -34,12 +34,14 @@ def test_rotary_matches_reference(
     assert torch.equal(q, q_before)
 
 
-def test_rotary_ref_matches_transformers() -> None:
+# One token: the reference's joint q/k pass (batch-1 decode); five: separate passes.
+@pytest.mark.parametrize("positions", [[0, 3, 4, 9, 17], [11]])
+def test_rotary_ref_matches_transformers(positions: list[int]) -> None:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    tokens, hq, hk, dim = 5, 4, 2, 32
+    tokens, hq, hk, dim = len(positions), 4, 2, 32
     q, k = torch.randn(tokens, hq, dim), torch.randn(tokens, hk, dim)
-    pos = torch.tensor([0, 3, 4, 9, 17])
+    pos = torch.tensor(positions)
     cache = cos_sin_cache(32, dim)
     cos, sin = cache[pos].chunk(2, -1)
     cos, sin = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]

@@ -73,3 +73,18 @@ def test_perplexity_with_quantized_kernels_matches_dequantized_weights(
     ours = perplexity(quantized, ids)
     assert 1.5 < reference < 30, reference  # the model reads the text as English
     assert abs(ours / reference - 1) < 0.01, (ours, reference)
+
+
+def test_cpu_default_serves_q4_1_as_int4_within_one_percent_perplexity() -> None:
+    """The engine's CPU default ("cpu") holds this Q4_1 file's layers as int4 groups (the LM
+    head int8) and reads the text as the dequantized float weights do."""
+    from services.engine.quant import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+
+    path = ensure_default_model()
+    ids = Tokenizer.from_path(path).encode(TEXT)
+    reference = perplexity(load_model(path).model, ids)
+    model = load_model(path, quantization="cpu").model
+    assert isinstance(model.model.layers[0].mlp.down_proj.quant_method, Int4WeightOnlyMethod)
+    assert isinstance(model.lm_head.quant_method, Int8WeightOnlyMethod)
+    ours = perplexity(model, ids)
+    assert abs(ours / reference - 1) < 0.01, (ours, reference)

@@ -8,6 +8,9 @@ Rules:
 - Parameters are created directly in `dtype` on `device`; quantization is chosen by name, or by
   the checkpoint: a config.json `quantization_config` (gptq, awq, fp8) selects its format, and a
   quantized GGUF keeps its blocks on CUDA (or with quantization "gguf"; quant/gguf.py).
+- Quantization "cpu" (the engine's CPU default, `auto`) is int4 groups for a GGUF whose layer
+  matmuls are all Q4_1 (int4 holds that grid exactly, quant/int4.py) and int8 per channel
+  otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
+from kernels.gguf_dequant import Q4_1
 from services.engine.loader.gguf_loader import GGUFCheckpoint, iter_gguf, read_gguf, tensor_types
 from services.engine.loader.safetensors_loader import (
     check_checkpoint,
@@ -33,6 +37,11 @@ from services.engine.model_config import ModelConfig
 from services.engine.models.base import CausalLM
 from services.engine.models.registry import get_model_class
 from services.engine.quant import GGUFConfig, QuantConfig, get_quant_config, quant_config_from_hf
+
+CPU_DEFAULT = "cpu"
+# GGUF types whose blocks int4 holds exactly: (scale, min) groups of 32 four-bit values whose
+# ends are the group's min and max (Q4_K's optimised sub-block grids need not be).
+INT4_EXACT_TYPES = frozenset({Q4_1})
 
 SUPPORTED_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -64,6 +73,8 @@ def _find_gguf(path: Path) -> Path | None:
 
 def _hf_quant_config(path: Path, files: list[Path], quantization: str | None
                      ) -> QuantConfig | None:
+    if quantization == CPU_DEFAULT:
+        quantization = "int8"
     qcfg = json.loads((path / "config.json").read_text()).get("quantization_config")
     if not qcfg:
         check_checkpoint(path, files)
@@ -85,6 +96,10 @@ def _gguf_quant_config(checkpoint: GGUFCheckpoint, packed: dict[str, tuple[str, 
     and `quantization` (int8 on CPU, an --isq type) applies to the floats."""
     if quantization == "gguf" or (quantization is None and torch.device(device).type == "cuda"):
         return GGUFConfig(tensor_types(checkpoint), packed)
+    if quantization == CPU_DEFAULT:
+        layer_types = {t for name, t in tensor_types(checkpoint).items()
+                       if ".layers." in name and name.endswith("proj.weight")}
+        quantization = "int4" if layer_types and layer_types <= INT4_EXACT_TYPES else "int8"
     return get_quant_config(quantization)
 
 
@@ -103,6 +118,8 @@ def load_model(
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     if load_format == "dummy":
         config = ModelConfig.from_hf_dir(path)
+        if quantization == CPU_DEFAULT:
+            quantization = "int8"
         with torch.device(device), _default_dtype(dtype):
             dummy = get_model_class(config.architecture)(config, get_quant_config(quantization))
         init_dummy_weights(dummy)

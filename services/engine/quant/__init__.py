@@ -1,8 +1,8 @@
 """Quantization strategies, selected by name (`--quantization` / `--isq`) or by the checkpoint,
 never by model code.
 
-- By name: "none", "int8" (CPU weight-only), the in-situ names of quant/isq.py (q4_0 .. q6k,
-  fp8), "gptq" / "awq" (default layouts: random-weight benchmarks).
+- By name: "none", "int8" / "int4" (CPU weight-only), the in-situ names of quant/isq.py
+  (q4_0 .. q6k, fp8), "gptq" / "awq" (default layouts: random-weight benchmarks).
 - By checkpoint: config.json's `quantization_config` (gptq, awq, fp8, compressed-tensors fp8)
   through `quant_config_from_hf`; GGUF files through quant/gguf.py's GGUFConfig (the loader).
 """
@@ -23,6 +23,7 @@ from services.engine.quant.base import (
 from services.engine.quant.fp8 import FP8Config
 from services.engine.quant.gguf import GGUFConfig, GGUFLinearMethod, QuantBytes
 from services.engine.quant.gptq import GPTQConfig
+from services.engine.quant.int4 import Int4WeightOnlyConfig, Int4WeightOnlyMethod
 from services.engine.quant.int8 import Int8WeightOnlyConfig, Int8WeightOnlyMethod
 from services.engine.quant.isq import ISQ_NAMES, ISQConfig
 
@@ -34,6 +35,7 @@ def _isq(name: str) -> Callable[[], QuantConfig]:
 QUANT_CONFIGS: dict[str, Callable[[], QuantConfig]] = {
     "none": UnquantizedConfig,
     "int8": Int8WeightOnlyConfig,
+    "int4": Int4WeightOnlyConfig,
     "gptq": GPTQConfig,
     "awq": AWQConfig,
     **{name: _isq(name) for name in ISQ_NAMES},
@@ -70,7 +72,8 @@ def quant_config_from_hf(qcfg: dict[str, Any], tensor_names: Collection[str]) ->
 
 
 __all__ = ["HF_QUANT_METHODS", "ISQ_NAMES", "QUANT_CONFIGS", "AWQConfig", "FP8Config",
-           "GGUFConfig", "GGUFLinearMethod", "GPTQConfig", "ISQConfig", "Int8WeightOnlyConfig",
+           "GGUFConfig", "GGUFLinearMethod", "GPTQConfig", "ISQConfig", "Int4WeightOnlyConfig",
+           "Int4WeightOnlyMethod", "Int8WeightOnlyConfig",
            "Int8WeightOnlyMethod", "QuantBytes", "QuantConfig", "QuantMethod",
            "UnquantizedConfig", "UnquantizedLinearMethod", "get_quant_config",
            "get_quant_method", "quant_config_from_hf"]
