@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.gguf_matmul import _gemm_tiles, use_gemv
+from kernels.tuning import warmup_autotune
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -89,11 +90,7 @@ GEMV_CONFIGS = [
     for bn, step, w in ((8, 512, 4), (4, 1024, 4), (8, 1024, 4), (16, 512, 8), (4, 2048, 8),
                         (2, 2048, 4), (16, 256, 4), (8, 256, 2))
 ]
-_gemv_tuned = triton.autotune(
-    GEMV_CONFIGS, key=["N", "K", "group"],
-    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20,
-                                                           quantiles=quantiles),
-)(_gemv_kernel)
+_gemv_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group"])(_gemv_kernel)
 
 
 @triton.jit

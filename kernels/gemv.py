@@ -27,6 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.tuning import warmup_autotune
+
 GEMV_MAX_M = 16
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -161,12 +163,8 @@ def _even_k(args: dict[str, Any]) -> bool:
 
 
 _gemv_fixed = triton.heuristics({"EVEN_K": _even_k})(_gemv_kernel)
-_gemv_tuned = triton.autotune(
-    CONFIGS, key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _prune},
-    # short benchmarks: ~10 configs x 4 shapes x 4 buckets are tuned in the engine's warm-up
-    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20,
-                                                           quantiles=quantiles),
-)(_gemv_fixed)
+_gemv_tuned = warmup_autotune(CONFIGS, ["N", "K", "BLOCK_M"],
+                              prune_configs_by={"early_config_prune": _prune})(_gemv_fixed)
 
 
 def interpreter_config(m: int, n: int, k: int) -> triton.Config:

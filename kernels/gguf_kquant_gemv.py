@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type, u4_to_f32
+from kernels.tuning import warmup_autotune
 
 
 @triton.jit
@@ -105,11 +106,8 @@ GEMV_CONFIGS = [
     for bn, nsb, w in ((8, 8, 4), (4, 8, 4), (16, 4, 4), (8, 4, 4), (4, 4, 2), (16, 8, 8),
                        (2, 8, 4), (8, 2, 2))
 ]
-_kquant_gemv_tuned = triton.autotune(
-    GEMV_CONFIGS, key=["N", "K", "FIVE_BITS"],
-    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20,
-                                                           quantiles=quantiles),
-)(_kquant_gemv_kernel)
+_kquant_gemv_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "FIVE_BITS"])(
+    _kquant_gemv_kernel)
 
 
 def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,

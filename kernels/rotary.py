@@ -110,6 +110,16 @@ def rotate_heads(
 
 
 @triton.jit
+def load_cos_sin(cache_ptr, pos, rot_half, BLOCK_R: tl.constexpr):
+    """Position `pos`'s row of the fp32 [max_pos, 2 * rot_half] cos/sin cache: (cos, sin), each
+    [1, BLOCK_R], zero past rot_half."""
+    r = tl.arange(0, BLOCK_R)[None, :]
+    row = cache_ptr + pos * 2 * rot_half
+    return (tl.load(row + r, mask=r < rot_half, other=0.0),
+            tl.load(row + rot_half + r, mask=r < rot_half, other=0.0))
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr,  # int64 [T] positions
     q_ptr, k_ptr,  # [T, Hq, D], [T, Hk, D]; token/head strides free, last dim contiguous
@@ -127,9 +137,7 @@ def _rotary_kernel(
     # One program per token: read its cos/sin once and rotate all q and k heads.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
-    r = tl.arange(0, BLOCK_R)[None, :]
-    cos = tl.load(cache_ptr + pos * 2 * rot_half + r, mask=r < rot_half, other=0.0)
-    sin = tl.load(cache_ptr + pos * 2 * rot_half + rot_half + r, mask=r < rot_half, other=0.0)
+    cos, sin = load_cos_sin(cache_ptr, pos, rot_half, BLOCK_R)
     rotate_heads(
         q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * head_dim, stride_qh, head_dim,
         num_q_heads, head_dim, rot_half, cos, sin, IS_NEOX, BLOCK_HQ, BLOCK_R, BLOCK_P, HAS_PASS,

@@ -16,7 +16,13 @@ import triton.language as tl
 
 from kernels.kv_cache import write_kv_cache_ref
 from kernels.kv_quant import KVScales, check_kv_scales, quantize, quantize_rows, scales_from_amax
-from kernels.rotary import check_rotary_args, rotary_embedding_ref, rotate_heads, rotated_halves
+from kernels.rotary import (
+    check_rotary_args,
+    load_cos_sin,
+    rotary_embedding_ref,
+    rotate_heads,
+    rotated_halves,
+)
 
 
 def rotary_write_kv_cache_ref(
@@ -90,9 +96,7 @@ def _rotary_kv_kernel(
     # the cache slot of the token.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
-    r = tl.arange(0, BLOCK_R)[None, :]
-    cos = tl.load(cache_ptr + pos * 2 * rot_half + r, mask=r < rot_half, other=0.0)
-    sin = tl.load(cache_ptr + pos * 2 * rot_half + rot_half + r, mask=r < rot_half, other=0.0)
+    cos, sin = load_cos_sin(cache_ptr, pos, rot_half, BLOCK_R)
     rotate_heads(
         q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * head_dim, stride_qh, head_dim,
         num_q_heads, head_dim, rot_half, cos, sin, IS_NEOX, BLOCK_HQ, BLOCK_R, BLOCK_P, HAS_PASS,

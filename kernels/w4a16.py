@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.gguf_dequant import u4_to_f32
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
+from kernels.tuning import warmup_autotune
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -128,18 +129,8 @@ GEMV_CONFIGS = [
 # 4 bytes on sm_90 there (tests/quant/sm90_compile.py), the other tiles do not
 GEMV_CONFIGS_PERM = [c for c in GEMV_CONFIGS
                      if (c.kwargs["BLOCK_N"], c.kwargs["STEP"], c.num_warps) != (8, 1024, 4)]
-
-
-def _autotuned(configs: list[triton.Config]):  # type: ignore[no-untyped-def]
-    return triton.autotune(
-        configs, key=["N", "K", "group_size"],
-        do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20,
-                                                               quantiles=quantiles),
-    )(_gemv_kernel)
-
-
-_gemv_tuned = _autotuned(GEMV_CONFIGS)
-_gemv_tuned_perm = _autotuned(GEMV_CONFIGS_PERM)
+_gemv_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size"])(_gemv_kernel)
+_gemv_tuned_perm = warmup_autotune(GEMV_CONFIGS_PERM, ["N", "K", "group_size"])(_gemv_kernel)
 
 
 @triton.jit

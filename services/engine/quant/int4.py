@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.quant.base import QuantConfig, QuantMethod, layer_tensor
+from services.engine.quant.base import QuantConfig, QuantMethod, layer_tensor, linear_2d
 from services.engine.quant.int8 import Int8WeightOnlyMethod
 
 GROUP_SIZE = 32
@@ -55,18 +55,19 @@ class Int4WeightOnlyMethod(QuantMethod):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        x2 = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(_MATMUL_DTYPE)
         packed = layer_tensor(layer, "weight_int4")
         scale_zero = layer_tensor(layer, "weight_scale_zero")
-        if x2.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP_SIZE, scale_zero)
-        else:
-            sz = scale_zero.transpose(0, 1).repeat_interleave(GROUP_SIZE, 1)  # [N, K, 2]
-            y = F.linear(x2, (packed.to(x2.dtype) - 8) * sz[..., 0] + sz[..., 1])
-        y = y.to(x.dtype)
-        if x.dim() != 2:
-            y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if bias is None else y + bias
+
+        def matmul(x2: torch.Tensor) -> torch.Tensor:
+            x2 = x2.to(_MATMUL_DTYPE)
+            if x2.device.type == "cpu":
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP_SIZE, scale_zero)
+            else:
+                sz = scale_zero.transpose(0, 1).repeat_interleave(GROUP_SIZE, 1)  # [N, K, 2]
+                y = F.linear(x2, (packed.to(x2.dtype) - 8) * sz[..., 0] + sz[..., 1])
+            return y.to(x.dtype)
+
+        return linear_2d(x, matmul, bias)
 
 
 class Int4WeightOnlyConfig(QuantConfig):

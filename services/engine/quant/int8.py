@@ -19,6 +19,7 @@ from services.engine.quant.base import (
     QuantMethod,
     UnquantizedLinearMethod,
     layer_tensor,
+    linear_2d,
 )
 
 _MATMUL_DTYPE = torch.bfloat16
@@ -44,16 +45,15 @@ class Int8WeightOnlyMethod(QuantMethod):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        x2 = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(_MATMUL_DTYPE)
         weight, scale = layer_tensor(layer, "weight_int8"), layer_tensor(layer, "weight_scale")
-        if x2.device.type == "cpu":
-            y = torch.ops.aten._weight_int8pack_mm(x2, weight, scale)
-        else:
-            y = F.linear(x2, weight.to(x2.dtype)) * scale
-        y = y.to(x.dtype)
-        if x.dim() != 2:
-            y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if bias is None else y + bias
+
+        def matmul(x2: torch.Tensor) -> torch.Tensor:
+            x2 = x2.to(_MATMUL_DTYPE)
+            if x2.device.type == "cpu":
+                return torch.ops.aten._weight_int8pack_mm(x2, weight, scale).to(x.dtype)
+            return (F.linear(x2, weight.to(x2.dtype)) * scale).to(x.dtype)
+
+        return linear_2d(x, matmul, bias)
 
 
 class Int8WeightOnlyConfig(QuantConfig):
