@@ -5,8 +5,9 @@
 Prefill: B4 (one 4096-token prompt) and B3's prefill steps (64 prompts of 128), tile configs that
 compile without spills, with the query blocks dispatched longest first or in order. Decode: B1
 (batch 1, ~400 keys; split count as captured in the graphs, and others), B2/B3-like batches
-over tile configs. Decode is timed as CUDA-graph replays (what the engine runs), prefill with
-plain launches. The default configuration is marked '*'.
+over tile configs; the split counts of the long (max_model_len) and short-context graphs
+(services/engine/cuda_graphs.py) are both timed. Decode is timed as CUDA-graph replays (what
+the engine runs), prefill with plain launches. The default configuration is marked '*'.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench.kernels import bench, make_batch, report  # noqa: E402
-from kernels.paged_attention import decode_attention_triton, default_num_splits  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
+    SHORT_SPLIT_KEYS,
+    decode_attention_triton,
+    default_num_splits,
+)
 from kernels.prefill_attention import prefill_attention_triton  # noqa: E402
 
 # (block_m, block_n, warps, stages, longest_first)
@@ -58,19 +63,22 @@ def prefill() -> None:
 
 
 def decode() -> None:
-    for batch, seq_len in [(1, 384), (16, 384), (64, 384), (256, 256)]:
+    for batch, seq_len in [(1, 384), (1, 512), (4, 384), (8, 384), (16, 384), (16, 512),
+                           (64, 384), (256, 256)]:
         q, kc, vc, meta = make_batch([1] * batch, [seq_len] * batch, 32, 8, 128,
                                      torch.bfloat16)
         meta.max_seq_len = 8192  # as captured in the CUDA graphs (max_model_len)
         nbytes = 2 * batch * seq_len * 8 * 128 * 2
         splits = default_num_splits(batch, 8, meta.max_seq_len)
-        print(f"decode B={batch} S={seq_len} (graph split count {splits}), CUDA-graph replay")
+        short = default_num_splits(batch, 8, SHORT_SPLIT_KEYS)
+        print(f"decode B={batch} S={seq_len} (graph split count {splits}, short-context graph "
+              f"{short}), CUDA-graph replay")
 
         def run(q=q, kc=kc, vc=vc, meta=meta, **kw: object) -> float:  # type: ignore[no-untyped-def]
             return graph_bench(lambda: decode_attention_triton(q, kc, vc, meta, 128**-0.5,
                                                                **kw))
 
-        for s in sorted({1, 4, 8, 16, 32, splits}):
+        for s in sorted({1, 2, 4, 8, 16, 32, splits, short}):
             if s != splits:
                 report(f" splits={s} (default tiles)", run(num_splits=s), nbytes)
         for n, w, st in DECODE:

@@ -46,12 +46,14 @@ def model_dir(layers: int) -> str:
     return str(d)
 
 
-def weight_bytes(cfg: dict) -> int:
+def weight_bytes(cfg: dict, decode: bool = False) -> int:
+    """bf16 weight bytes; decode=True: the bytes one decode step reads (the input embedding
+    table is untied from lm_head in Llama 3 and only one row of it is read)."""
     h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], \
         cfg["num_hidden_layers"]
     kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
-    return 2 * (L * per_layer + 2 * v * h + h)
+    return 2 * (L * per_layer + (1 if decode else 2) * v * h + h)
 
 
 def copy_bandwidth() -> float:
@@ -121,6 +123,8 @@ def main() -> None:
     ap.add_argument("--kvcache-mem", type=int, default=None, help="MiB; default: measured")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--sync", action="store_true", help="async scheduling off (A/B)")
+    ap.add_argument("--decode-short-context", type=int, default=512,
+                    help="EngineConfig.decode_short_context (0: no short-context graphs, A/B)")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/engine_bench.json")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -137,7 +141,9 @@ def main() -> None:
                                  dtype="bfloat16", device="cuda", kvcache_mem_mib=args.kvcache_mem,
                                  enforce_eager=args.enforce_eager, max_num_seqs=256,
                                  max_num_batched_tokens=8192,
-                                 async_scheduling=not args.sync))
+                                 async_scheduling=not args.sync,
+                                 decode_short_context=args.decode_short_context))
+    res["decode_short_context"] = args.decode_short_context
     res["startup_s"] = time.perf_counter() - t
     res["kv_capacity_tokens"] = engine.runner.num_blocks * engine.config.block_size
     vocab = cfg["vocab_size"]
@@ -145,7 +151,7 @@ def main() -> None:
     rows = []
     if "B1" in only:
         r = run(engine, rand_prompts(1, 128, vocab, 1), 256)
-        limit = res["copy_GBps"] * 1e9 / wbytes
+        limit = res["copy_GBps"] * 1e9 / weight_bytes(cfg, decode=True)
         res["B1"] = dict(r, limit_tok_s=limit)
         rows.append(("B1 batch 1, 128 in/256 out", r["decode_tok_s"], "tok/s decode",
                      f"{r['decode_tok_s'] / limit:.0%} of BW limit {limit:.0f}; "
@@ -166,7 +172,11 @@ def main() -> None:
         engine.reset_prefix_cache()
         r = run(engine, rand_prompts(1, 4096, vocab, 4), 1)
         pf = 4096 / r["mean_ttft_s"]
-        flops = 2 * (wbytes / 2) * 4096
+        # the layers' matmuls (the embedding is a lookup; lm_head runs for the last token
+        # only) plus causal attention (QK^T and PV, half of n^2 each, over all q heads)
+        h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+        layer_params = (weight_bytes(cfg, decode=True) / 2 - cfg["vocab_size"] * h - h) / L
+        flops = L * (2 * layer_params * 4096 + 2 * 4096 * 4096 * h)
         res["B4"] = dict(r, prefill_tok_s=pf, mfu=flops / r["mean_ttft_s"] / 1e12 /
                          res.get("matmul_TFLOPs", 789))
         rows.append(("B4 prefill 4096", pf, "tok/s", f"{res['B4']['mfu']:.0%} of matmul rate"))

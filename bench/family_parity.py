@@ -7,8 +7,8 @@ fixed seed on the device, rounds it to bf16 and saves it as safetensors, then lo
 `from_pretrained` in bf16 (its reference) and in fp32 (the truth; see `load_reference`); our
 Engine loads that directory (bf16, paged KV cache, CUDA graphs on) and gives
 - prompt logits (64 tokens, eager paged prefill), compared with transformers' bf16 forward and
-  with its fp32 forward of the same bf16 weights (the truth): rel. error ||ours - ref|| / ||ref||,
-  both must be below 2e-2;
+  with its fp32 forward of the same bf16 weights (the truth): rel. error ||ours - ref|| / ||ref||;
+  a dense family passes with both below 2e-2, a MoE family by the rule below;
 - 8 greedy tokens, decode steps replaying the CUDA graphs, against transformers' bf16 `generate`:
   `eq` is the number of equal leading tokens. Each of our decode steps up to the first difference
   (same prefix on both sides) is checked against the fp32 truth: `dec` is the largest error of
@@ -24,8 +24,16 @@ model code and the references, not the Triton kernels (and no CUDA graphs).
 
 For MoE families the top-k expert set of every router call in the prompt forward is recorded
 (bench/routing_flips.py): `flips` counts prompt tokens whose experts in some layer differ from
-the fp32 truth's, transformers' bf16 / ours; the JSON also gives both errors against the truth
-on the tokens routed like the truth in both runs.
+the fp32 truth's, transformers' bf16 / ours. bf16 moves near ties among router scores, and a
+flipped token runs another MLP (error ~0.1-0.3 on that token), so which and how many tokens
+flip decides the overall error of two correct bf16 runs. A MoE family's prompt logits therefore
+pass (bench/moe_pass_rule.py) when
+1. our error against the truth over the tokens we route as the truth does is below 2e-2,
+2. our flip count is at most transformers' bf16 count + max(2, ceil(25% of it)), and
+3. our overall error against the truth is at most 1.25 x transformers' bf16 own, or below 2e-2;
+the decode checks are the dense ones. The plain overall numbers are printed and written as for a
+dense family, with `plain` (would the dense rule pass) and errors split by routing (`routed` /
+`flipped` for each run, and all three pairs over the tokens both runs route as the truth does).
 
 transformers 5.17 runs Gemma 2 through SDPA, which silently drops the attention soft-cap (5.23
 marks Gemma 2 as not SDPA-capable); configs with an attention soft-cap are therefore built with
@@ -52,12 +60,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.family_shapes import FAMILIES, REDUCTIONS, Family, config_dict  # noqa: E402
+from bench.moe_pass_rule import (  # noqa: E402
+    FLIP_SLACK,
+    FLIP_SLACK_FRACTION,
+    LOGITS_TOL,
+    X_HF,
+    MoeVerdict,
+    TokenSplit,
+    moe_verdict,
+    rel_error,
+    rows_error,
+    split_by_routing,
+)
 from bench.routing_flips import capture_routing, routing_flips  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 64, 8
-LOGITS_TOL, DECODE_TOL = 2e-2, 0.1
+DECODE_TOL = 0.1
 
 
 class Reference(NamedTuple):
@@ -74,10 +94,6 @@ class Ours(NamedTuple):
     logprobs: list[float]  # of each sampled token
     graphs: bool  # decode steps replayed CUDA graphs
     routing: list[torch.Tensor]  # per MoE layer [P, K] expert ids of the prompt forward
-
-
-def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).norm() / ref.float().norm())
 
 
 def build_reference(family: Family, smoke: bool, path: Path, prompt: list[int],
@@ -196,35 +212,48 @@ def compare(ref: Reference, ours: Ours) -> dict[str, Any]:
         tokens_equal=equal, decode_err=dec_err, tie_gap=gap, cuda_graphs=ours.graphs,
         tokens=ours.tokens, hf_tokens=ref.tokens, logprobs_returned=len(ours.logprobs))
     res["x_hf"] = err_fp32 / max(res["hf_bf16_vs_fp32"], 1e-12)  # our bf16 error / transformers'
+    decode_ok = dec_err < DECODE_TOL and gap < DECODE_TOL and len(ours.logprobs) == NEW_TOKENS
+    logits_ok = err_bf16 < LOGITS_TOL and err_fp32 < LOGITS_TOL
+    res["plain"] = bool(logits_ok and decode_ok)  # the dense rule, reported for every family
+    res["rule"] = "moe" if ref.routing_truth else "dense"
     if ref.routing_truth:
-        res["routing"] = routing_report(ref, ours)
-    res["ok"] = bool(err_bf16 < LOGITS_TOL and err_fp32 < LOGITS_TOL
-                     and dec_err < DECODE_TOL and gap < DECODE_TOL
-                     and len(ours.logprobs) == NEW_TOKENS)
+        routing = routing_report(ref, ours)
+        verdict = moe_verdict(routing.ours, routing.hf, err_fp32, res["hf_bf16_vs_fp32"])
+        res["routing"] = routing.report
+        res["moe_rule"] = dict(verdict._asdict(), ok=verdict.ok)
+        logits_ok = verdict.ok
+    res["ok"] = bool(logits_ok and decode_ok)
     return res
 
 
-def routing_report(ref: Reference, ours: Ours) -> dict[str, Any]:
-    """Routing flips against the truth (transformers' bf16, ours) and between the bf16 runs, and
-    both prompt-logits errors against the truth on the tokens neither run flipped. A flip also
-    reaches later tokens a little through attention; those tokens still count as unflipped."""
+class Routing(NamedTuple):
+    ours: TokenSplit  # our prompt logits against the truth, split by our routing
+    hf: TokenSplit  # transformers' bf16 against the truth, split by its routing
+    report: dict[str, Any]  # for the JSON
+
+
+def routing_report(ref: Reference, ours: Ours) -> Routing:
+    """Routing flips against the truth (transformers' bf16, ours) and between the bf16 runs, each
+    run's error against the truth over its tokens routed as the truth does / its flipped tokens,
+    and all three pairs over the tokens both runs route as the truth does. A flip also reaches
+    later tokens a little through attention; those tokens still count as routed."""
     n = ref.bf16_logits.shape[0]
-    hf = routing_flips(ref.routing_bf16, ref.routing_truth, n)
-    our = routing_flips(ours.routing, ref.routing_truth, n)
-    rows = sorted(set(range(n)) - set(hf["flipped"]) - set(our["flipped"]))
     truth = ref.truth[:n]
-
-    def err(logits: torch.Tensor, picked: list[int]) -> float | None:
-        return rel_error(logits[picked], truth[picked]) if picked else None
-
-    return dict(
-        hf_bf16_vs_truth=hf, ours_vs_truth=our,
+    our = split_by_routing(ours.logits, truth, ours.routing, ref.routing_truth)
+    hf = split_by_routing(ref.bf16_logits, truth, ref.routing_bf16, ref.routing_truth)
+    both = sorted(set(range(n)) - set(hf.flipped) - set(our.flipped))
+    return Routing(our, hf, dict(
+        ours_vs_truth=_split(our), hf_bf16_vs_truth=_split(hf),
         ours_vs_hf_bf16=routing_flips(ours.routing, ref.routing_bf16, n),
-        unflipped_tokens=len(rows),
-        err_fp32_unflipped=err(ours.logits, rows),
-        hf_bf16_vs_fp32_unflipped=err(ref.bf16_logits, rows),
-        err_fp32_own_flipped=err(ours.logits, our["flipped"]),
-        hf_bf16_vs_fp32_own_flipped=err(ref.bf16_logits, hf["flipped"]))
+        both_routed_tokens=len(both),
+        err_fp32_both_routed=rows_error(ours.logits, truth, both),
+        hf_bf16_vs_fp32_both_routed=rows_error(ref.bf16_logits, truth, both),
+        err_bf16_both_routed=rows_error(ours.logits, ref.bf16_logits, both)))
+
+
+def _split(split: TokenSplit) -> dict[str, Any]:
+    return dict(tokens=split.flips, per_layer=split.per_layer, flipped=split.flipped,
+                err_routed=split.err_routed, err_flipped=split.err_flipped)
 
 
 def run_family(name: str, smoke: bool, device: str, seed: int = 0,
@@ -275,14 +304,25 @@ def _row(name: str, res: dict[str, Any]) -> str:
             f"{res['tokens_equal']:>2d}/{NEW_TOKENS} "
             f"{res['decode_err']:6.3f} {res['tie_gap']:6.3f} "
             f"{'PASS' if res['ok'] else 'FAIL':4s} {res['seconds']:5.1f}s"
-            f"{_flips(res.get('routing'))}")
+            f"{_moe(res)}")
 
 
-def _flips(routing: dict[str, Any] | None) -> str:
-    if not routing:
+def _moe(res: dict[str, Any]) -> str:
+    """MoE: flips (transformers / ours, allowed), our error over routed / flipped tokens, and
+    which MoE condition failed; `plain` says whether the dense rule alone would pass."""
+    if "moe_rule" not in res:
         return ""
-    return (f"  flips hf {routing['hf_bf16_vs_truth']['tokens']}/ours "
-            f"{routing['ours_vs_truth']['tokens']} of {PROMPT_LEN}")
+    routing, rule = res["routing"], res["moe_rule"]
+    ours = routing["ours_vs_truth"]
+    failed = [k for k in MoeVerdict._fields if k != "flip_allowance" and not rule[k]]
+    return (f"  flips {routing['hf_bf16_vs_truth']['tokens']}/{ours['tokens']} "
+            f"(<={rule['flip_allowance']}) routed {_e(ours['err_routed'])} flipped "
+            f"{_e(ours['err_flipped'])} plain {'PASS' if res['plain'] else 'FAIL'}"
+            f"{' moe failed: ' + ','.join(failed) if failed else ''}")
+
+
+def _e(err: float | None) -> str:
+    return "-" if err is None else f"{err:.2e}"
 
 
 def main() -> None:
@@ -312,13 +352,16 @@ def main() -> None:
                                 dtype="float32" if args.smoke else args.dtype,
                                 reductions=REDUCTIONS, prompt_len=PROMPT_LEN,
                                 new_tokens=NEW_TOKENS, logits_tol=LOGITS_TOL,
-                                decode_tol=DECODE_TOL)
+                                decode_tol=DECODE_TOL, moe_rule=dict(
+                                    routed_tol=LOGITS_TOL, flip_slack=FLIP_SLACK,
+                                    flip_slack_fraction=FLIP_SLACK_FRACTION, x_hf=X_HF))
     print(f"GPU {gpu}, {head['dtype']}, seed {args.seed}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}"
           f"{', SMOKE (CPU fp32 tiny)' if args.smoke else ''}\nreductions: {REDUCTIONS}\n"
           f"engine kernels: {kernels}")
     print(f"{'family':12s} {'shape':44s} {'vs bf16':>8s} {'vs fp32':>8s} {'hf':>8s} {'x hf':>5s} "
-          f"{'eq':>4s} {'dec':>6s} {'gap':>6s} {'':4s} {'time':>6s}", flush=True)
+          f"{'eq':>4s} {'dec':>6s} {'gap':>6s} {'':4s} {'time':>6s}  MoE: flips hf/ours "
+          "(allowed), ours over routed / flipped tokens, dense rule", flush=True)
     results: dict[str, Any] = {}
     for name in names:
         try:
@@ -331,7 +374,8 @@ def main() -> None:
         results[name]["note"] = FAMILIES[name].note
         print(_row(name, results[name]), flush=True)
     passed = sum(bool(r["ok"]) for r in results.values())
-    print(f"{passed}/{len(results)} families pass")
+    plain = sum(bool(r.get("plain")) for r in results.values())
+    print(f"{passed}/{len(results)} families pass ({plain} by the plain 2e-2 rule alone)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(head, results=results), indent=2))
     sys.exit(0 if passed == len(results) else 1)

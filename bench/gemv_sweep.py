@@ -10,6 +10,7 @@ SiLU*mul of gate_up inside the GEMV vs silu_and_mul + cuBLAS.
 
     python bench/gemv_sweep.py             # GPU; JSON to $OUT/gemv_sweep.json (or --out)
     python bench/gemv_sweep.py --smoke     # CPU, Triton interpreter, tiny shapes: checks the script
+    python bench/gemv_sweep.py --formats fp8,fp8g128 --m 1,2   # the fp8 decode GEMV alone
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def build(fmt: str, n: int, k: int, device: str) -> tuple[Callable[[torch.Tensor
     """(x -> y, bytes of weights read per call) of one format on random weights."""
     from kernels.fp8 import fp8_matmul_triton, quantize_fp8_per_channel
     from kernels.gemv import gemv_triton
-    from kernels.gguf_dequant import Q4_K, gguf_type
+    from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
     from kernels.gguf_matmul import gguf_matmul_triton
     from kernels.w4a16 import w4a16_matmul_triton
 
@@ -80,24 +81,33 @@ def build(fmt: str, n: int, k: int, device: str) -> tuple[Callable[[torch.Tensor
         z = torch.full((n, k // GROUP), 8, dtype=torch.uint8, device=device)
         return ((lambda x: w4a16_matmul_triton(x, q, s, z, GROUP)),
                 q.numel() * 4 + s.numel() * 2 + z.numel())
-    if fmt == "q4k":
-        t = gguf_type(Q4_K)
+    if fmt in ("q4k", "q5k"):  # q5k: opt-in
+        qtype = Q4_K if fmt == "q4k" else Q5_K
+        t = gguf_type(qtype)
         blocks = torch.randint(0, 256, (n, k // 256, t.type_size), dtype=torch.uint8,
                                device=device)
         blocks[..., :4] = torch.tensor([0, 0x20, 0, 0x20], dtype=torch.uint8)  # d, dmin: small
         qw = blocks.reshape(n, -1)
-        return (lambda x: gguf_matmul_triton(x, qw, Q4_K)), qw.numel()
-    if fmt == "fp8":
+        return (lambda x: gguf_matmul_triton(x, qw, qtype)), qw.numel()
+    if fmt in ("fp8", "fp8g128"):  # per-channel / group-128 scales (fp8g128: opt-in)
         w8, scale = quantize_fp8_per_channel(torch.randn(n, k, device=device))
+        if fmt == "fp8g128":
+            scale = scale.repeat(1, k // GROUP) * (1 + torch.rand(n, k // GROUP, device=device))
         return (lambda x: fp8_matmul_triton(x, w8, scale)), w8.numel() + scale.numel() * 4
     raise ValueError(fmt)
 
 
-def best_config(fmt: str) -> str | None:
-    if fmt != "gemv":
-        return None
-    from kernels.gemv import _gemv_tuned
+def best_config(fmt: str, m: int) -> str | None:
+    if fmt in ("gemv", "gemv(silu)"):
+        from kernels.gemv import _gemv_tuned
+    elif fmt in ("fp8", "fp8g128") and m <= 2:  # the tensor-core fp8 GEMV
+        from kernels.fp8_gemv import _gemv_tuned
+    elif fmt in ("q4k", "q5k") and m <= 2:  # kernels/gguf_kquant_gemv.py
+        from kernels import gguf_kquant_gemv
 
+        _gemv_tuned = gguf_kquant_gemv._tuned_q4 if fmt == "q4k" else gguf_kquant_gemv._tuned_q5
+    else:
+        return None
     c = getattr(_gemv_tuned, "best_config", None)
     return None if c is None else f"{c.kwargs} w{c.num_warps} s{c.num_stages}"
 
@@ -119,7 +129,7 @@ def sweep(matrices: dict[str, tuple[int, int]], ms: list[int], formats: list[str
                 gbps = nbytes / (t * 1e-3) / 1e9
                 rows.append(dict(matrix=name, n=n, k=k, m=m, format=fmt, us=t * 1e3,
                                  weight_bytes=nbytes, gbps=gbps, pct_copy=100 * gbps / copy_gbps,
-                                 config=best_config(fmt)))
+                                 config=best_config(fmt, m)))
             del fn, fns
     return rows
 
@@ -155,7 +165,7 @@ def fused_down(n: int, k: int, ms: list[int], cuda: bool, copy_gbps: float) -> l
             gbps = w.numel() * 2 / (t * 1e-3) / 1e9
             rows.append(dict(matrix="down+silu", n=n, k=k, m=m, format=fmt, us=t * 1e3,
                              weight_bytes=w.numel() * 2, gbps=gbps,
-                             pct_copy=100 * gbps / copy_gbps, config=best_config("gemv")))
+                             pct_copy=100 * gbps / copy_gbps, config=best_config(fmt, m)))
     return rows
 
 
@@ -198,8 +208,8 @@ def main() -> None:
     print(f"{device}: copy {copy_gbps:.0f} GB/s; us and % of copy bandwidth (weight bytes / time)")
     print_table(rows)
     for r in rows:
-        if r["config"] and r["format"] in ("gemv", "gemv(silu)"):
-            print(f"  gemv {r['matrix']} M={r['m']}: {r['config']}")
+        if r["config"]:
+            print(f"  {r['format']} {r['matrix']} M={r['m']}: {r['config']}")
     wall = time.perf_counter() - start
     print(f"wall {wall:.1f} s")
     out = args.out or (os.path.join(os.environ["OUT"], "gemv_sweep.json")

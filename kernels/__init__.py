@@ -14,7 +14,8 @@ decode them in registers (GEMV for decode, tiled GEMM for prefill); the referenc
 
 Sampling (kernels/sampling.py): apply_penalties / apply_temperature / apply_top_k_top_p_min_p /
 token_counts are vectorised torch on any device (no host sync); `sample` draws one token per row
-with a per-row (seed, step) counter-based RNG, identical on CPU and CUDA.
+with a per-row (seed, step) counter-based RNG, identical on CPU and CUDA; `argmax` takes greedy
+rows' tokens (two small launches on CUDA instead of torch's one block per row).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from kernels.sampling import (
     apply_penalties,
     apply_temperature,
     apply_top_k_top_p_min_p,
+    argmax_ref,
+    argmax_triton,
     sample_ref,
     sample_triton,
     token_counts,
@@ -58,6 +61,7 @@ __all__ = [
     "apply_penalties",
     "apply_temperature",
     "apply_top_k_top_p_min_p",
+    "argmax",
     "fused_add_rms_norm",
     "fused_moe",
     "fp8_matmul",
@@ -172,6 +176,11 @@ def paged_attention(
     fn = paged_attention_triton if use_triton(q) else paged_attention_ref
     return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
               kv_scales=kv_scales)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: each row's argmax of logits [B, V], the lowest index on ties (torch.argmax)."""
+    return (argmax_triton if use_triton(logits) else argmax_ref)(logits)
 
 
 def sample(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """FP8 (e4m3) weights with float32 scales per output channel or per [row, group of K]:
 y[m, n] = sum_k x[m, k] * W8[n, k] * scale[n, k // G] (per-channel: scale [N, 1], G = K).
 
-- Decode (kernels/gguf_matmul.py: use_gemv): a Triton GEMV reads the fp8 bytes once, dots each
-  chunk of K (inside one group) in fp32 and scales the chunk sums (weight-only, x stays 16-bit);
-  its tile is autotuned per (N, K, group) on CUDA.
+- Decode (kernels/gguf_matmul.py: use_gemv) with 16-bit x and per-channel scales or groups of a
+  multiple of 64: the tensor-core GEMV of kernels/fp8_gemv.py (fp16 products, fp32 sums).
+- Other decode (fp32 x, odd groups): a CUDA-core GEMV that reads the fp8 bytes once, dots each
+  chunk of K (inside one group) in fp32 and scales the chunk sums (weight-only, x keeps its
+  dtype); its tile is autotuned per (N, K, group) on CUDA.
 - Prefill with per-channel scales on sm_89+ (Ada, Hopper): x is quantized per token to e4m3
   (dynamic scales) and `torch._scaled_mm` runs the fp8 tensor cores with row-wise scales.
 - Otherwise a Triton GEMM that dequantizes tiles to x's dtype for tl.dot; on CPU, the reference.
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8_gemv import MAX_M, fp8_gemv_mma, mma_gemv_ok
 from kernels.gguf_matmul import _gemm_tiles, use_gemv
 from kernels.tuning import warmup_autotune
 
@@ -180,6 +183,8 @@ def fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     if (not gemv and kernel is None and use_scaled_mm and scale.shape[1] == 1
             and _scaled_mm_ok(x2, weight)):
         return _scaled_mm(x2, weight, scale).reshape(*x.shape[:-1], n)
+    if gemv and m <= MAX_M and mma_gemv_ok(x2, k, group):
+        return fp8_gemv_mma(x2, weight, scale, group).reshape(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if gemv:
         chunk = min(128, group & -group)  # largest power of two dividing the group, <= 128

@@ -1,45 +1,201 @@
 """Decode GEMV for Q4_K / Q5_K blocks: y[m] = x[m] @ W.T with W kept quantized.
 
-Why a kernel of its own (the generic GEMV in kernels/gguf_matmul.py decodes one 32-weight group
-at a time): a Q4_K super-block stores its 256 codes as four 32-byte runs, run p holding sub-block
-2p in the low nibbles and 2p + 1 in the high ones. This kernel loads all runs of NSB blocks as one
-[BLOCK_N, NSB, 4, 32] byte tile (16-byte loads), dots the low and high nibbles with two x tiles
-loaded once per step, and only then applies the sub-block scale and min:
+Block layout: a Q4_K super-block (144 bytes) holds d and dmin (f16), 12 bytes of 6-bit sub-block
+scales and mins, and its 256 codes as four 32-byte runs; run p holds sub-block 2p in its low
+nibbles and 2p + 1 in its high ones. Q5_K (176 bytes) has the runs at byte 48 and a 32-byte qh
+run at byte 16 whose bit j of byte l is the fifth bit of weight l of sub-block j.
 
-    sum_k w_k x_k = d * sc_j * sum_l q_l x_l  -  dmin * m_j * sum_l x_l     (per sub-block j)
+Work split: element (row, block, run p) of a [BLOCK_N, NSB, 4] index space dots one run (8 int32
+words, two 16-byte loads) with its 64 x values. The lanes of a warp lie along runs and blocks,
+the warps along rows, so a thread holds BLOCK_N * NSB / (8 * warps) rows of one (block, run):
+x is loaded and converted once per thread for all of them, and nothing is reduced across
+threads before the end. The loads are inline PTX (ld.global.nc.v4): with tl.load, Triton lays
+the tile out by the loads' contiguity (lanes along rows) and moves x through shared memory.
 
-so per weight it costs a nibble extract, an OR + subtract (u4_to_f32: no int-to-float convert)
-and one FMA. Q5_K adds its fifth bit from the 32-byte qh run (bit j of byte l belongs to
-sub-block j). The tile (BLOCK_N, NSB, warps) is autotuned per (N, K, type) on CUDA.
+A 4-bit GEMV on sm_90 is bound by instruction issue (128 per clock per SM), not bandwidth,
+unless it spends about 2-3 instructions per weight. Here (tests/quant/sm90_compile.py counts
+them) codes become floats with one PRMT each (a code byte put into byte 2 of 0.5f gives
+0.5 + code / 256), x is read as bf16 pairs and converted with a shift or a mask, and the scale
+and min of sub-block j apply after its dot:
+
+    sum_l w_l x_l = d * sc_j * (256 * sum_l f_l x_l - 128 * S_j) - dmin * mn_j * S_j
+
+with S_j = sum_l x_l: 3.4-4.4 SASS instructions per Q4_K weight, 4.2-4.9 per Q5_K one over the
+autotune configs (the tl.load kernel before: 8.2-12.4 and 10.8-18.9). The interpreter (CPU
+tests) runs plain forms of the asm (USE_ASM=False) giving the same bits. The tile is autotuned
+per (N, K) and type on CUDA.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type, u4_to_f32
+from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
 from kernels.tuning import warmup_autotune
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# One int32 word of four code bytes (each < 128) -> 4 float32: byte j goes to byte 2 of 0.5f
+# (0x3F000000: exponent byte 0x3F, the byte lands in mantissa bits 16..22), 0.5 + byte / 256.
+_CODES_ASM = tl.constexpr("""
+{
+.reg .b32 mg;
+mov.b32 mg, 0x3F000000;
+prmt.b32 $0, $4, mg, 0x7044;
+prmt.b32 $1, $4, mg, 0x7144;
+prmt.b32 $2, $4, mg, 0x7244;
+prmt.b32 $3, $4, mg, 0x7344;
+}
+""")
+_LOAD16_ASM = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
+_ROTL_ASM = tl.constexpr("shf.l.wrap.b32 $0, $1, $1, $2;")
 
 
 @triton.jit
-def _scale_min(u8_ptr, blk, mask, j):
-    """6-bit scale and min of sub-blocks j (int tensor broadcastable to blk) as float32."""
-    a = tl.load(u8_ptr + blk + 4 + j, mask=mask, other=0).to(tl.int32)
-    c = tl.load(u8_ptr + blk + 8 + j, mask=mask, other=0).to(tl.int32)
-    e = tl.load(u8_ptr + blk + j, mask=mask, other=0).to(tl.int32)
-    low = j < 4
-    sc = tl.where(low, a & 63, (c & 15) | ((e >> 6) << 4))
-    mn = tl.where(low, c & 63, (c >> 4) | ((a >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
+def _half_plus(v, j: tl.constexpr):
+    """Byte j of each word as float32 0.5 + byte / 256 (the interpreter's form of the asm)."""
+    return ((((v >> (8 * j)) & 255) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _codes4(v, USE_ASM: tl.constexpr):
+    if USE_ASM:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            _CODES_ASM, "=r,=r,=r,=r,r", [v], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        c0, c1, c2, c3 = _half_plus(v, 0), _half_plus(v, 1), _half_plus(v, 2), _half_plus(v, 3)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _load16(ptr, USE_ASM: tl.constexpr):
+    """The four int32 words at each (16-byte aligned, in-bounds) address."""
+    if USE_ASM:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            _LOAD16_ASM, "=r,=r,=r,=r,l", [ptr.to(tl.int64, bitcast=True)],
+            dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    else:
+        w0, w1, w2, w3 = tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _f16_low(w):
+    """The f16 in the low half of each int32 as float32."""
+    return w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _bf16_pair(w):
+    """int32 holding two bf16 -> (low, high) as float32: a shift and a mask, no conversion."""
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16_pair(w):
+    """int32 holding two f16 -> (low, high) as float32."""
+    return _f16_low(w), _f16_low(w >> 16)
+
+
+@triton.jit
+def _x8(x_row, off, X_WORDS: tl.constexpr, USE_ASM: tl.constexpr):
+    """x[2 * off + i], i = 0..7, as float32 (off: offset in 16-bit pairs, a multiple of 4)."""
+    if X_WORDS:
+        w0, w1, w2, w3 = _load16(x_row.to(tl.pointer_type(tl.int32), bitcast=True) + off,
+                                 USE_ASM)
+        if x_row.dtype.element_ty == tl.float16:
+            x0, x1 = _f16_pair(w0)
+            x2, x3 = _f16_pair(w1)
+            x4, x5 = _f16_pair(w2)
+            x6, x7 = _f16_pair(w3)
+        else:
+            x0, x1 = _bf16_pair(w0)
+            x2, x3 = _bf16_pair(w1)
+            x4, x5 = _bf16_pair(w2)
+            x6, x7 = _bf16_pair(w3)
+    else:
+        k = x_row + 2 * off
+        x0, x1 = tl.load(k).to(tl.float32), tl.load(k + 1).to(tl.float32)
+        x2, x3 = tl.load(k + 2).to(tl.float32), tl.load(k + 3).to(tl.float32)
+        x4, x5 = tl.load(k + 4).to(tl.float32), tl.load(k + 5).to(tl.float32)
+        x6, x7 = tl.load(k + 6).to(tl.float32), tl.load(k + 7).to(tl.float32)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _fifth_bits(qh, p, USE_ASM: tl.constexpr):
+    """qh rotated so that bit 2p of each byte lands on bit 4 (bit 2p + 1 on bit 5): one rotate
+    on CUDA, its amount fixed per lane."""
+    if USE_ASM:
+        r = tl.inline_asm_elementwise(_ROTL_ASM, "=r,r,r", [qh, (4 - 2 * p) & 31],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = (qh >> (2 * p)) << 4
+    return r
+
+
+@triton.jit
+def _dot_word(d_lo, d_hi, q, qh, p, FIVE_BITS: tl.constexpr, USE_ASM: tl.constexpr,
+              l0, l1, l2, l3, h0, h1, h2, h3):
+    """Adds one code word of run p: low nibbles times l0..l3 to d_lo, high ones times h0..h3
+    to d_hi (codes as 0.5 + code / 256; qh: the word's fifth bits, Q5_K)."""
+    lo = q & 0x0F0F0F0F
+    hi = (q >> 4) & 0x0F0F0F0F
+    if FIVE_BITS:  # bits 2p and 2p + 1 of each qh byte become bit 4 of the code bytes
+        r = _fifth_bits(qh, p, USE_ASM)
+        lo = lo | (r & 0x10101010)
+        hi = hi | ((r >> 1) & 0x10101010)
+    a0, a1, a2, a3 = _codes4(lo, USE_ASM)
+    b0, b1, b2, b3 = _codes4(hi, USE_ASM)
+    d_lo = d_lo + a0 * l0 + a1 * l1 + a2 * l2 + a3 * l3
+    d_hi = d_hi + b0 * h0 + b1 * h1 + b2 * h2 + b3 * h3
+    return d_lo, d_hi
+
+
+@triton.jit
+def _scales_mins(a_word, b_word, c_word, p):
+    """6-bit scales and mins of sub-blocks 2p and 2p + 1 as float32; a/b/c_word: the 12 scale
+    bytes as int32 words (scale j < 4: byte j & 63; min j < 4: byte 4 + j & 63; j >= 4: the low
+    / high nibble of byte 4 + j below the top two bits of bytes j - 4 / j)."""
+    sh = 16 * (p % 2)
+    a = a_word >> sh
+    b = b_word >> sh
+    c = c_word >> sh
+    low = p < 2
+    sc = tl.where(low, a & 0x3F3F, (c & 0x0F0F) | ((a >> 2) & 0x3030))
+    mn = tl.where(low, b & 0x3F3F, ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030))
+    return ((sc & 255).to(tl.float32), (sc >> 8).to(tl.float32),
+            (mn & 255).to(tl.float32), (mn >> 8).to(tl.float32))
+
+
+@triton.jit
+def _load_step(w_rows, kb, nblocks, blocks, p, TW: tl.constexpr, QS: tl.constexpr,
+               FIVE_BITS: tl.constexpr, EVEN: tl.constexpr, USE_ASM: tl.constexpr):
+    """The weight words of the loop step at block kb: 8 code words of run p, 8 fifth-bit words
+    (Q5_K; else repeats) and the 4 header words (d | dmin, 12 scale bytes)."""
+    bidx = kb + blocks
+    if not EVEN:
+        bidx = tl.minimum(bidx, nblocks - 1)
+    blk = w_rows + bidx * TW + p * 0  # [BLOCK_N, NSB, 4]: block start
+    q0, q1, q2, q3 = _load16(blk + QS + 8 * p, USE_ASM)
+    q4, q5, q6, q7 = _load16(blk + QS + 8 * p + 4, USE_ASM)
+    if FIVE_BITS:
+        h0, h1, h2, h3 = _load16(blk + 4, USE_ASM)
+        h4, h5, h6, h7 = _load16(blk + 8, USE_ASM)
+    else:
+        h0, h1, h2, h3, h4, h5, h6, h7 = q0, q0, q0, q0, q0, q0, q0, q0  # unused
+    dd, s0, s1, s2 = _load16(blk, USE_ASM)
+    return q0, q1, q2, q3, q4, q5, q6, q7, h0, h1, h2, h3, h4, h5, h6, h7, dd, s0, s1, s2
 
 
 @triton.jit
 def _kquant_gemv_kernel(
     x_ptr,  # [M, K] activations, unit stride along K
-    w_ptr,  # uint8 [N, row_bytes] Q4_K / Q5_K blocks
-    w16_ptr,  # the same bytes viewed as f16
+    w_ptr,  # uint8 [N, row_bytes] Q4_K / Q5_K blocks, 16-byte aligned rows
     out_ptr,  # [M, N] in x's dtype
     N,
     K,
@@ -48,70 +204,113 @@ def _kquant_gemv_kernel(
     stride_om,
     FIVE_BITS: tl.constexpr,  # Q5_K
     TYPE_SIZE: tl.constexpr,  # 144 (Q4_K) or 176 (Q5_K)
+    USE_ASM: tl.constexpr,  # CUDA: inline PTX loads and code conversion
+    X_WORDS: tl.constexpr,  # x is bf16 / f16 with 16-byte aligned rows: read as int32 pairs
+    EVEN: tl.constexpr,  # NSB divides K / 256
     BLOCK_N: tl.constexpr,
     NSB: tl.constexpr,  # super-blocks per loop step
+    PREFETCH: tl.constexpr,  # load step i + 1 before the arithmetic of step i
 ):
-    QS: tl.constexpr = 48 if FIVE_BITS else 16  # offset of the 4-bit runs
+    TW: tl.constexpr = TYPE_SIZE // 4  # int32 words per block
+    QS: tl.constexpr = 12 if FIVE_BITS else 4  # word offset of the code runs
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    row_off = rows.to(tl.int64) * stride_wn
-    nblocks = K // 256
-    sb = tl.arange(0, NSB)
-    p = tl.arange(0, 4)
-    l = tl.arange(0, 32)
+    # rows past N read row N - 1 (the asm loads take no mask); their sums are not stored
+    w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) \
+        + tl.minimum(rows, N - 1).to(tl.int64)[:, None, None] * (stride_wn // 4)
     x_row = x_ptr + m * stride_xm
+    nblocks = K // 256
+    blocks = tl.arange(0, NSB)[None, :, None]
+    p = tl.arange(0, 4)[None, None, :]
     acc = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
+    if PREFETCH:
+        w = _load_step(w_rows, 0, nblocks, blocks, p, TW, QS, FIVE_BITS, EVEN, USE_ASM)
     for kb in range(0, nblocks, NSB):
-        bidx = kb + sb
-        b_ok = bidx < nblocks
-        blk = row_off[:, None] + (bidx * TYPE_SIZE)[None, :]  # [BN, NSB]
-        ok = row_ok[:, None] & b_ok[None, :]
-        blk3 = blk[:, :, None]
-        ok3 = ok[:, :, None]
-        blk4 = blk3[:, :, :, None]
-        ok4 = ok3[:, :, :, None]
-        runs = tl.load(w_ptr + blk4 + QS + (p * 32)[None, None, :, None] + l[None, None, None, :],
-                       mask=ok4, other=0).to(tl.int32)  # [BN, NSB, 4, 32]
-        lo = runs & 15  # sub-block 2p
-        hi = runs >> 4  # sub-block 2p + 1
-        if FIVE_BITS:
-            qh = tl.load(w_ptr + blk4 + 16 + l[None, None, None, :], mask=ok4,
-                         other=0).to(tl.int32)  # [BN, NSB, 1, 32]
-            lo = lo | (((qh >> (2 * p)[None, None, :, None]) & 1) << 4)
-            hi = hi | (((qh >> (2 * p + 1)[None, None, :, None]) & 1) << 4)
-        xk = (bidx * 256)[:, None, None] + (p * 64)[None, :, None] + l[None, None, :]
-        x_ok = b_ok[:, None, None]
-        x_lo = tl.load(x_row + xk, mask=x_ok, other=0.0).to(tl.float32)  # [NSB, 4, 32]
-        x_hi = tl.load(x_row + xk + 32, mask=x_ok, other=0.0).to(tl.float32)
-        # 0..31 fit the mantissa trick as well as 0..15
-        dot_lo = tl.sum(u4_to_f32(lo) * x_lo[None, :, :, :], axis=3)  # [BN, NSB, 4]
-        dot_hi = tl.sum(u4_to_f32(hi) * x_hi[None, :, :, :], axis=3)
-        d = tl.load(w16_ptr + blk3 // 2, mask=ok3, other=0.0).to(tl.float32)
-        dmin = tl.load(w16_ptr + blk3 // 2 + 1, mask=ok3, other=0.0).to(tl.float32)
-        j = (2 * p)[None, None, :]
-        sc_lo, mn_lo = _scale_min(w_ptr, blk3, ok3, j)
-        sc_hi, mn_hi = _scale_min(w_ptr, blk3, ok3, j + 1)
-        acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) \
-            - dmin * (mn_lo * tl.sum(x_lo, axis=2)[None, :, :]
-                      + mn_hi * tl.sum(x_hi, axis=2)[None, :, :])
+        if PREFETCH:  # issue the next step's loads before this step's arithmetic
+            if kb + NSB < nblocks:
+                w_next = _load_step(w_rows, kb + NSB, nblocks, blocks, p, TW, QS, FIVE_BITS, EVEN,
+                                    USE_ASM)
+            else:
+                w_next = w
+        else:
+            w = _load_step(w_rows, kb, nblocks, blocks, p, TW, QS, FIVE_BITS, EVEN, USE_ASM)
+        q0, q1, q2, q3, q4, q5, q6, q7, h0, h1, h2, h3, h4, h5, h6, h7, dd, s0, s1, s2 = w
+        bidx = kb + blocks
+        if not EVEN:
+            b_ok = bidx < nblocks
+            bidx = tl.minimum(bidx, nblocks - 1)
+        # x of run p: sub-block 2p at bf16-pair offset 128 * block + 32 p, 2p + 1 16 pairs on
+        xo = bidx * 128 + 32 * p  # [1, NSB, 4]
+        d_lo = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
+        d_hi = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo, X_WORDS, USE_ASM)
+        g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 16, X_WORDS, USE_ASM)
+        s_lo = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+        s_hi = ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
+        d_lo, d_hi = _dot_word(d_lo, d_hi, q0, h0, p, FIVE_BITS, USE_ASM,
+                               l0, l1, l2, l3, g0, g1, g2, g3)
+        d_lo, d_hi = _dot_word(d_lo, d_hi, q1, h1, p, FIVE_BITS, USE_ASM,
+                               l4, l5, l6, l7, g4, g5, g6, g7)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo + 4, X_WORDS, USE_ASM)
+        g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 20, X_WORDS, USE_ASM)
+        s_lo += ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+        s_hi += ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
+        d_lo, d_hi = _dot_word(d_lo, d_hi, q2, h2, p, FIVE_BITS, USE_ASM,
+                               l0, l1, l2, l3, g0, g1, g2, g3)
+        d_lo, d_hi = _dot_word(d_lo, d_hi, q3, h3, p, FIVE_BITS, USE_ASM,
+                               l4, l5, l6, l7, g4, g5, g6, g7)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo + 8, X_WORDS, USE_ASM)
+        g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 24, X_WORDS, USE_ASM)
+        s_lo += ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+        s_hi += ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
+        d_lo, d_hi = _dot_word(d_lo, d_hi, q4, h4, p, FIVE_BITS, USE_ASM,
+                               l0, l1, l2, l3, g0, g1, g2, g3)
+        d_lo, d_hi = _dot_word(d_lo, d_hi, q5, h5, p, FIVE_BITS, USE_ASM,
+                               l4, l5, l6, l7, g4, g5, g6, g7)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo + 12, X_WORDS, USE_ASM)
+        g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 28, X_WORDS, USE_ASM)
+        s_lo += ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+        s_hi += ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
+        d_lo, d_hi = _dot_word(d_lo, d_hi, q6, h6, p, FIVE_BITS, USE_ASM,
+                               l0, l1, l2, l3, g0, g1, g2, g3)
+        d_lo, d_hi = _dot_word(d_lo, d_hi, q7, h7, p, FIVE_BITS, USE_ASM,
+                               l4, l5, l6, l7, g4, g5, g6, g7)
+        d = _f16_low(dd)
+        dmin = _f16_low(dd >> 16)
+        if not EVEN:
+            d = tl.where(b_ok, d, 0.0)
+            dmin = tl.where(b_ok, dmin, 0.0)
+        sc_lo, sc_hi, mn_lo, mn_hi = _scales_mins(s0, s1, s2, p)
+        acc += d * (sc_lo * (256.0 * d_lo - 128.0 * s_lo) + sc_hi * (256.0 * d_hi - 128.0 * s_hi)) \
+            - dmin * (mn_lo * s_lo + mn_hi * s_hi)
+        if PREFETCH:
+            w = w_next
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-# tiles tried on the device (keyed on N, K, type): 2-16 rows, 2-8 super-blocks per step
-GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "NSB": nsb}, num_warps=w)
-    for bn, nsb, w in ((8, 8, 4), (4, 8, 4), (16, 4, 4), (8, 4, 4), (4, 4, 2), (16, 8, 8),
-                       (2, 8, 4), (8, 2, 2))
-]
-_kquant_gemv_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "FIVE_BITS"])(
-    _kquant_gemv_kernel)
+# Tiles tried on the device, keyed on (N, K): (BLOCK_N, NSB, warps, prefetch). A thread holds
+# R = BLOCK_N * NSB / (8 * warps) (row, block) pairs of one run when NSB >= 8: more rows share
+# each x value (R = 8: 3.4 instructions per Q4_K weight, R = 4: 3.7, R = 2: 4.2), more blocks
+# per step keep more bytes in flight (narrow N), prefetch doubles the registers. Q5_K keeps to
+# R <= 4 (R = 8 needs 255 registers).
+_TILES_Q4 = ((16, 8, 4, False), (4, 8, 1, False), (32, 8, 4, False), (16, 8, 2, False),
+             (8, 8, 4, False), (8, 16, 4, False), (16, 8, 4, True), (8, 8, 4, True))
+_TILES_Q5 = ((16, 8, 4, False), (4, 8, 1, False), (8, 8, 2, False), (8, 8, 4, False),
+             (8, 16, 4, False), (4, 16, 2, False), (8, 8, 4, True), (4, 8, 2, True))
+GEMV_CONFIGS, GEMV_CONFIGS_Q5 = (
+    [triton.Config({"BLOCK_N": bn, "NSB": nsb, "PREFETCH": pf}, num_warps=w)
+     for bn, nsb, w, pf in tiles] for tiles in (_TILES_Q4, _TILES_Q5))
+_EVEN = triton.heuristics({"EVEN": lambda a: a["K"] // 256 % a["NSB"] == 0})
+_tuned_q4 = warmup_autotune(GEMV_CONFIGS, ["N", "K"])(_EVEN(_kquant_gemv_kernel))
+_tuned_q5 = warmup_autotune(GEMV_CONFIGS_Q5, ["N", "K"])(_EVEN(_kquant_gemv_kernel))
 
 
 def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
-                       block_n: int | None = None, nsb: int = 8) -> torch.Tensor:
+                       block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
+                       num_warps: int = 4) -> torch.Tensor:
     """x [M, K] (small M; one program row per x row) @ dequant(qweight).T -> [M, N]. On CUDA
     without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
     if int(qtype) not in (Q4_K, Q5_K):
@@ -120,16 +319,23 @@ def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     n, k = qweight.shape[0], qweight.shape[1] // t.type_size * 256
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be [M, {k}] with unit stride along K")
-    if qweight.dtype != torch.uint8 or qweight.stride(1) != 1 or qweight.stride(0) % 2:
-        raise ValueError("qweight must be uint8 [N, row_bytes], rows contiguous, even stride")
+    if qweight.dtype != torch.uint8 or qweight.stride(1) != 1 or qweight.stride(0) % 4:
+        raise ValueError("qweight must be uint8 [N, row_bytes] with contiguous rows")
+    use_asm = x.is_cuda and not _INTERPRET
+    if use_asm and (qweight.stride(0) % 16 or qweight.data_ptr() % 16):
+        raise ValueError("qweight rows must be 16-byte aligned (16-byte loads)")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    args = (x, qweight, qweight.view(torch.float16), out, n, k, x.stride(0), qweight.stride(0),
-            out.stride(0))
-    meta = dict(FIVE_BITS=int(qtype) == Q5_K, TYPE_SIZE=t.type_size)
+    args = (x, qweight, out, n, k, x.stride(0), qweight.stride(0), out.stride(0))
+    x_words = (x.dtype in (torch.bfloat16, torch.float16) and x.data_ptr() % 16 == 0
+               and x.stride(0) % 8 == 0)
+    five = int(qtype) == Q5_K
+    meta = dict(FIVE_BITS=five, TYPE_SIZE=t.type_size, USE_ASM=use_asm, X_WORDS=x_words)
     if x.is_cuda and block_n is None:
-        _kquant_gemv_tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), x.shape[0])](*args, **meta)
+        tuned = _tuned_q5 if five else _tuned_q4
+        tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), x.shape[0])](*args, **meta)
     else:
         bn = block_n or 8
-        _kquant_gemv_kernel[(triton.cdiv(n, bn), x.shape[0])](*args, **meta, BLOCK_N=bn,
-                                                              NSB=nsb, num_warps=4)
+        _kquant_gemv_kernel[(triton.cdiv(n, bn), x.shape[0])](
+            *args, **meta, EVEN=k // 256 % nsb == 0, BLOCK_N=bn, NSB=nsb, PREFETCH=prefetch,
+            num_warps=num_warps)
     return out

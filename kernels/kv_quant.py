@@ -9,9 +9,10 @@ Rules:
   the model dtype. Reading: x ~= e4m3 * scale. No calibration; a row's outliers only cost that
   row its precision. The cost is 4 bytes per D-byte row: capacity is 4D / (2D + 8) of bf16's
   (1.94x for D = 128, 1.88x for D = 64).
-- Kernels never build a dequantized copy of the cache: the decode / prefill tiles multiply the
-  raw scores q.k by the key scales and the softmax weights by the value scales (exact algebra:
-  q.(s k) = s (q.k), sum p (s v) = sum (p s) v).
+- Kernels never build a dequantized copy of the cache: the decode (and small prefill) tiles
+  multiply the raw scores q.k by the key scales and the softmax weights by the value scales
+  (exact algebra: q.(s k) = s (q.k), sum p (s v) = sum (p s) v); the prefill's wgmma tiles scale
+  each K / V row in registers as they widen it for the 16-bit dots (prefill_attention.attend_tile).
 """
 
 from __future__ import annotations

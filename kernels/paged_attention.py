@@ -24,6 +24,10 @@ from services.engine.forward_context import AttentionMetadata
 
 # Decode reference: cap on gathered elements per batched chunk (bounds CPU memory).
 _REF_CHUNK_ELEMS = 1 << 25
+# default_num_splits: contexts up to SHORT_SPLIT_KEYS keys get latency-sized splits, and one
+# split once a launch has ONE_SPLIT_PROGRAMS (sequence, KV head) programs (~ the SM count).
+SHORT_SPLIT_KEYS = 512
+ONE_SPLIT_PROGRAMS = 128
 
 
 def _rows(values: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -155,10 +159,15 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == row:
-        return  # no new token for this sequence
-    row = row.to(tl.int64)
+    next_row = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Return when the sequence has no new token. `seq_len < 0` never holds: testing it keeps the
+    # seq_len load above the branch, issued with the query_start_loc loads (LLVM otherwise sinks
+    # it below: one more serial memory round trip in the chain query_start_loc -> seq_len ->
+    # block table -> K / V that bounds the small-batch latency; sm_90 SASS checked).
+    if (next_row == row) | (seq_len < 0):
+        return
+    row = row.to(tl.int64)
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(seq_len - window, 0)
@@ -189,14 +198,14 @@ def _decode_split_kernel(
             acc, m_i, l_i, q, seq_len, start_n, hi, window, k_base, v_base, table_ptr,
             ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
             softcap,
-            BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8,
+            BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8, False,
         )
     if full_hi < hi:
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, seq_len, full_hi, hi, window, k_base, v_base, table_ptr,
             ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
             softcap,
-            BLOCK_SIZE, BLOCK_N, True, False, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8,
+            BLOCK_SIZE, BLOCK_N, True, False, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8, False,
         )
     store_split_output(acc, m_i, l_i, out_ptr, lse_ptr, row, seq, split, heads, h_mask, offs_d,
                        d_mask, stride_ot, stride_oh, num_q_heads, HEAD_DIM, NUM_SPLITS)
@@ -233,33 +242,48 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
 ):
     # Grid (B, Hq): weight each split by 2^(lse - max lse); a sequence with no keys gets zeros.
+    # No early return and no load waits for another (the partials are not masked by their
+    # weights; empty splits stored zeros): one memory round trip, not three (query_start_loc,
+    # then lse, then the partials). A sequence without a new token (its partials unwritten)
+    # computes garbage and stores nothing.
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == row:
-        return
-    row = row.to(tl.int64)
     base = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
+    row = tl.load(query_start_loc_ptr + seq)
+    has_token = tl.load(query_start_loc_ptr + seq + 1) > row
     lse = tl.load(lse_ptr + base + offs_s)
+    part = tl.load(partial_ptr + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
+                   mask=d_mask[None, :], other=0.0)
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part = tl.load(partial_ptr + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
-                   mask=(w > 0)[:, None] & d_mask[None, :], other=0.0)
+    part = tl.where((w > 0)[:, None], part, 0.0)
     total = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask & has_token)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Enough (B, Hk, split) programs to fill ~2 waves of a 132-SM GPU, each with >= 256
-    keys; a power of two to bound recompilation. Any value is correct (CUDA-graph safe)."""
-    want = triton.cdiv(2 * 132, max(num_seqs * num_kv_heads, 1))
-    return max(1, min(triton.next_power_of_2(want), 64, triton.next_power_of_2(
-        triton.cdiv(max(max_seq_len, 1), 256))))
+    """Split count of a decode launch; a power of two to bound recompilation. Any value is
+    correct (CUDA-graph safe): `max_seq_len` need only bound the sequences' lengths.
+
+    Long contexts: enough (B, Hk, split) programs to fill ~2 waves of a 132-SM GPU, each with
+    >= 256 keys. Up to SHORT_SPLIT_KEYS keys (the short-context CUDA graphs, cuda_graphs.py) a
+    program walks its keys serially, one 64-key tile per memory round trip, so (H200 CUDA-graph
+    replays, Llama-3-8B heads, 384 keys, split + reduce; bench/attention_tiles.py): with B * Hk
+    >= ONE_SPLIT_PROGRAMS the launch is bandwidth-bound and one split (no reduce kernel) costs
+    the same or less (B=16: 10.4 us, 4 splits 10.6); below that it is latency-bound and wants
+    one tile per split (B=1: 8 splits 5.4 us, 16 5.6, 32 5.9, 4 6.5, 1 split 9.2)."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    short = max_seq_len <= SHORT_SPLIT_KEYS
+    if short and programs >= ONE_SPLIT_PROGRAMS:
+        return 1
+    want = triton.next_power_of_2(triton.cdiv(2 * 132, programs))
+    by_keys = triton.next_power_of_2(triton.cdiv(max(max_seq_len, 1), 64 if short else 256))
+    return max(1, min(want, 64, by_keys))
 
 
 def decode_attention_triton(
@@ -300,9 +324,9 @@ def decode_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles
     block_n = block_n or (16 if fp32 else 64)
-    # fp8 caches keep 2 warps at head_dim 128 although the e4m3 upcast then spills 16 bytes: on an
-    # H200 (bench/fp8_kv_cache.py) 2 warps took 146 / 281 us at batch 64 / 256 against 214 / 420
-    # with 4 (spill-free), and the same at batch 1
+    # fp8 caches keep 2 warps at head_dim 128: on an H200 (bench/fp8_kv_cache.py) 2 warps took
+    # 146 / 281 us at batch 64 / 256 against 214 / 420 with 4, and the same at batch 1 (2 warps
+    # then spilled 16 bytes; since the full tiles load their scales unmasked, none)
     num_warps = num_warps or (8 if fp32 else 4 if block_d <= 64 else 2)
     if num_splits == 1:
         partial = lse = out

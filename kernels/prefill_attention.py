@@ -3,7 +3,8 @@
 New token j of sequence i sits at position seq_lens[i] - q_len_i + j and attends causally to cache
 positions 0..that position (its own K/V is already in the cache). With sliding_window W it only
 sees the last W positions (k_pos > q_pos - W); with logit_softcap c scores become c*tanh(s/c).
-With `kv_scales` the caches are e4m3 (kernels/kv_quant.py), dequantized inside the tiles.
+With `kv_scales` the caches are e4m3 (kernels/kv_quant.py), dequantized inside the tiles; the dots
+stay 16-bit (see attend_tile for where the per-token scales go).
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ _TILE_OVERRIDE = tuple(int(x) for x in os.environ.get("FLOTILLA_PREFILL_TILE", "
                        if x.strip())
 if _TILE_OVERRIDE and len(_TILE_OVERRIDE) != 4:
     raise ValueError("FLOTILLA_PREFILL_TILE must be 'block_m,block_n,num_warps,num_stages'")
+FP8_MAXNREG: int | None = 128  # register cap of 8-warp fp8-cache launches (None: ptxas's choice)
 
 
 @triton.jit
@@ -128,6 +130,15 @@ def score_transform(s, sm_scale, softcap, USE_SOFTCAP: tl.constexpr):
         return softcap * _tanh(s * (sm_scale / softcap)) * LOG2E
     else:
         return s * (sm_scale * LOG2E)
+
+
+@triton.jit
+def load_scales(ptrs, valid, MASK_N: tl.constexpr):
+    """fp8 KV scales of a tile's keys; out-of-range keys (MASK_N tiles only) get 0."""
+    if MASK_N:
+        return tl.load(ptrs, mask=valid, other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -149,10 +160,23 @@ def attend_tile(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,  # e4m3 caches: scale the scores by the key scales, p by the values'
+    KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, KV head) scales
+    FP8_ROWS: tl.constexpr,  # KV_FP8: fold the scales into the K / V rows, else into qk / p
 ):
     """One online-softmax step over BLOCK_N keys gathered from the paged cache: each key's
-    block comes from the block table, so a tile may span several cache blocks."""
+    block comes from the block table, so a tile may span several cache blocks.
+
+    KV_FP8: e4m3 tiles are widened to q's dtype; the dots stay 16-bit. FP8_ROWS (wgmma tiles,
+    BLOCK_M >= 64, whose widened K / V pass through registers on their way back to shared
+    memory anyway): each row is scaled as it is widened (e4m3 -> fp32, x scale, one rounding to
+    bf16), its scale loaded once per row of the load layout, and the rest of the step is the bf16
+    cache's. Scaling the score columns instead needs the scales gathered in the dot's column layout
+    and e4m3 -> bf16 goes e4m3 -> f16 -> bf16, one F2F conversion (16/clk/SM) per element: sm_90
+    SASS of the default 128 x 32 tile, head_dim 128, had 542 instructions in the loop (bf16: 298)
+    and 194 registers; folded, 383 and 128 (launched capped, FP8_MAXNREG) without spills.
+    Otherwise (decode's 16-row mma tiles, small prefill tiles, where the operands are widened in
+    the mma layout) the raw scores are scaled per key (qk * k_scale) and p per value token
+    before its cast (p * v_scale)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_valid = offs_n < hi
     if MASK_N:
@@ -164,10 +188,14 @@ def attend_tile(
     rows = blk.to(tl.int64) * stride_b + (offs_n % BLOCK_SIZE) * stride_t
     kv_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D], shared by K and V
     k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     if KV_FP8:
         slots = (blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * stride_s
-        qk = qk * tl.load(k_scale_ptr + slots, mask=n_valid, other=0.0)[None, :]
+        k_scale = load_scales(k_scale_ptr + slots, n_valid, MASK_N)
+        if FP8_ROWS:
+            k = k.to(tl.float32) * k_scale[:, None]
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    if KV_FP8 and not FP8_ROWS:
+        qk = qk * k_scale[None, :]
     s = score_transform(qk, sm_scale, softcap, USE_SOFTCAP)
     if MASK_N:
         s = tl.where(n_valid[None, :], s, float("-inf"))
@@ -183,7 +211,11 @@ def attend_tile(
     v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
     pv = p
     if KV_FP8:
-        pv = p * tl.load(v_scale_ptr + slots, mask=n_valid, other=0.0)[None, :]
+        v_scale = load_scales(v_scale_ptr + slots, n_valid, MASK_N)
+        if FP8_ROWS:
+            v = v.to(tl.float32) * v_scale[:, None]
+        else:
+            pv = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype),
                                         input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -267,6 +299,7 @@ def _prefill_kernel(
             ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
             softcap,
             BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FP8,
+            BLOCK_M >= 64,
         )
     for start_n in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
@@ -274,6 +307,7 @@ def _prefill_kernel(
             ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
             softcap,
             BLOCK_SIZE, BLOCK_N, True, True, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FP8,
+            BLOCK_M >= 64,
         )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -341,6 +375,9 @@ def prefill_attention_triton(
     blocks longest first took it from 436 to 363); BLOCK_M 64 with 4 warps when no sequence has
     more than 128 new tokens (89 vs 111 us for 64 prompts of 128), smaller below. fp32 is
     supported for exactness (IEEE dots, no TF32) with small tiles, not tuned.
+    An fp8 cache (`kv_scales`) keeps the tiles; with 8 warps it is capped at 128 registers
+    (uncapped, ptxas takes ~170 at head_dim 128: one program per SM; capped, two as with bf16,
+    and no spills).
     FLOTILLA_PREFILL_TILE="m,n,warps,stages" overrides the defaults (benchmark sweeps)."""
     check_attention_args(q, k_cache, v_cache, meta, kv_scales)
     num_seqs = meta.seq_lens.shape[0]
@@ -356,6 +393,7 @@ def prefill_attention_triton(
     block_m = max(16, min(block_m, triton.next_power_of_2(meta.max_query_len)))
     block_n = block_n or (16 if fp32 else 64 if block_d <= 64 else 32)
     num_warps = num_warps or (8 if block_m >= 128 or fp32 else 4)
+    fp8_cap = kv_scales is not None and not fp32 and num_warps == 8
     m_blocks = triton.cdiv(meta.max_query_len, block_m)
     grid = (q.shape[1], m_blocks, num_seqs) if longest_first else (m_blocks, q.shape[1], num_seqs)
     k_scale, v_scale = kv_scales if kv_scales is not None else (k_cache, v_cache)
@@ -376,5 +414,6 @@ def prefill_attention_triton(
         KV_FP8=kv_scales is not None,
         num_warps=num_warps,
         num_stages=num_stages,
+        maxnreg=FP8_MAXNREG if fp8_cap else None,
     )
     return out

@@ -7,24 +7,31 @@ Layout (both formats are repacked into it at load time, services/engine/quant/w4
 - perm int32 [K] or None (GPTQ act-order): the checkpoint's K order was sorted by group at load
   time, so kernel position k multiplies x[perm[k]].
 
-GEMV (decode-sized M on a GPU, kernels/gguf_matmul.py: use_gemv): [BLOCK_N, NCHUNK, CHUNK] tiles
-of unpacked codes; each chunk lies in one group, so codes are dotted with x first and scale/zero
-applied per (row, chunk); codes become floats through their mantissa bits (u4_to_f32), and the
-tile (BLOCK_N rows, STEP weights per step, warps) is autotuned per (N, K, G) on CUDA.
-GEMM: each [BLOCK_N, BLOCK_K] weight tile is unpacked and scaled in registers, cast to x's dtype
-and fed to tl.dot; split_k as in kernels/gguf_matmul.py.
+Codes become floats with one instruction each (_codes8: a byte permute puts a nibble into the
+mantissa of 0.5f, giving 0.5 + code / 256; inline PTX on CUDA, an equal plain form in the
+interpreter; tests/kernels/test_inline_asm.py ties the two). A decode GEMV on sm_90 is bound by
+instruction issue, not bandwidth, unless it spends about 2-4 instructions per 4-bit weight.
+GEMV (decode-sized M on a GPU, kernels/gguf_matmul.py: use_gemv): [BLOCK_N, NCHUNK, CHUNK / 8]
+word tiles; each chunk lies in one group, so codes are dotted with x first and scale/zero applied
+per (row, chunk); x is read as bf16 pairs and converted once per thread. The tile (BLOCK_N rows,
+STEP weights per step, warps) is autotuned per (N, K, G) on CUDA.
+GEMM: per step of BLOCK_K (dividing the group) weights, codes are scaled with one FMA each
+(f * 256s - (128 + z)s), cast to x's dtype and fed to tl.dot; split_k as in kernels/gguf_matmul.py.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.gguf_dequant import u4_to_f32
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
 from kernels.tuning import warmup_autotune
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -57,19 +64,89 @@ def w4a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return F.linear(x if perm is None else x[..., perm], w)
 
 
-@triton.jit
-def _nibbles(q, i: tl.constexpr):
-    return u4_to_f32((q >> (4 * i)) & 15)
+# One int32 word of 8 codes -> 8 float32 (0.5 + code / 256), one PRMT per code: the low and
+# high nibbles of every byte are masked out once per word, then each nibble-byte is placed in
+# byte 2 of 0.5f (0x3F000000: exponent byte 0x3F, mantissa bits 16..19 = the code).
+_NIBBLES_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi, mg;
+mov.b32 mg, 0x3F000000;
+and.b32 lo, $8, 0x0F0F0F0F;
+shr.u32 hi, $8, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, mg, 0x7044;
+prmt.b32 $1, hi, mg, 0x7044;
+prmt.b32 $2, lo, mg, 0x7144;
+prmt.b32 $3, hi, mg, 0x7144;
+prmt.b32 $4, lo, mg, 0x7244;
+prmt.b32 $5, hi, mg, 0x7244;
+prmt.b32 $6, lo, mg, 0x7344;
+prmt.b32 $7, hi, mg, 0x7344;
+}
+""")
 
 
 @triton.jit
-def _unpack(q):
-    """int32 words [..., W] -> float32 codes [..., W, 2, 2, 2]; flattening the last four axes
-    gives nibble order 8w + i. tl.join keeps its new axis inside each thread, so the unpacking
-    moves no data between threads."""
-    lo = tl.join(tl.join(_nibbles(q, 0), _nibbles(q, 4)), tl.join(_nibbles(q, 2), _nibbles(q, 6)))
-    hi = tl.join(tl.join(_nibbles(q, 1), _nibbles(q, 5)), tl.join(_nibbles(q, 3), _nibbles(q, 7)))
-    return tl.join(lo, hi)
+def _half_plus(q, j: tl.constexpr):
+    """Code j of each word as float32 0.5 + code / 256 (the interpreter's form of the asm)."""
+    return ((((q >> (4 * j)) & 15) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _codes8(q, USE_ASM: tl.constexpr):
+    """int32 words -> 8 tensors of their shape, code j as 0.5 + code / 256."""
+    if USE_ASM:
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            _NIBBLES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [q], dtype=(tl.float32,) * 8,
+            is_pure=True, pack=1)
+    else:
+        c0, c1, c2, c3 = _half_plus(q, 0), _half_plus(q, 1), _half_plus(q, 2), _half_plus(q, 3)
+        c4, c5, c6, c7 = _half_plus(q, 4), _half_plus(q, 5), _half_plus(q, 6), _half_plus(q, 7)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _split8(v, NCHUNK: tl.constexpr, CW: tl.constexpr):
+    """[NCHUNK, CW, 8] -> 8 tensors [NCHUNK, CW], element j of the last axis each."""
+    even, odd = tl.split(tl.reshape(v, [NCHUNK, CW, 2, 2, 2]))
+    e0, e2 = tl.split(even)
+    o0, o2 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e2)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o2)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _bf16_pair(w):
+    """int32 holding two bf16 -> (low, high) as float32: a shift and a mask, no conversion."""
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x8(x_row, perm_ptr, words, c_ok, HAS_PERM: tl.constexpr, X_BF16: tl.constexpr,
+        NCHUNK: tl.constexpr, CW: tl.constexpr):
+    """x at k = 8 * word + j as 8 float32 tensors [NCHUNK, CW]. bf16 rows are read as int32
+    words holding bf16 pairs (one 16-byte vector per 8 weights), converted once per thread."""
+    if X_BF16 and not HAS_PERM:
+        xw = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
+        v = tl.load(xw + words[:, :, None] * 4 + tl.arange(0, 4)[None, None, :],
+                    mask=c_ok[:, None, None], other=0)
+        p02, p13 = tl.split(tl.reshape(v, [NCHUNK, CW, 2, 2]))
+        p0, p2 = tl.split(p02)
+        p1, p3 = tl.split(p13)
+        x0, x1 = _bf16_pair(p0)
+        x2, x3 = _bf16_pair(p1)
+        x4, x5 = _bf16_pair(p2)
+        x6, x7 = _bf16_pair(p3)
+    else:
+        k = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        if HAS_PERM:
+            k = tl.load(perm_ptr + k, mask=c_ok[:, None, None], other=0)
+        v = tl.load(x_row + k, mask=c_ok[:, None, None], other=0.0).to(tl.float32)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(v, NCHUNK, CW)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -79,56 +156,66 @@ def _gemv_kernel(
     stride_xm, stride_q, stride_s, stride_om,
     group_size,
     HAS_PERM: tl.constexpr,
+    USE_ASM: tl.constexpr,  # CUDA: codes to floats by inline PTX (the interpreter runs no asm)
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,  # weights per chunk; a power of two dividing the group size
     STEP: tl.constexpr,  # weights per row and loop step (a multiple of CHUNK)
 ):
-    """Per (row, chunk): dot = sum(q * x), then acc += scale * (dot - zero * sum(x)); scales
-    and zeros are [BLOCK_N, NCHUNK] tiles, never expanded to the weights."""
+    """Per (row, chunk): with f = 0.5 + code / 256 from _codes8, sum(code * x) =
+    256 * sum(f * x) - 128 * sum(x), so acc += scale * (256 * dot - (128 + zero) * sum(x)).
+    The dot is 8 elementwise products of [BLOCK_N, NCHUNK, CHUNK / 8] tensors (code j of each
+    word times x at 8 * word + j) and one sum: no reshape of the weight tile, and each x value
+    is converted once per thread for all its rows. About 4 SASS instructions per weight on
+    sm_90 (the previous kernel: 8.7), which is what bounds a 4-bit GEMV there."""
     NCHUNK: tl.constexpr = STEP // CHUNK
+    CW: tl.constexpr = CHUNK // 8
+    X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = rows < N
-    CW: tl.constexpr = CHUNK // 8
     nchunks = K // CHUNK
     offs_c = tl.arange(0, NCHUNK)
     offs_w = tl.arange(0, CW)
-    offs_k = tl.arange(0, CHUNK)
     x_row = x_ptr + m * stride_xm
     acc = tl.zeros([BLOCK_N, NCHUNK], dtype=tl.float32)
+    q_rows = q_ptr + rows[:, None, None] * stride_q
+    words = offs_c[:, None] * CW + offs_w[None, :]
+    q_next = tl.load(q_rows + words[None, :, :],
+                     mask=row_ok[:, None, None] & (offs_c < nchunks)[None, :, None], other=0)
     for c0 in range(0, nchunks, NCHUNK):
         c = c0 + offs_c
         c_ok = c < nchunks
         words = c[:, None] * CW + offs_w[None, :]
-        q = tl.load(q_ptr + rows[:, None, None] * stride_q + words[None, :, :],
-                    mask=row_ok[:, None, None] & c_ok[None, :, None], other=0)
-        codes = tl.reshape(_unpack(q), [BLOCK_N, NCHUNK, CHUNK])
-        k = c[:, None] * CHUNK + offs_k[None, :]
-        if HAS_PERM:
-            k = tl.load(perm_ptr + k, mask=c_ok[:, None], other=0)
-        x = tl.load(x_row + k, mask=c_ok[:, None], other=0.0).to(tl.float32)
-        dot = tl.sum(codes * x[None, :, :], axis=2)
+        # the next step's words are requested before this step's math (Triton does not
+        # pipeline this loop itself): two steps of weights in flight per program
+        q = q_next
+        q_next = tl.load(q_rows + (words + NCHUNK * CW)[None, :, :],
+                         mask=row_ok[:, None, None] & (c + NCHUNK < nchunks)[None, :, None],
+                         other=0)
+        f0, f1, f2, f3, f4, f5, f6, f7 = _codes8(q, USE_ASM)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_row, perm_ptr, words, c_ok, HAS_PERM, X_BF16,
+                                             NCHUNK, CW)
+        d = f0 * x0[None] + f1 * x1[None] + f2 * x2[None] + f3 * x3[None] \
+            + f4 * x4[None] + f5 * x5[None] + f6 * x6[None] + f7 * x7[None]
+        xsum = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)
         grp = rows[:, None] * stride_s + ((c * CHUNK) // group_size)[None, :]
         ok = row_ok[:, None] & c_ok[None, :]
         s = tl.load(s_ptr + grp, mask=ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + grp, mask=ok, other=0).to(tl.float32)
-        acc += s * (dot - z * tl.sum(x, axis=1)[None, :])
+        acc += s * (256.0 * tl.sum(d, axis=2) - (128.0 + z) * xsum[None, :])
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-# GEMV tiles tried on the device (keyed on N, K, group): 2-16 rows per program, 512-2048 weights
-# (256 B - 1 KiB of codes) per row and step
+# GEMV tiles tried on the device (keyed on N, K, group): 4-32 rows per program; mostly 128
+# weights per thread and step (fewest instructions per weight on sm_90), some 64 for narrow N
 GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "STEP": step}, num_warps=w)
-    for bn, step, w in ((8, 1024, 4), (4, 1024, 4), (16, 1024, 8), (8, 2048, 8), (4, 2048, 4),
-                        (16, 512, 4), (2, 2048, 4), (8, 512, 2))
+    for bn, step, w in ((16, 1024, 4), (8, 2048, 4), (16, 512, 2), (8, 1024, 2), (16, 2048, 8),
+                        (32, 512, 4), (8, 1024, 4), (4, 2048, 4))
 ]
-# act-order (HAS_PERM) gathers x through the permutation: 8 rows x 1024 with 4 warps spills
-# 4 bytes on sm_90 there (tests/quant/sm90_compile.py), the other tiles do not
-GEMV_CONFIGS_PERM = [c for c in GEMV_CONFIGS
-                     if (c.kwargs["BLOCK_N"], c.kwargs["STEP"], c.num_warps) != (8, 1024, 4)]
+GEMV_CONFIGS_PERM = GEMV_CONFIGS
 _gemv_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size"])(_gemv_kernel)
 _gemv_tuned_perm = warmup_autotune(GEMV_CONFIGS_PERM, ["N", "K", "group_size"])(_gemv_kernel)
 
@@ -141,9 +228,10 @@ def _gemm_kernel(
     group_size,
     split_k,  # programs sharing one output tile, each a run of K
     HAS_PERM: tl.constexpr,
+    USE_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a power of two dividing the group size
     ATOMIC: tl.constexpr,  # split_k > 1: fp32 atomics into a zero-filled out
     DOT_PRECISION: tl.constexpr,
 ):
@@ -165,18 +253,24 @@ def _gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(first, last):
         words = step * BW + offs_w
-        mask = n_ok[:, None] & (words < K // 8)[None, :]
-        q = tl.load(q_ptr + rn[:, None] * stride_q + words[None, :], mask=mask, other=0)
-        codes = tl.reshape(_unpack(q), [BLOCK_N, BLOCK_K])
+        q = tl.load(q_ptr + rn[:, None] * stride_q + words[None, :], mask=n_ok[:, None], other=0)
+        f0, f1, f2, f3, f4, f5, f6, f7 = _codes8(q, USE_ASM)
+        grp = rn * stride_s + (step * BLOCK_K) // group_size  # BLOCK_K divides the group
+        s = tl.load(s_ptr + grp, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + grp, mask=n_ok, other=0).to(tl.float32)
+        # (code - zero) * scale = f * 256 * scale - (128 + zero) * scale: one FMA a weight
+        a = (256.0 * s)[:, None]
+        b = ((128.0 + z) * s)[:, None]
+        dt = x_ptr.dtype.element_ty
+        lo = tl.join(tl.join((f0 * a - b).to(dt), (f4 * a - b).to(dt)),
+                     tl.join((f2 * a - b).to(dt), (f6 * a - b).to(dt)))
+        hi = tl.join(tl.join((f1 * a - b).to(dt), (f5 * a - b).to(dt)),
+                     tl.join((f3 * a - b).to(dt), (f7 * a - b).to(dt)))
+        w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
         k = step * BLOCK_K + offs_k
-        k_ok = k < K
-        grp = rn[:, None] * stride_s + (k // group_size)[None, :]
-        s = tl.load(s_ptr + grp, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + grp, mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.float32)
-        w = ((codes - z) * s).to(x_ptr.dtype.element_ty)
         if HAS_PERM:
-            k = tl.load(perm_ptr + k, mask=k_ok, other=0)
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            k = tl.load(perm_ptr + k)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
@@ -230,21 +324,25 @@ def w4a16_matmul_triton(
         return x.new_empty(*x.shape[:-1], n)
     perm_arg = perm if perm is not None else qweight  # never read without HAS_PERM
     common = dict(HAS_PERM=perm is not None)
-    if use_gemv(x, m, kernel):
+    # one x row: the GEMV; 2+ rows share each dequantized tile in the GEMM (tensor cores)
+    if use_gemv(x, m, kernel) and (m == 1 or kernel == "gemv"):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         chunk = min(128, group_size & -group_size)  # largest power of two dividing G, <= 128
         args = (x2, qweight, scales, zeros, perm_arg, out, n, k, x2.stride(0),
                 qweight.stride(0), scales.stride(0), out.stride(0), group_size)
         if x.is_cuda and block_n is None:  # autotuned (before any CUDA-graph capture)
             tuned = _gemv_tuned if perm is None else _gemv_tuned_perm
-            tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](*args, CHUNK=chunk, **common)
+            tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](*args, CHUNK=chunk,
+                                                              USE_ASM=not _INTERPRET,
+                                                              **common)
         else:
             bn = block_n or (8 if perm is None else 4)
-            _gemv_kernel[(triton.cdiv(n, bn), m)](*args, BLOCK_N=bn, CHUNK=chunk,
-                                                  STEP=max(chunk, 1024), num_warps=4, **common)
+            _gemv_kernel[(triton.cdiv(n, bn), m)](
+                *args, BLOCK_N=bn, CHUNK=chunk, STEP=max(chunk, 1024), num_warps=4,
+                USE_ASM=x.is_cuda and not _INTERPRET, **common)
         return out.reshape(*x.shape[:-1], n)
     bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
-    bk = 64 if x.is_cuda else min(triton.next_power_of_2(k), 1024)
+    bk = min(64 if x.is_cuda else 128, group_size & -group_size)  # divides the group
     split_k = split_k_for(x, triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk), split_k)
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
@@ -252,6 +350,7 @@ def w4a16_matmul_triton(
         x2, qweight, scales, zeros, perm_arg, out, m, n, k, x2.stride(0), qweight.stride(0),
         scales.stride(0), out.stride(0), group_size, split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         ATOMIC=split_k > 1, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        USE_ASM=x.is_cuda and not _INTERPRET,
         num_warps=4, num_stages=2, **common,
     )
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -8,6 +8,11 @@ Rules:
   are garbage and never read.
 - The host ints baked into a capture (max_query_len 1, max_seq_len = max_model_len) cover every
   decode step the engine can produce.
+- Short-context graphs: buckets up to SHORT_GRAPH_MAX_BATCH get a second graph captured with
+  max_seq_len = short_context, the bound the attention kernels size their KV splits by
+  (kernels/paged_attention.py `default_num_splits`: at batch 1 and 8 KV heads 8 splits instead of
+  32, at 16 rows one split and no reduce kernel). `replay` takes it while the step's longest
+  sequence (a host int) fits; its padded rows (seq_len 1) always do.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import torch
 from services.engine.forward_context import AttentionMetadata, forward_context
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Buckets that also get a short-context graph: beyond 16 rows the long graphs' split counts are
+# already 1-2 (kernels/paged_attention.py) and a second graph would gain little.
+SHORT_GRAPH_MAX_BATCH = 16
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positions) -> logits
 
@@ -26,11 +34,14 @@ ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positi
 class DecodeGraphs:
     def __init__(
         self, forward: ForwardFn, max_batch: int, max_blocks_per_seq: int, max_model_len: int,
-        device: torch.device,
+        device: torch.device, short_context: int = 0,
     ) -> None:
+        """short_context: the longest sequence a short-context graph serves (0: none)."""
         self.forward = forward
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.max_model_len = max_model_len
+        # A bound at or above max_model_len would capture the long graphs again.
+        self.short_context = short_context if 0 < short_context < max_model_len else 0
         g = self.buckets[-1]
         i64, i32 = torch.int64, torch.int32
         self.input_ids = torch.zeros(g, dtype=i64, device=device)
@@ -39,33 +50,42 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(g, dtype=i32, device=device)
         self.query_start_loc = torch.arange(g + 1, dtype=i32, device=device)
         self.block_tables = torch.zeros(g, max_blocks_per_seq, dtype=i32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, short) -> (graph, its logits)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    @property
+    def short_buckets(self) -> list[int]:
+        """The buckets captured a second time for short contexts."""
+        if not self.short_context:
+            return []
+        return [b for b in self.buckets if b <= SHORT_GRAPH_MAX_BATCH]
+
+    def _meta(self, bs: int, short: bool) -> AttentionMetadata:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs],
             slot_mapping=self.slot_mapping[:bs],
             max_query_len=1,
-            max_seq_len=self.max_model_len,
+            max_seq_len=self.short_context if short else self.max_model_len,
             query_start_loc_cpu=list(range(bs + 1)),
             seq_lens_cpu=[1] * bs,
         )
 
     def capture(self) -> None:
         pool = None
+        short_buckets = set(self.short_buckets)
         for bs in reversed(self.buckets):
-            meta = self._meta(bs)
-            with forward_context(meta):
-                for _ in range(2):  # compile / autotune outside the capture
-                    self.forward(self.input_ids[:bs], self.positions[:bs])
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.forward(self.input_ids[:bs], self.positions[:bs])
-            pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+            for short in (False, True) if bs in short_buckets else (False,):
+                with forward_context(self._meta(bs, short)):
+                    for _ in range(2):  # compile / autotune outside the capture
+                        self.forward(self.input_ids[:bs], self.positions[:bs])
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = self.forward(self.input_ids[:bs], self.positions[:bs])
+                pool = graph.pool()
+                self.graphs[bs, short] = (graph, logits)
         torch.cuda.synchronize()
 
     def bucket_for(self, batch: int) -> int | None:
@@ -74,14 +94,21 @@ class DecodeGraphs:
                 return b
         return None
 
+    def graph_for(self, batch: int, max_seq_len: int) -> tuple[int, bool]:
+        """(bucket, short) of the graph that runs a decode step of `batch` rows whose longest
+        sequence has max_seq_len tokens (after this step's token)."""
+        bs = self.bucket_for(batch)
+        assert bs is not None, f"decode batch {batch} exceeds the captured graphs"
+        short = max_seq_len <= self.short_context and bs <= SHORT_GRAPH_MAX_BATCH
+        return bs, short
+
     def replay(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Run a decode-only step of n <= max_batch rows; returns logits [n, vocab]."""
         n = input_ids.shape[0]
-        bs = self.bucket_for(n)
-        assert bs is not None, f"decode batch {n} exceeds the captured graphs"
-        graph, logits = self.graphs[bs]
+        bs, short = self.graph_for(n, meta.max_seq_len)
+        graph, logits = self.graphs[bs, short]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)

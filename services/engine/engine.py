@@ -65,6 +65,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # decode steps of <= 16 sequences, each <= this many tokens, replay short-context CUDA graphs
+    # (services/engine/cuda_graphs.py); 0 = off
+    decode_short_context: int = 512
     num_kv_blocks: int | None = None
     # weight quantization by name (services/engine/quant); "auto": weight-only on CPU (batch-1
     # decode there is bound by weight bytes: int4 for a Q4_1 GGUF, else int8), none on GPU
@@ -93,6 +96,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.decode_short_context < 0:
+            raise ValueError("decode_short_context must be >= 0 (0 disables short graphs)")
         if self.prefill_chunk_size < 0:
             raise ValueError("prefill_chunk_size must be >= 0 (0 disables chunking)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

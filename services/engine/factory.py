@@ -28,6 +28,7 @@ def engine_config(settings: EngineSettings, path: Path) -> EngineConfig:
         prefill_chunk_size=settings.prefill_chunk_size,
         enable_prefix_caching=settings.enable_prefix_caching,
         enforce_eager=settings.enforce_eager,
+        decode_short_context=settings.decode_short_context,
         quantization=None if settings.quantization == "none" else settings.quantization,
         isq=settings.isq,
         num_threads=settings.num_threads,

@@ -80,7 +80,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self._logits_all_rows, self.max_num_seqs,
-                                       self.max_blocks_per_seq, self.max_model_len, self.device)
+                                       self.max_blocks_per_seq, self.max_model_len, self.device,
+                                       config.decode_short_context)
             with torch.inference_mode():
                 self.graphs.capture()
 

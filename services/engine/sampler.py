@@ -7,7 +7,9 @@ Rules:
   widen the top-p candidate set; syncs cost nothing there).
 - Order: penalties -> structured-output bitmask (structured.py: disallowed tokens of constrained
   rows to -inf) -> greedy argmax | (temperature -> top-k -> top-p -> min-p -> sample).
-- Greedy rows (temperature 0) take the exact argmax of the penalised logits.
+- Greedy rows (temperature 0) take the exact argmax of the penalised logits (`kernels.argmax`:
+  the lowest index on ties, like torch.argmax; on CUDA a two-launch Triton argmax, torch's being
+  one thread block per row). A batch without greedy rows skips it.
 - Random rows are split into "plain" rows (no top-k / top-p: softmax over the whole vocabulary)
   and "filtered" rows, which work on their candidates sorted by logit (the top max(top_k) when
   every such row sets top_k, else the whole vocabulary, or on CPU the top 256 / 2048 when they
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from services.engine.sampling_params import SamplingParams
 from services.engine.structured import GuidedBatch
 
@@ -141,15 +144,17 @@ class Sampler:
             logits = apply_penalties(logits.clone(), batch.penalties)
         if batch.guided is not None:
             logits = batch.guided.apply(logits)
-        tokens = logits.argmax(dim=-1)
-        for grp, fn in ((batch.plain, _sample_plain), (batch.filtered, _sample_filtered)):
-            if grp is None:
-                continue
+        groups = [(g, fn) for g, fn in ((batch.plain, _sample_plain),
+                                        (batch.filtered, _sample_filtered)) if g is not None]
+        # rows None: one group holds every row (then it is the only group) and nothing is greedy
+        tokens = None if groups and groups[0][0].rows is None else kernels.argmax(logits)
+        for grp, fn in groups:
             sampled = fn(grp.take(logits) / grp.temperature, grp)
-            if grp.rows is None:
+            if tokens is None:
                 tokens = sampled
             else:
                 tokens[grp.rows] = sampled
+        assert tokens is not None
         out = SamplerOutput(token_ids=tokens)
         if batch.max_logprobs is not None:
             logprobs = raw.log_softmax(dim=-1)

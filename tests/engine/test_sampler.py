@@ -213,3 +213,31 @@ def test_logprobs_come_from_the_raw_distribution() -> None:
     assert torch.allclose(out.logprobs, ref.gather(1, out.token_ids[:, None])[:, 0])
     assert out.top_token_ids[0].tolist() == ref[0].topk(2).indices.tolist()
     assert math.isclose(out.top_logprobs[0, 0].item(), ref[0].max().item(), rel_tol=1e-6)
+
+
+def test_greedy_rows_through_the_triton_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path of greedy rows (kernels.argmax -> argmax_triton; on CPU under the Triton
+    interpreter) picks torch.argmax's token of the penalised logits: lowest index on ties."""
+    import os
+
+    import kernels
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs CUDA or the Triton interpreter")
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    device = torch.device("cuda" if cuda else "cpu")
+    vocab = 5000  # two chunks of 4096
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, vocab, generator=g)
+    logits[0, [4500, 100, 4097]] = 7.0  # a tie across chunks: 100
+    logits[1] = float("-inf")
+    logits[2, [10, 4200]] = 7.0  # the penalty on token 10 leaves 4200
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, repetition_penalty=2.0),
+              SamplingParams(temperature=1.0)]
+    batch = SamplingBatch.build(params, [None] * 4, [[1], [1], [10], [1]], [1] * 4, vocab,
+                                device)
+    out = Sampler()(logits.to(device), batch)
+    assert out.token_ids[:3].tolist() == [100, 0, 4200]

@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 import kernels  # noqa: F401  (loads the kernel modules)
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 ATTN_PTRS = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
 ATTN_PTRS |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
 ATTN_PTRS |= {"sm_scale": "fp32", "softcap": "fp32"}
@@ -30,14 +31,8 @@ SCALE_PTRS = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}  # fp8 KV scales (
 ATTN_PTRS |= SCALE_PTRS
 
 
-def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, Any],
-                 num_warps: int, num_stages: int = 2) -> str:
-    """Compile for sm_90 and return ptxas -v's report (scalars default to i32).
-
-    Like the JIT at run time, pointers and strides are hinted 16-divisible (torch allocations
-    are aligned; head/token strides of real models are multiples of 16): without the hints the
-    loads are not vectorised or pipelined, and register use differs from the real kernels.
-    Block-table row strides vary with the batch and get no hint."""
+def _ptx_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, Any],
+              num_warps: int, num_stages: int, maxnreg: int | None) -> str:
     fn = getattr(sys.modules[f"kernels.{module}"], kernel)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -45,13 +40,65 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
                                          or (n.startswith("stride_") and n != "stride_bt"))}
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       "maxnreg": maxnreg})
+    return str(compiled.asm["ptx"])
+
+
+def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, Any],
+                 num_warps: int, num_stages: int = 2, maxnreg: int | None = None) -> str:
+    """Compile for sm_90 and return ptxas -v's report (scalars default to i32); `maxnreg` caps
+    the registers per thread as the launch option of that name does.
+
+    Like the JIT at run time, pointers and strides are hinted 16-divisible (torch allocations
+    are aligned; head/token strides of real models are multiples of 16): without the hints the
+    loads are not vectorised or pipelined, and register use differs from the real kernels.
+    Block-table row strides vary with the batch and get no hint."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(compiled.asm["ptx"])
+        ptx.write(_ptx_sm90(module, kernel, types, constexprs, num_warps, num_stages, maxnreg))
         ptx.flush()
         result = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx.name, "-o", os.devnull],
                                 capture_output=True, text=True, check=True)
     return result.stderr
+
+
+def sass_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, Any],
+              num_warps: int, num_stages: int = 2) -> str:
+    """The kernel's SASS for sm_90a (nvdisasm of the cubin), compiled as compile_sm90."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(_ptx_sm90(module, kernel, types, constexprs, num_warps, num_stages, None))
+        subprocess.run([PTXAS, "--gpu-name=sm_90a", ptx, "-o", cubin], check=True)
+        return subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def hot_loop(sass: str, containing: str = "") -> list[str]:
+    """Instructions (opcode and operands) of the largest loop (the longest span from a label to
+    a branch back to it) that has an instruction containing `containing`."""
+    instructions: list[tuple[int, str]] = []
+    labels: dict[str, int] = {}
+    pending: str | None = None
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            pending = label.group(1)
+            continue
+        ins = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if ins:
+            addr = int(ins.group(1), 16)
+            if pending:
+                labels[pending], pending = addr, None
+            instructions.append((addr, ins.group(2).strip()))
+    best: list[str] = []
+    for addr, text in instructions:
+        target = re.search(r"BRA.*`\(\.(L_x_\d+)\)", text)
+        if target and labels.get(target.group(1), addr) < addr:
+            body = [t for a, t in instructions if labels[target.group(1)] <= a <= addr]
+            if any(containing in t for t in body):
+                best = max(best, body, key=len)
+    return best
 
 
 def spill_bytes(report: str) -> int:
@@ -87,7 +134,7 @@ def spill_report() -> dict[str, int]:
                               dict(NUM_SPLITS=8, BLOCK_D=head_dim), 4)
         spills[f"decode reduce d={head_dim}"] = spill_bytes(report)
     bf16 = "*bf16"
-    others = [
+    others: list[tuple[str, str, dict[str, str], dict[str, Any], int]] = [
         ("rms_norm", "_rms_norm_kernel",
          {n: bf16 for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
          | {"eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=4096), 16),
@@ -118,18 +165,20 @@ def spill_report() -> dict[str, int]:
 
 def fp8_kv_spill_report() -> dict[str, int]:
     """Spill bytes of the fp8 KV-cache variants (e4m3 caches, fp32 scales, KV_FP8=True) at
-    Llama-3-8B shapes with the launchers' default tiles."""
+    Llama-3-8B shapes with the launchers' default tiles (prefill: capped at 128 registers, as
+    prefill_attention_triton launches it)."""
     fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32",
            "v_scale_ptr": "*fp32"}
     spills: dict[str, int] = {}
     for head_dim in (64, 128):
-        constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_SIZE=16, BLOCK_M=128,
-                          BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_D=head_dim,
-                          LONGEST_FIRST=True, USE_SOFTCAP=False, USE_WINDOW=False,
-                          DOT_PRECISION="tf32", KV_FP8=True)
-        report = compile_sm90("prefill_attention", "_prefill_kernel", ATTN_PTRS | fp8,
-                              constexprs, 8)
-        spills[f"fp8 prefill d={head_dim}"] = spill_bytes(report)
+        for extras in (False, True):
+            constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_SIZE=16, BLOCK_M=128,
+                              BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_D=head_dim,
+                              LONGEST_FIRST=True, USE_SOFTCAP=extras, USE_WINDOW=extras,
+                              DOT_PRECISION="tf32", KV_FP8=True)
+            report = compile_sm90("prefill_attention", "_prefill_kernel", ATTN_PTRS | fp8,
+                                  constexprs, 8, maxnreg=128)
+            spills[f"fp8 prefill d={head_dim} softcap+window={extras}"] = spill_bytes(report)
         for num_splits in (1, 8):
             types = ATTN_PTRS | fp8 | {"lse_ptr": "*fp32"}
             if num_splits > 1:

@@ -40,8 +40,5 @@ def test_fp8_kv_cache_kernels_compile_for_sm90_without_spills() -> None:
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     spills = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(spills) == 9
-    # fp8 decode at head_dim 128 runs 2 warps and spills a little: measured faster on an H200
-    # than the spill-free 4 warps (kernels/paged_attention.py); anything more is a regression
-    allowed = {f"fp8 decode d=128 splits={n}": 32 for n in (1, 8)}
-    assert {name: n for name, n in spills.items() if n > allowed.get(name, 0)} == {}
+    assert len(spills) == 11
+    assert {name: n for name, n in spills.items() if n} == {}

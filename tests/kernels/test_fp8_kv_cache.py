@@ -136,14 +136,17 @@ def test_decode_fp8_window_softcap(window: int | None, softcap: float | None) ->
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, 3.0)])
+@pytest.mark.parametrize("q_len,block_m", [(20, 16), (70, 64)])
 def test_prefill_fp8_ragged_matches_reference(
-    dtype: torch.dtype, window: int | None, softcap: float | None
+    dtype: torch.dtype, window: int | None, softcap: float | None, q_len: int, block_m: int
 ) -> None:
     # Ragged batch: a whole prompt, extends across block boundaries, a decode row, an idle one.
-    case = make_case([20, 5, 1, 0, 9], [20, 21, 33, 4, 40], 4, 2, 32, 8, dtype, pad_rows=2)
+    # block_m 16 scales the scores and p per key; 64 (wgmma tiles) scales the K / V rows.
+    case = make_case([q_len, 5, 1, 0, 9], [q_len, 21, 33, 4, 40], 4, 2, 32, 8, dtype,
+                     pad_rows=2)
     k8, v8, scales = fp8_cache(case)
     out = prefill_attention_triton(case.q, k8, v8, case.meta, 0.25, window, softcap,
-                                   block_m=16, block_n=16, kv_scales=scales)
+                                   block_m=block_m, block_n=16, kv_scales=scales)
     ref = paged_attention_ref(case.q, k8, v8, case.meta, 0.25, window, softcap, kv_scales=scales)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from kernels.paged_attention import (
+    ONE_SPLIT_PROGRAMS,
+    SHORT_SPLIT_KEYS,
     decode_attention_triton,
+    default_num_splits,
     paged_attention_ref,
     paged_attention_triton,
 )
@@ -48,6 +51,50 @@ def test_decode_skips_sequences_without_new_tokens() -> None:
                                   num_splits=2, block_n=16)
     ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.2)
     torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_writes_nothing_for_a_last_sequence_without_new_tokens(num_splits: int) -> None:
+    # The skipped sequence's query_start_loc points at the zeroed padding row: a store that
+    # is not masked out (split kernel or reduce kernel) would land there.
+    case = make_case([1, 1, 0], [5, 20, 9], 4, 2, 32, 8, torch.float32, pad_rows=1)
+    out = decode_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, 0.2,
+                                  num_splits=num_splits, block_n=16)
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.2)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+def test_default_splits_for_short_context_bounds() -> None:
+    # Short-context CUDA graphs (services/engine/cuda_graphs.py) pass the bound as max_seq_len:
+    # one 64-key tile per split while latency-bound, one split (no reduce) from ~the SM count of
+    # programs; long bounds keep >= 256 keys per split.
+    assert SHORT_SPLIT_KEYS == 512 and ONE_SPLIT_PROGRAMS == 128
+    assert default_num_splits(1, 8, 512) == 8
+    assert default_num_splits(1, 8, 128) == 2
+    assert default_num_splits(4, 8, 512) == 8
+    assert default_num_splits(16, 8, 512) == 1
+    assert default_num_splits(16, 4, 512) == 8
+    assert default_num_splits(1, 8, 8192) == 32
+    assert default_num_splits(16, 8, 8192) == 4
+    assert default_num_splits(1, 8, 513) == 4
+
+
+# (batch, KV heads): 8 splits of one tile each; 128 programs -> one split, no reduce kernel.
+@pytest.mark.parametrize("batch,num_kv_heads,splits", [(1, 8, 8), (16, 8, 1)])
+def test_decode_at_the_short_context_bound_matches_reference(
+    batch: int, num_kv_heads: int, splits: int
+) -> None:
+    g = torch.Generator().manual_seed(batch)
+    seq_lens = [SHORT_SPLIT_KEYS, *torch.randint(1, SHORT_SPLIT_KEYS + 1, (batch - 1,),
+                                                 generator=g).tolist()]
+    case = make_case([1] * batch, seq_lens, num_kv_heads, num_kv_heads, 32, 16, torch.bfloat16,
+                     pad_rows=1)
+    case.meta.max_seq_len = SHORT_SPLIT_KEYS  # the short graphs' bound
+    assert default_num_splits(batch, num_kv_heads, SHORT_SPLIT_KEYS) == splits
+    out = decode_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, 0.2)
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.2)
+    torch.testing.assert_close(out, ref, **tolerance(torch.bfloat16))
 
 
 def test_paged_attention_mixed_batch_dispatch() -> None:

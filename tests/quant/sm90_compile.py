@@ -2,7 +2,8 @@
 
 Run as `python -m tests.quant.sm90_compile [ggml type ids]` without TRITON_INTERPRET; prints one
 JSON object {config: spill bytes} (every GGUF type by default). Needs no GPU (triton ships
-ptxas). Used by test_compile_sm90.py.
+ptxas). Used by test_compile_sm90.py. `... sm90_compile fp8loop`: SASS instructions per weight
+in the hot loop of every tensor-core fp8 GEMV config instead.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from typing import Any
 import kernels  # noqa: F401  (loads the kernel modules)
 from kernels.gguf_dequant import GGUF_TYPES, Q4_K, Q5_K
 from kernels.gguf_matmul import gemm_config
-from tests.kernels.sm90_compile import compile_sm90, spill_bytes
+from tests.kernels.sm90_compile import compile_sm90, hot_loop, sass_sm90, spill_bytes
 
 BF16_IO = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
+# the Q4_K / Q5_K GEMV as run on CUDA with bf16 x (K a multiple of 256 * NSB)
+KQUANT_GEMV = dict(USE_ASM=True, X_WORDS=True, EVEN=True)
+FP8_GEMV = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32",
+                      "lock_ptr": "*i32"}
 
 
 def configs(qtypes: list[int] | None = None
@@ -38,20 +43,77 @@ def configs(qtypes: list[int] | None = None
                                       DOT_PRECISION="tf32"), warps))
     for qtype in (Q4_K, Q5_K):
         out.append(("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
-                    dict(FIVE_BITS=qtype == Q5_K, TYPE_SIZE=GGUF_TYPES[qtype].type_size,
-                         BLOCK_N=8, NSB=8), 4))
+                    KQUANT_GEMV | dict(FIVE_BITS=qtype == Q5_K,
+                                       TYPE_SIZE=GGUF_TYPES[qtype].type_size, BLOCK_N=16,
+                                       NSB=8, PREFETCH=False), 4))
     w4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
     for perm in (False, True):
         out.append(("w4a16", "_gemv_kernel", w4,
-                    dict(HAS_PERM=perm, BLOCK_N=4 if perm else 8, CHUNK=128, STEP=1024), 4))
+                    dict(HAS_PERM=perm, USE_ASM=True, BLOCK_N=16, CHUNK=128, STEP=1024), 4))
         out.append(("w4a16", "_gemm_kernel", w4 | {"out_ptr": "*fp32"},
-                    dict(HAS_PERM=perm, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, ATOMIC=True,
-                         DOT_PRECISION="tf32"), 4))
+                    dict(HAS_PERM=perm, USE_ASM=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
+                         ATOMIC=True, DOT_PRECISION="tf32"), 4))
     fp8 = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     out.append(("fp8", "_gemv_kernel", fp8, dict(BLOCK_N=8, CHUNK=128, STEP=512), 4))
     out.append(("fp8", "_gemm_kernel", fp8,
                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"), 4))
+    for constexprs, warps, _ in fp8_gemv_configs(tuned=False):
+        out.append(("fp8_gemv", "_gemv_mma_kernel", FP8_GEMV, constexprs, warps))
     return out
+
+
+
+def fp8_gemv_configs(tuned: bool = True) -> list[tuple[dict[str, Any], int, int]]:
+    """(constexprs, warps, stages) of the tensor-core fp8 GEMV: every autotune config (or the
+    fallback tile) with M = 2 bf16 rows, per-channel and (where BLOCK_K divides 128) groups of
+    128."""
+    from kernels import fp8_gemv
+
+    out = []
+    for c in [*fp8_gemv.CONFIGS, fp8_gemv.FALLBACK] if tuned else [fp8_gemv.FALLBACK]:
+        for per_channel in (True, False):
+            if per_channel or 128 % c.kwargs["BLOCK_K"] == 0:
+                out.append((dict(BLOCK_M=2, SCALE_X=True, PER_CHANNEL=per_channel, EVEN_K=True,
+                                 **c.kwargs), c.num_warps, c.num_stages))
+    return out
+
+
+def fp8_gemv_loop_report() -> dict[str, dict[str, float]]:
+    """{config: instructions per weight in the weight loop, 2-byte shared loads there}: the loop
+    (the one with the wgmma) instructions / (BLOCK_N * BLOCK_K / threads), the weights one
+    thread handles per step."""
+    report = {}
+    for constexprs, warps, stages in fp8_gemv_configs():
+        body = hot_loop(sass_sm90("fp8_gemv", "_gemv_mma_kernel", FP8_GEMV, constexprs, warps,
+                                  stages), containing="HGMMA")
+        per_thread = constexprs["BLOCK_N"] * constexprs["BLOCK_K"] / (32 * warps)
+        name = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" w{warps} s{stages}"
+        report[name] = {"per_weight": round(len(body) / per_thread, 3),
+                        "lds_u16": sum("LDS.U16" in t for t in body)}
+    return report
+
+
+def kquant_gemv_loop_report() -> dict[str, dict[str, float]]:
+    """{config: instructions per weight in the Q4_K / Q5_K GEMV's loop, its shared-memory
+    instructions} for every autotune config: the loop's instructions / the weights one thread
+    handles per step (BLOCK_N * NSB * 256 / threads)."""
+    from kernels import gguf_kquant_gemv
+
+    gguf = BF16_IO | {"w_ptr": "*u8"}
+    report = {}
+    for qtype, configs in ((Q4_K, gguf_kquant_gemv.GEMV_CONFIGS),
+                           (Q5_K, gguf_kquant_gemv.GEMV_CONFIGS_Q5)):
+        for c in configs:
+            constexprs = KQUANT_GEMV | dict(FIVE_BITS=qtype == Q5_K,
+                                            TYPE_SIZE=GGUF_TYPES[qtype].type_size, **c.kwargs)
+            body = hot_loop(sass_sm90("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
+                                      constexprs, c.num_warps), containing="PRMT")
+            per_thread = c.kwargs["BLOCK_N"] * c.kwargs["NSB"] * 256 / (32 * c.num_warps)
+            name = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" w{c.num_warps}"
+            report[name] = {"per_weight": round(len(body) / per_thread, 3),
+                            "shared": sum(t.split()[0] in ("LDS", "STS", "BAR.SYNC")
+                                          or t.startswith(("LDS.", "STS.")) for t in body)}
+    return report
 
 
 def spill_report(qtypes: list[int] | None = None) -> dict[str, int]:
@@ -73,13 +135,16 @@ def tuned_gemv_report() -> dict[str, int]:
     jobs: list[tuple[str, str, dict[str, str], dict[str, Any], int]] = []
     for perm, configs in ((False, w4a16.GEMV_CONFIGS), (True, w4a16.GEMV_CONFIGS_PERM)):
         for c in configs:
-            jobs.append(("w4a16", "_gemv_kernel", w4, dict(HAS_PERM=perm, CHUNK=128, **c.kwargs),
+            jobs.append(("w4a16", "_gemv_kernel", w4,
+                         dict(HAS_PERM=perm, USE_ASM=True, CHUNK=128, **c.kwargs),
                          c.num_warps))
-    for c in gguf_kquant_gemv.GEMV_CONFIGS:
-        for qtype in (Q4_K, Q5_K):
+    for qtype, configs in ((Q4_K, gguf_kquant_gemv.GEMV_CONFIGS),
+                           (Q5_K, gguf_kquant_gemv.GEMV_CONFIGS_Q5)):
+        for c in configs:
             jobs.append(("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
-                         dict(FIVE_BITS=qtype == Q5_K, TYPE_SIZE=GGUF_TYPES[qtype].type_size,
-                              **c.kwargs), c.num_warps))
+                         KQUANT_GEMV | dict(FIVE_BITS=qtype == Q5_K,
+                                            TYPE_SIZE=GGUF_TYPES[qtype].type_size, **c.kwargs),
+                         c.num_warps))
     for c in fp8.GEMV_CONFIGS:
         jobs.append(("fp8", "_gemv_kernel", fp8_types, dict(CHUNK=128, **c.kwargs), c.num_warps))
     report = {}
@@ -87,6 +152,11 @@ def tuned_gemv_report() -> dict[str, int]:
         name = f"{module}.{kernel} " + " ".join(f"{k}={v}" for k, v in constexprs.items()) + \
             f" warps={warps}"
         report[name] = spill_bytes(compile_sm90(module, kernel, types, constexprs, warps))
+    for constexprs, warps, stages in fp8_gemv_configs():  # pipelined: their own stages
+        name = "fp8_gemv._gemv_mma_kernel " + " ".join(
+            f"{k}={v}" for k, v in constexprs.items()) + f" warps={warps} stages={stages}"
+        report[name] = spill_bytes(compile_sm90("fp8_gemv", "_gemv_mma_kernel", FP8_GEMV,
+                                                constexprs, warps, stages))
     return report
 
 
@@ -95,6 +165,12 @@ if __name__ == "__main__":
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces the JIT compiler")
     if sys.argv[1:] == ["tuned"]:  # every autotune config of the decode GEMVs
         print(json.dumps(tuned_gemv_report()))
+        sys.exit(0)
+    if sys.argv[1:] == ["kquantloop"]:
+        print(json.dumps(kquant_gemv_loop_report()))
+        sys.exit(0)
+    if sys.argv[1:] == ["fp8loop"]:
+        print(json.dumps(fp8_gemv_loop_report()))
         sys.exit(0)
     # argv: ggml type ids to compile (default: all ten)
     print(json.dumps(spill_report([int(a) for a in sys.argv[1:]] or None)))

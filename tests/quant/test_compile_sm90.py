@@ -32,7 +32,7 @@ def test_quant_kernels_compile_for_sm90_without_spills() -> None:
                             env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     spills = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(spills) == 3 * 3 + 2 + 4 + 2
+    assert len(spills) == 3 * 3 + 2 + 4 + 2 + 2  # ... fp8 GEMV + GEMM, tensor-core fp8 GEMV
     assert {name: n for name, n in spills.items() if n} == {}
 
 
@@ -44,5 +44,52 @@ def test_decode_gemv_autotune_configs_compile_for_sm90_without_spills() -> None:
                             env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     spills = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(spills) == 8 + 7 + 2 * 8 + 8  # w4a16 (+ act-order), Q4_K / Q5_K, fp8
+    from kernels import fp8, gguf_kquant_gemv, w4a16
+    from tests.quant.sm90_compile import fp8_gemv_configs
+
+    assert len(spills) == (len(w4a16.GEMV_CONFIGS) + len(w4a16.GEMV_CONFIGS_PERM)
+                           + len(gguf_kquant_gemv.GEMV_CONFIGS)
+                           + len(gguf_kquant_gemv.GEMV_CONFIGS_Q5) + len(fp8.GEMV_CONFIGS)
+                           + len(fp8_gemv_configs()))
     assert {name: n for name, n in spills.items() if n} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+def test_kquant_gemv_loop_stays_lean() -> None:
+    """The Q4_K / Q5_K GEMV's loop, every autotune config: no shared-memory round trips (Triton
+    laying x out apart from the code words again) and at most 4.5 (Q4_K) / 5.2 (Q5_K) SASS
+    instructions per weight (3.4-4.4 / 4.2-4.9 now; the tl.load kernel before them took
+    8.2-12.4 / 10.8-18.9)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.quant.sm90_compile", "kquantloop"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    from kernels import gguf_kquant_gemv
+
+    assert len(report) == len(gguf_kquant_gemv.GEMV_CONFIGS) + len(
+        gguf_kquant_gemv.GEMV_CONFIGS_Q5)
+    assert {name: r for name, r in report.items() if r["shared"]
+            or r["per_weight"] > (5.2 if "FIVE_BITS=True" in name else 4.5)} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+def test_fp8_gemv_weight_loop_stays_lean() -> None:
+    """The tensor-core fp8 GEMV's weight loop: no 2-byte shared loads (the K reorder of
+    kernels/fp8_gemv.py lost: Triton converting the fp8 tile through shared memory again) and
+    at most 2.5 (per-channel) / 3.5 (group scales) SASS instructions per weight; the CUDA-core
+    kernel takes ~7."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.quant.sm90_compile", "fp8loop"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    from kernels.fp8_gemv import FALLBACK
+
+    fallback = " ".join(f"{k}={v}" for k, v in FALLBACK.kwargs.items())
+    tuned = {name: r for name, r in report.items() if fallback not in name}
+    assert len(tuned) > 10
+    assert {name: r for name, r in tuned.items() if r["lds_u16"]
+            or r["per_weight"] > (2.5 if "PER_CHANNEL=True" in name else 3.5)} == {}

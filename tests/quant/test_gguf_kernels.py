@@ -12,7 +12,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kernels.gguf_dequant import GGUF_TYPES, dequantize_ref
+from kernels.gguf_dequant import GGUF_TYPES, Q4_K, Q5_K, dequantize_ref
+from kernels.gguf_kquant_gemv import kquant_gemv_triton
 from kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
 from tests.quant.conftest import DEVICE, rel_err
 
@@ -74,6 +75,57 @@ def test_matmul_rejects_mismatched_features() -> None:
     blocks = torch.from_numpy(random_blocks(12, 4, 1))
     with pytest.raises(ValueError, match="features"):
         gguf_matmul_triton(torch.randn(1, 128), blocks, 12)
+
+
+KQUANT_GEMV_CASES = [  # (N, blocks, M, block_n, nsb, prefetch)
+    (20, 3, 1, 8, 2, False),  # ragged rows (2.5 tiles) and blocks (1.5 steps)
+    (9, 8, 2, 4, 4, True),  # two x rows; each step's loads issued during the one before
+    (5, 5, 2, 16, 8, True),  # one partial step; most rows of the tile past N
+]
+# x as the kernel reads it: bf16 / fp16 rows as int32 pairs; bf16 rows of odd stride and fp32
+# element by element
+X_KINDS = {"bf16": (torch.bfloat16, 0, 1e-2), "bf16-stride": (torch.bfloat16, 1, 1e-2),
+           "fp16": (torch.float16, 0, 1e-3), "fp32": (torch.float32, 0, 1e-5)}
+
+
+@pytest.mark.parametrize("x_kind", list(X_KINDS))
+@pytest.mark.parametrize("case", KQUANT_GEMV_CASES,
+                         ids=[f"n{n}-b{b}-m{m}-bn{bn}-nsb{s}" for n, b, m, bn, s, _ in
+                              KQUANT_GEMV_CASES])
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K], ids=["Q4_K", "Q5_K"])
+def test_kquant_gemv_matches_gguf_dequantize(qtype: int, case: tuple, x_kind: str) -> None:
+    """kernels/gguf_kquant_gemv.py with pinned tiles (the autotuned path: the GPU test below)."""
+    n, nblocks, m, block_n, nsb, prefetch = case
+    dtype, pad, tol = X_KINDS[x_kind]
+    blocks = random_blocks(qtype, n, nblocks, seed=n)
+    w = gguf_reference(blocks, qtype).double()
+    k = nblocks * 256
+    wide = torch.randn(m, k + pad, generator=torch.Generator().manual_seed(m)).to(dtype)
+    x = wide.to(DEVICE)[:, :k]
+    out = kquant_gemv_triton(x, torch.from_numpy(blocks).to(DEVICE), qtype, block_n=block_n,
+                             nsb=nsb, prefetch=prefetch)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out.cpu(), wide[:, :k].double() @ w.T) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K], ids=["Q4_K", "Q5_K"])
+def test_gpu_kquant_gemv_every_autotune_config(qtype: int) -> None:
+    """Each tile the autotuner may pick (inline-PTX loads and codes), on ragged rows (100) and
+    blocks (9: partial steps for NSB 8 and 16)."""
+    from kernels import gguf_kquant_gemv
+
+    n, nblocks, m = 100, 9, 2
+    blocks = random_blocks(qtype, n, nblocks, seed=3)
+    x = torch.randn(m, nblocks * 256, device="cuda", dtype=torch.bfloat16)
+    ref = x.double() @ gguf_reference(blocks, qtype).double().cuda().T
+    qweight = torch.from_numpy(blocks).cuda()
+    configs = gguf_kquant_gemv.GEMV_CONFIGS if qtype == Q4_K else gguf_kquant_gemv.GEMV_CONFIGS_Q5
+    for c in configs:
+        out = kquant_gemv_triton(x, qweight, qtype, block_n=c.kwargs["BLOCK_N"],
+                                 nsb=c.kwargs["NSB"], prefetch=c.kwargs["PREFETCH"],
+                                 num_warps=c.num_warps)
+        assert rel_err(out, ref) < 1e-2, c
 
 
 @pytest.mark.gpu
