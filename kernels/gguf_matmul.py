@@ -10,6 +10,8 @@ Two kernels (three: Q4_K / Q5_K decode has its own GEMV, kernels/gguf_kquant_gem
   blocks is decoded to a [BLOCK_N, NSB * 32] tile in x's dtype and multiplied on the tensor cores
   with the matching x columns. With few output tiles (small
   M, narrow N) the K blocks are split over split_k programs that add into an fp32 buffer.
+  Q4_K / Q5_K with 16-bit x on CUDA (and under the interpreter with kernel="gemm") take the
+  k-quant GEMM of kernels/gguf_kquant_gemm.py instead (about half the instructions per weight).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kernels.gguf_dequant import (
     gguf_in_features,
     gguf_type,
 )
+from kernels.gguf_kquant_gemm import kquant_gemm_config, kquant_gemm_launch, kquant_gemm_ok
 from kernels.gguf_kquant_gemv import kquant_gemv_triton
 
 GEMV_MAX_M = 2
@@ -223,8 +226,18 @@ def gguf_matmul_triton(
             QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_N=bn, NSB=nsb, num_warps=4,
         )
         return out.reshape(*x.shape[:-1], n)
-    bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
     nblocks = k // t.qk
+    if kquant_gemm_ok(x, qweight, qtype) and (x.is_cuda or kernel == "gemm"):
+        # Q4_K / Q5_K: kernels/gguf_kquant_gemm.py (the interpreter runs it when forced)
+        bm, bn, warps = kquant_gemm_config(m)
+        bm, bn = (block_m or bm, block_n or bn) if x.is_cuda else _gemm_tiles(
+            x, m, n, block_m, block_n)
+        split_k = split_k_for(x, triton.cdiv(m, bm) * triton.cdiv(n, bn), nblocks, split_k)
+        out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1
+               else torch.empty(m, n, dtype=x.dtype, device=x.device))
+        kquant_gemm_launch(x2, qweight, qtype, out, bm, bn, split_k, warps)
+        return out.to(x.dtype).reshape(*x.shape[:-1], n)
+    bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
     nsb, warps = gemm_config(qtype)
     if not x.is_cuda:
         # tiles of at most 2**20 elements (a Triton limit)

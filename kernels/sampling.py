@@ -114,30 +114,53 @@ def _hash32(x):
 
 
 @triton.jit
-def _race_kernel(
+def _chunk_best_kernel(
     logits_ptr,  # [B, V] float logits (any float dtype), -inf for excluded tokens
-    keys_ptr,  # int64 [B] row keys (uint32 values) from row_keys_ref
-    best_val_ptr,  # fp32 [B, C] best race score of each chunk
-    best_idx_ptr,  # int64 [B, C] its token id
+    keys_ptr,  # int64 [B] row keys (uint32 values) from row_keys_ref (read with RACE only)
+    best_val_ptr,  # fp32 [B, C] each chunk's best score
+    best_idx_ptr,  # int32 [B, C] its lowest index (a token id)
     stride_l,  # row stride of logits
     vocab,
     num_chunks,  # C
+    RACE: tl.constexpr,  # score = logit + Gumbel noise of (row key, token): a sample; else argmax
     BLOCK: tl.constexpr,  # tokens per chunk
 ):
-    # Grid (B, C): each program races one chunk of one row; torch picks the best chunk after.
+    # Grid (B, C); _best_rows_kernel then picks each row's best chunk. Lanes past the
+    # vocabulary score -inf at higher indices than any real token, so a row of -inf still
+    # yields its chunk's first token.
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < vocab
-    logits = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf"))
-    key = tl.load(keys_ptr + row).to(tl.uint32)
-    bits = _hash32(key ^ (offs.to(tl.uint32) * 0x9E3779B9))
-    u = ((bits >> 8).to(tl.float32) + 0.5) / 16777216.0
-    score = logits.to(tl.float32) - tl.log(-tl.log(u))
-    score = tl.where(mask, score, float("-inf"))
-    best = tl.argmax(score, 0)
-    tl.store(best_val_ptr + row * num_chunks + chunk, tl.max(score, 0))
-    tl.store(best_idx_ptr + row * num_chunks + chunk, (chunk * BLOCK + best).to(tl.int64))
+    score = tl.load(logits_ptr + row * stride_l + offs, mask=mask,
+                    other=float("-inf")).to(tl.float32)
+    if RACE:
+        key = tl.load(keys_ptr + row).to(tl.uint32)
+        bits = _hash32(key ^ (offs.to(tl.uint32) * 0x9E3779B9))
+        u = ((bits >> 8).to(tl.float32) + 0.5) / 16777216.0
+        score = tl.where(mask, score - tl.log(-tl.log(u)), float("-inf"))
+    best, idx = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(best_val_ptr + row * num_chunks + chunk, best)
+    tl.store(best_idx_ptr + row * num_chunks + chunk, chunk * BLOCK + idx)
+
+
+def _best_per_row(logits: torch.Tensor, keys: torch.Tensor | None, block: int) -> torch.Tensor:
+    """int64 [B]: per row, the token with the best score (RACE when keys are given), the
+    lowest index on ties; two launches."""
+    batch, vocab = logits.shape
+    chunks = triton.cdiv(vocab, block)
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch == 0:
+        return out
+    best_val = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(batch, chunks, dtype=torch.int32, device=logits.device)
+    _chunk_best_kernel[(batch, chunks)](
+        logits, keys if keys is not None else best_idx, best_val, best_idx, logits.stride(0),
+        vocab, chunks, RACE=keys is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    )
+    _best_rows_kernel[(batch,)](best_val, best_idx, out, chunks,
+                                BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)
+    return out
 
 
 def sample_triton(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -147,16 +170,7 @@ def sample_triton(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     if seeds.shape != (batch,) or steps.shape != (batch,):
         raise ValueError("seeds and steps must be [B]")
     keys = row_keys_ref(seeds.long(), steps.long())
-    block = min(4096, triton.next_power_of_2(vocab))
-    chunks = triton.cdiv(vocab, block)
-    best_val = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty(batch, chunks, dtype=torch.int64, device=logits.device)
-    if batch:
-        _race_kernel[(batch, chunks)](
-            logits, keys, best_val, best_idx, logits.stride(0), vocab, chunks,
-            BLOCK=block, num_warps=8,
-        )
-    return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True))[:, 0]
+    return _best_per_row(logits, keys, min(4096, triton.next_power_of_2(vocab)))
 
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
@@ -165,29 +179,7 @@ def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _argmax_chunk_kernel(
-    logits_ptr,  # [B, V] float logits, last dim contiguous
-    best_val_ptr,  # fp32 [B, C] each chunk's maximum
-    best_idx_ptr,  # int32 [B, C] its lowest index (a token id)
-    stride_l,  # row stride of logits
-    vocab,
-    num_chunks,  # C
-    BLOCK: tl.constexpr,  # tokens per chunk
-):
-    # Grid (B, C). Lanes past the vocabulary read -inf at higher indices than any real token,
-    # so a row of -inf still yields its chunk's first token.
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    vals = tl.load(logits_ptr + row * stride_l + offs, mask=offs < vocab, other=float("-inf"))
-    best, idx = tl.max(vals.to(tl.float32), 0, return_indices=True,
-                       return_indices_tie_break_left=True)
-    tl.store(best_val_ptr + row * num_chunks + chunk, best)
-    tl.store(best_idx_ptr + row * num_chunks + chunk, chunk * BLOCK + idx)
-
-
-@triton.jit
-def _argmax_rows_kernel(
+def _best_rows_kernel(
     best_val_ptr,  # fp32 [B, C]
     best_idx_ptr,  # int32 [B, C]
     out_ptr,  # int64 [B]
@@ -210,7 +202,7 @@ def argmax_triton(logits: torch.Tensor, block: int | None = None) -> torch.Tenso
     unspecified index (torch.argmax: the first NaN's)."""
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError("logits must be a float [B, V] tensor")
-    batch, vocab = logits.shape
+    vocab = logits.shape[1]
     if not 0 < vocab < 2**31:
         raise ValueError(f"vocab {vocab} must be in [1, 2^31) (int32 token ids)")
     if logits.stride(-1) != 1:
@@ -218,16 +210,4 @@ def argmax_triton(logits: torch.Tensor, block: int | None = None) -> torch.Tenso
     block = block or min(4096, triton.next_power_of_2(vocab))
     if block & (block - 1):
         raise ValueError(f"block {block} must be a power of two")
-    chunks = triton.cdiv(vocab, block)
-    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    if batch == 0:
-        return out
-    best_val = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty(batch, chunks, dtype=torch.int32, device=logits.device)
-    _argmax_chunk_kernel[(batch, chunks)](
-        logits, best_val, best_idx, logits.stride(0), vocab, chunks, BLOCK=block,
-        num_warps=8 if block >= 2048 else 4,
-    )
-    _argmax_rows_kernel[(batch,)](best_val, best_idx, out, chunks,
-                                  BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)
-    return out
+    return _best_per_row(logits, None, block)

@@ -11,6 +11,9 @@ Codes become floats with one instruction each (_codes8: a byte permute puts a ni
 mantissa of 0.5f, giving 0.5 + code / 256; inline PTX on CUDA, an equal plain form in the
 interpreter; tests/kernels/test_inline_asm.py ties the two). A decode GEMV on sm_90 is bound by
 instruction issue, not bandwidth, unless it spends about 2-4 instructions per 4-bit weight.
+kernels/w4a16_gemv.py holds a tensor-core GEMV (opt-in, kernel="mma"): on an H100 it measured
+slower than the CUDA-core GEMV below (27-55% vs 35-61% of copy bandwidth on Llama-3-8B's
+matrices, GPTQ B1 272 vs 291 tok/s), so decode keeps this one.
 GEMV (decode-sized M on a GPU, kernels/gguf_matmul.py: use_gemv): [BLOCK_N, NCHUNK, CHUNK / 8]
 word tiles; each chunk lies in one group, so codes are dotted with x first and scale/zero applied
 per (row, chunk); x is read as bf16 pairs and converted once per thread. The tile (BLOCK_N rows,
@@ -30,6 +33,7 @@ import triton.language as tl
 
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
 from kernels.tuning import warmup_autotune
+from kernels.w4a16_gemv import MAX_M, w4_mma_ok, w4a16_gemv_mma
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -313,7 +317,9 @@ def w4a16_matmul_triton(
     block_n: int | None = None,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype (see the module docstring for the layout)."""
+    """x [..., K] -> [..., N] in x's dtype (see the module docstring for the layout). kernel:
+    None (CUDA: the GEMV for one row, the GEMM for more; the interpreter: the GEMM), or
+    "mma" (the tensor-core GEMV, M <= 2) / "gemv" / "gemm" to force one."""
     k = _check(x, qweight, scales, zeros, group_size, perm)
     n = qweight.shape[0]
     x2 = x.reshape(-1, k)
@@ -322,6 +328,12 @@ def w4a16_matmul_triton(
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
+    if kernel == "mma":
+        if m > MAX_M or not w4_mma_ok(x2, k, group_size):
+            raise ValueError(f"the tensor-core GEMV takes <= {MAX_M} 16-bit rows and groups "
+                             f"of 64k or per-channel, got M={m}, G={group_size}, {x.dtype}")
+        out = w4a16_gemv_mma(x2, qweight, scales, zeros, group_size, perm)
+        return out.reshape(*x.shape[:-1], n)
     perm_arg = perm if perm is not None else qweight  # never read without HAS_PERM
     common = dict(HAS_PERM=perm is not None)
     # one x row: the GEMV; 2+ rows share each dequantized tile in the GEMM (tensor cores)

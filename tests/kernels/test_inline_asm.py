@@ -45,3 +45,25 @@ def test_kquant_code_asm_matches_interpreter_form() -> None:
         code = (v >> np.uint32(8 * j)) & np.uint32(255)
         got = out[j].view(np.float32).astype(np.float64)
         np.testing.assert_array_equal(got, 0.5 + code.astype(np.float64) / 256)
+
+
+def test_w4a16_gemv_pair_asm_matches_interpreter_form() -> None:
+    """kernels/w4a16_gemv.py: a word -> four packed 16-bit pairs (OFFSET + code i,
+    OFFSET + code i + 4), i = 0..3, in fp16 (OFFSET 1024) and bf16 (128): the values of
+    _pair_plain, element 0 in the low half."""
+    import torch
+
+    from kernels import w4a16_gemv
+
+    rng = np.random.default_rng(2)
+    q = rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
+    q[:3] = [0, 0xFFFFFFFF, 0x76543210]
+    for asm, offset, dtype in ((w4a16_gemv._PAIRS_ASM_F16, 1024.0, torch.float16),
+                               (w4a16_gemv._PAIRS_ASM_BF16, 128.0, torch.bfloat16)):
+        out = run_ptx(asm.value, {4: q, 5: q})
+        assert sorted(out) == [0, 1, 2, 3]
+        for i in range(4):
+            halves = torch.from_numpy(out[i].view(np.int16).copy()).view(dtype).double()
+            for e in range(2):
+                code = (q >> np.uint32(4 * i + 16 * e)) & np.uint32(15)
+                np.testing.assert_array_equal(halves[e::2].numpy(), code + offset)

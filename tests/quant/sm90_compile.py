@@ -2,8 +2,9 @@
 
 Run as `python -m tests.quant.sm90_compile [ggml type ids]` without TRITON_INTERPRET; prints one
 JSON object {config: spill bytes} (every GGUF type by default). Needs no GPU (triton ships
-ptxas). Used by test_compile_sm90.py. `... sm90_compile fp8loop`: SASS instructions per weight
-in the hot loop of every tensor-core fp8 GEMV config instead.
+ptxas). Used by test_compile_sm90.py. `... sm90_compile fp8loop` / `w4loop` / `kquantgemm`:
+SASS instructions per weight in the hot loop of every tensor-core fp8 / w4a16 GEMV config / of
+the Q4_K and Q5_K GEMM instead.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ BF16_IO = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
 KQUANT_GEMV = dict(USE_ASM=True, X_WORDS=True, EVEN=True)
 FP8_GEMV = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32",
                       "lock_ptr": "*i32"}
+W4_GEMV = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32",
+                     "ws_ptr": "*fp32", "lock_ptr": "*i32"}
 
 
 def configs(qtypes: list[int] | None = None
@@ -41,6 +44,9 @@ def configs(qtypes: list[int] | None = None
                         gguf | ({"out_ptr": "*fp32"} if atomic else {}),
                         common | dict(BLOCK_M=bm, BLOCK_N=64, NSB=nsb, ATOMIC=atomic,
                                       DOT_PRECISION="tf32"), warps))
+    for qtype in (Q4_K, Q5_K):
+        if qtypes is None or qtype in qtypes:
+            out.extend(kquant_gemm_configs(qtype))
     for qtype in (Q4_K, Q5_K):
         out.append(("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
                     KQUANT_GEMV | dict(FIVE_BITS=qtype == Q5_K,
@@ -61,6 +67,35 @@ def configs(qtypes: list[int] | None = None
         out.append(("fp8_gemv", "_gemv_mma_kernel", FP8_GEMV, constexprs, warps))
     return out
 
+
+
+def kquant_gemm_configs(qtype: int
+                        ) -> list[tuple[str, str, dict[str, str], dict[str, Any], int]]:
+    """The Q4_K / Q5_K GEMM (kernels/gguf_kquant_gemm.py) with the tiles of kquant_gemm_config:
+    a few rows with split-K (fp32 atomics) and prefill."""
+    from kernels.gguf_kquant_gemm import kquant_gemm_config
+
+    out = []
+    for m, atomic in ((16, True), (512, False)):
+        bm, bn, warps = kquant_gemm_config(m)
+        types = BF16_IO | {"w_ptr": "*u8"} | ({"out_ptr": "*fp32"} if atomic else {})
+        out.append(("gguf_kquant_gemm", "_kquant_gemm_kernel", types,
+                    dict(FIVE_BITS=qtype == Q5_K, TYPE_SIZE=GGUF_TYPES[qtype].type_size,
+                         USE_ASM=True, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic,
+                         DOT_PRECISION="tf32"), warps))
+    return out
+
+
+def kquant_gemm_loop_report() -> dict[str, float]:
+    """{config: SASS instructions per weight in the Q4_K / Q5_K GEMM's loop}: the loop's
+    instructions / the weights one thread decodes per step (BLOCK_N * 256 / threads)."""
+    report = {}
+    for qtype in (Q4_K, Q5_K):
+        for module, kernel, types, constexprs, warps in kquant_gemm_configs(qtype):
+            body = hot_loop(sass_sm90(module, kernel, types, constexprs, warps), containing="PRMT")
+            name = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" w{warps}"
+            report[name] = round(len(body) / (constexprs["BLOCK_N"] * 256 / (32 * warps)), 3)
+    return report
 
 
 def fp8_gemv_configs(tuned: bool = True) -> list[tuple[dict[str, Any], int, int]]:
@@ -90,6 +125,38 @@ def fp8_gemv_loop_report() -> dict[str, dict[str, float]]:
         name = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" w{warps} s{stages}"
         report[name] = {"per_weight": round(len(body) / per_thread, 3),
                         "lds_u16": sum("LDS.U16" in t for t in body)}
+    return report
+
+
+def w4_gemv_configs() -> list[tuple[dict[str, Any], int, int]]:
+    """(constexprs, warps, stages) of the tensor-core w4a16 GEMV: every autotune config and the
+    fallback tile with M = 2 bf16 rows, groups of 128 with and without act-order perm (where
+    BLOCK_K divides 128) and per-channel scales (K = 4096)."""
+    from kernels import w4a16_gemv
+
+    out = []
+    for c in [*w4a16_gemv.CONFIGS, w4a16_gemv.FALLBACK]:
+        cases = [(4096, False)] + [(128, perm) for perm in (False, True)
+                                   if 128 % c.kwargs["BLOCK_K"] == 0]
+        for group, perm in cases:
+            out.append((dict(GROUP=group, BLOCK_M=2, HAS_PERM=perm, USE_ASM=True,
+                             PER_CHANNEL=group == 4096, EVEN_K=True, **c.kwargs),
+                        c.num_warps, c.num_stages))
+    return out
+
+
+def w4_gemv_loop_report() -> dict[str, dict[str, float]]:
+    """{config: instructions per weight in the weight loop (the one with the wgmma), its
+    LOP3s per weight, its barriers}: the loop's instructions / (BLOCK_N * BLOCK_K / threads)."""
+    report = {}
+    for constexprs, warps, stages in w4_gemv_configs():
+        body = hot_loop(sass_sm90("w4a16_gemv", "_w4_gemv_mma_kernel", W4_GEMV, constexprs,
+                                  warps, stages), containing="HGMMA")
+        per_thread = constexprs["BLOCK_N"] * constexprs["BLOCK_K"] / (32 * warps)
+        name = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" w{warps} s{stages}"
+        report[name] = {"per_weight": round(len(body) / per_thread, 3),
+                        "lop3": round(sum(t.startswith("LOP3") for t in body) / per_thread, 3),
+                        "bar": sum(t.startswith("BAR") for t in body)}
     return report
 
 
@@ -126,7 +193,8 @@ def spill_report(qtypes: list[int] | None = None) -> dict[str, int]:
 
 
 def tuned_gemv_report() -> dict[str, int]:
-    """Spill bytes of every autotune config of the decode GEMVs (w4a16, Q4_K/Q5_K, fp8)."""
+    """Spill bytes of every autotune config of the decode GEMVs (w4a16 CUDA-core and tensor-core,
+    Q4_K/Q5_K, fp8 CUDA-core and tensor-core)."""
     from kernels import fp8, gguf_kquant_gemv, w4a16
 
     gguf = BF16_IO | {"w_ptr": "*u8", "w16_ptr": "*fp16"}
@@ -152,6 +220,11 @@ def tuned_gemv_report() -> dict[str, int]:
         name = f"{module}.{kernel} " + " ".join(f"{k}={v}" for k, v in constexprs.items()) + \
             f" warps={warps}"
         report[name] = spill_bytes(compile_sm90(module, kernel, types, constexprs, warps))
+    for constexprs, warps, stages in w4_gemv_configs():
+        name = "w4a16_gemv._w4_gemv_mma_kernel " + " ".join(
+            f"{k}={v}" for k, v in constexprs.items()) + f" warps={warps} stages={stages}"
+        report[name] = spill_bytes(compile_sm90("w4a16_gemv", "_w4_gemv_mma_kernel", W4_GEMV,
+                                                constexprs, warps, stages))
     for constexprs, warps, stages in fp8_gemv_configs():  # pipelined: their own stages
         name = "fp8_gemv._gemv_mma_kernel " + " ".join(
             f"{k}={v}" for k, v in constexprs.items()) + f" warps={warps} stages={stages}"
@@ -168,6 +241,12 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1:] == ["kquantloop"]:
         print(json.dumps(kquant_gemv_loop_report()))
+        sys.exit(0)
+    if sys.argv[1:] == ["w4loop"]:
+        print(json.dumps(w4_gemv_loop_report()))
+        sys.exit(0)
+    if sys.argv[1:] == ["kquantgemm"]:
+        print(json.dumps(kquant_gemm_loop_report()))
         sys.exit(0)
     if sys.argv[1:] == ["fp8loop"]:
         print(json.dumps(fp8_gemv_loop_report()))

@@ -108,6 +108,54 @@ def test_kquant_gemv_matches_gguf_dequantize(qtype: int, case: tuple, x_kind: st
     assert rel_err(out.cpu(), wide[:, :k].double() @ w.T) < tol
 
 
+KQUANT_GEMM_CASES = [  # (M, N, blocks, launcher overrides)
+    (3, 37, 1, {}),  # one program: every row and column in one tile
+    (16, 20, 3, {"block_m": 16, "block_n": 16}),  # N = 1.25 tiles
+    (40, 50, 5, {"block_m": 32, "block_n": 32, "split_k": 2}),  # ragged M, split K
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("case", KQUANT_GEMM_CASES,
+                         ids=[f"m{m}-n{n}-b{b}" for m, n, b, _ in KQUANT_GEMM_CASES])
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K], ids=["Q4_K", "Q5_K"])
+def test_kquant_gemm_matches_gguf_dequantize(qtype: int, case: tuple, dtype: torch.dtype,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels/gguf_kquant_gemm.py (forced under the interpreter by kernel="gemm") against
+    gguf.quants' dequantize, then a float64 matmul."""
+    import sys
+
+    matmul = sys.modules["kernels.gguf_matmul"]
+    launches = []
+    launch = matmul.kquant_gemm_launch
+    monkeypatch.setattr(matmul, "kquant_gemm_launch",
+                        lambda *a, **k: launches.append(a[4:7]) or launch(*a, **k))
+    m, n, nblocks, overrides = case
+    blocks = random_blocks(qtype, n, nblocks, seed=m)
+    w = gguf_reference(blocks, qtype).double()
+    x = torch.randn(m, nblocks * 256, generator=torch.Generator().manual_seed(n)).to(dtype)
+    out = gguf_matmul_triton(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), qtype,
+                             kernel="gemm", **overrides)
+    assert len(launches) == 1  # the k-quant GEMM ran, not the generic one
+    assert out.shape == (m, n) and out.dtype == dtype
+    tol = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}[dtype]
+    assert rel_err(out.cpu(), x.double() @ w.T) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [3, 16, 64, 300])
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K], ids=["Q4_K", "Q5_K"])
+def test_gpu_kquant_gemm_llama3_shapes(qtype: int, m: int) -> None:
+    """The default (CUDA) path for M > GEMV_MAX_M at Llama-3-8B's projections: qkv, o,
+    gate_up, down (K = 14336)."""
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        qweight = torch.from_numpy(random_blocks(qtype, n, k // 256, seed=n)).cuda()
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ dequantize_ref(qweight, qtype).double().T
+        assert rel_err(gguf_matmul_triton(x, qweight, qtype), ref) < 1e-2, (n, k)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", [Q4_K, Q5_K], ids=["Q4_K", "Q5_K"])
 def test_gpu_kquant_gemv_every_autotune_config(qtype: int) -> None:
