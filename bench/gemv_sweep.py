@@ -102,8 +102,8 @@ def best_config(fmt: str, m: int) -> str | None:
         from kernels.gemv import _gemv_tuned
     elif fmt in ("fp8", "fp8g128") and m <= 2:  # the tensor-core fp8 GEMV
         from kernels.fp8_gemv import _gemv_tuned
-    elif fmt == "w4a16" and m <= 2:  # the tensor-core w4a16 GEMV
-        from kernels.w4a16_gemv import _gemv_tuned
+    elif fmt == "w4a16" and m == 1:  # the CUDA-core w4a16 GEMV
+        from kernels.w4a16 import _gemv_tuned
     elif fmt in ("q4k", "q5k") and m <= 2:  # kernels/gguf_kquant_gemv.py
         from kernels import gguf_kquant_gemv
 

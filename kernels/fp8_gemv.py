@@ -252,8 +252,14 @@ _locks: dict[torch.device, torch.Tensor] = {}
 
 
 def _lock_buffer(device: torch.device) -> torch.Tensor:
-    """Zeroed split-K counters of a device (every launch leaves them at 0)."""
+    """Zeroed split-K counters of a device (every launch leaves them at 0). One buffer per
+    device: launches must not overlap on two streams (the engine runs one stream a device).
+    It must be created eagerly (the engine warms every shape up before capturing graphs): a
+    zero-fill recorded inside a capture would not run before eager launches."""
     if device not in _locks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8 GEMV split-K counters first used inside a CUDA-graph "
+                               "capture: run the shape eagerly first")
         _locks[device] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
     return _locks[device]
 

@@ -162,14 +162,6 @@ def dequantize_ref(qweight: torch.Tensor, qtype: int, rows_per_chunk: int = 4096
 
 
 @triton.jit
-def u4_to_f32(v):
-    """Small non-negative ints (int32, < 2**23; codes 0..31 here) to float32 without an
-    int-to-float conversion (a quarter-rate instruction that bounds 4-bit GEMVs): the float
-    2**23 + v holds v in its mantissa bits."""
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _u8(ptr, off, mask):
     """Bytes at ptr + off as int32 (0 where masked)."""
     return tl.load(ptr + off, mask=mask, other=0).to(tl.int32)

@@ -3,8 +3,8 @@ kept quantized (block layout: kernels/gguf_kquant_gemv.py).
 
 Each loop step decodes one super-block of BLOCK_N rows into a [BLOCK_N, 256] tile in x's dtype
 and multiplies it with x on the tensor cores (wgmma at BLOCK_M 64). The decode costs per weight
-one PRMT (a code byte put into byte 2 of 0.5f is 0.5 + code / 256: _codes4 of the GEMV), one FMA
-and half a conversion: with f = 0.5 + q / 256,
+one PRMT (a code byte put into byte 2 of 0.5f is 0.5 + code / 256: kernels/code_floats.py),
+one FMA and half a conversion: with f = 0.5 + q / 256,
 
     w = d * sc * q - dmin * mn = f * (256 d sc) - (128 d sc + dmin mn)
 
@@ -19,16 +19,13 @@ SASS per weight in the loop (tests/quant/sm90_compile.py kquantgemm): 4.7-4.9 (Q
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.code_floats import INTERPRET, codes4
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
-from kernels.gguf_kquant_gemv import _codes4, _f16_low
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from kernels.gguf_kquant_gemv import _f16_low
 
 
 @triton.jit
@@ -43,8 +40,8 @@ def _weights(q, qh, p: tl.constexpr, a_lo, b_lo, a_hi, b_hi, FIVE_BITS: tl.const
         r = qh >> (2 * p)
         lo = lo | ((r << 4) & 0x10101010)
         hi = hi | ((r << 3) & 0x10101010)
-    l0, l1, l2, l3 = _codes4(lo, USE_ASM)
-    h0, h1, h2, h3 = _codes4(hi, USE_ASM)
+    l0, l1, l2, l3 = codes4(lo, USE_ASM)
+    h0, h1, h2, h3 = codes4(hi, USE_ASM)
     w_lo = tl.join(tl.join((l0 * a_lo - b_lo).to(dt), (l2 * a_lo - b_lo).to(dt)),
                    tl.join((l1 * a_lo - b_lo).to(dt), (l3 * a_lo - b_lo).to(dt)))
     w_hi = tl.join(tl.join((h0 * a_hi - b_hi).to(dt), (h2 * a_hi - b_hi).to(dt)),
@@ -101,10 +98,10 @@ def _kquant_gemm_kernel(
         dmin = _f16_low(dd >> 16)
         # 6-bit scales / mins of sub-blocks 0-3 and 4-7 as bytes, then 0.5 + byte / 256 floats:
         # A = 256 d sc = 65536 d f - 32768 d, B = 128 d sc + dmin mn, exact up to 2^-10 d
-        sc_a, sc_b, sc_c, sc_d = _codes4(s0 & 0x3F3F3F3F, USE_ASM)
-        sc_e, sc_f, sc_g, sc_h = _codes4((s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030), USE_ASM)
-        mn_a, mn_b, mn_c, mn_d = _codes4(s1 & 0x3F3F3F3F, USE_ASM)
-        mn_e, mn_f, mn_g, mn_h = _codes4(((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030),
+        sc_a, sc_b, sc_c, sc_d = codes4(s0 & 0x3F3F3F3F, USE_ASM)
+        sc_e, sc_f, sc_g, sc_h = codes4((s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030), USE_ASM)
+        mn_a, mn_b, mn_c, mn_d = codes4(s1 & 0x3F3F3F3F, USE_ASM)
+        mn_e, mn_f, mn_g, mn_h = codes4(((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030),
                                          USE_ASM)
         da = 65536.0 * d
         db = 32768.0 * d
@@ -183,7 +180,7 @@ def kquant_gemm_launch(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out: 
     _kquant_gemm_kernel[grid](
         x, qweight, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), split_k,
         FIVE_BITS=int(qtype) == Q5_K, TYPE_SIZE=t.type_size,
-        USE_ASM=x.is_cuda and not _INTERPRET, BLOCK_M=block_m, BLOCK_N=block_n,
+        USE_ASM=x.is_cuda and not INTERPRET, BLOCK_M=block_m, BLOCK_N=block_n,
         ATOMIC=split_k > 1,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=2,

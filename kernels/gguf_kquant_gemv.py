@@ -28,47 +28,16 @@ per (N, K) and type on CUDA.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.code_floats import INTERPRET, bf16_pair, codes4
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
 from kernels.tuning import warmup_autotune
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-# One int32 word of four code bytes (each < 128) -> 4 float32: byte j goes to byte 2 of 0.5f
-# (0x3F000000: exponent byte 0x3F, the byte lands in mantissa bits 16..22), 0.5 + byte / 256.
-_CODES_ASM = tl.constexpr("""
-{
-.reg .b32 mg;
-mov.b32 mg, 0x3F000000;
-prmt.b32 $0, $4, mg, 0x7044;
-prmt.b32 $1, $4, mg, 0x7144;
-prmt.b32 $2, $4, mg, 0x7244;
-prmt.b32 $3, $4, mg, 0x7344;
-}
-""")
 _LOAD16_ASM = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
 _ROTL_ASM = tl.constexpr("shf.l.wrap.b32 $0, $1, $1, $2;")
-
-
-@triton.jit
-def _half_plus(v, j: tl.constexpr):
-    """Byte j of each word as float32 0.5 + byte / 256 (the interpreter's form of the asm)."""
-    return ((((v >> (8 * j)) & 255) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _codes4(v, USE_ASM: tl.constexpr):
-    if USE_ASM:
-        c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            _CODES_ASM, "=r,=r,=r,=r,r", [v], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    else:
-        c0, c1, c2, c3 = _half_plus(v, 0), _half_plus(v, 1), _half_plus(v, 2), _half_plus(v, 3)
-    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -90,12 +59,6 @@ def _f16_low(w):
 
 
 @triton.jit
-def _bf16_pair(w):
-    """int32 holding two bf16 -> (low, high) as float32: a shift and a mask, no conversion."""
-    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _f16_pair(w):
     """int32 holding two f16 -> (low, high) as float32."""
     return _f16_low(w), _f16_low(w >> 16)
@@ -113,10 +76,10 @@ def _x8(x_row, off, X_WORDS: tl.constexpr, USE_ASM: tl.constexpr):
             x4, x5 = _f16_pair(w2)
             x6, x7 = _f16_pair(w3)
         else:
-            x0, x1 = _bf16_pair(w0)
-            x2, x3 = _bf16_pair(w1)
-            x4, x5 = _bf16_pair(w2)
-            x6, x7 = _bf16_pair(w3)
+            x0, x1 = bf16_pair(w0)
+            x2, x3 = bf16_pair(w1)
+            x4, x5 = bf16_pair(w2)
+            x6, x7 = bf16_pair(w3)
     else:
         k = x_row + 2 * off
         x0, x1 = tl.load(k).to(tl.float32), tl.load(k + 1).to(tl.float32)
@@ -149,8 +112,8 @@ def _dot_word(d_lo, d_hi, q, qh, p, FIVE_BITS: tl.constexpr, USE_ASM: tl.constex
         r = _fifth_bits(qh, p, USE_ASM)
         lo = lo | (r & 0x10101010)
         hi = hi | ((r >> 1) & 0x10101010)
-    a0, a1, a2, a3 = _codes4(lo, USE_ASM)
-    b0, b1, b2, b3 = _codes4(hi, USE_ASM)
+    a0, a1, a2, a3 = codes4(lo, USE_ASM)
+    b0, b1, b2, b3 = codes4(hi, USE_ASM)
     d_lo = d_lo + a0 * l0 + a1 * l1 + a2 * l2 + a3 * l3
     d_hi = d_hi + b0 * h0 + b1 * h1 + b2 * h2 + b3 * h3
     return d_lo, d_hi
@@ -190,6 +153,26 @@ def _load_step(w_rows, kb, nblocks, blocks, p, TW: tl.constexpr, QS: tl.constexp
         h0, h1, h2, h3, h4, h5, h6, h7 = q0, q0, q0, q0, q0, q0, q0, q0  # unused
     dd, s0, s1, s2 = _load16(blk, USE_ASM)
     return q0, q1, q2, q3, q4, q5, q6, q7, h0, h1, h2, h3, h4, h5, h6, h7, dd, s0, s1, s2
+
+
+@triton.jit
+def _word_pair(d_lo, d_hi, s_lo, s_hi, x_row, xo, qa, ha, qb, hb, p, FIVE_BITS: tl.constexpr,
+               X_WORDS: tl.constexpr, USE_ASM: tl.constexpr, FIRST: tl.constexpr = False):
+    """Two code words of run p (8 weights of sub-block 2p, 8 of 2p + 1) against their x (bf16
+    pairs at xo and xo + 16): the dots and the x sums, accumulated."""
+    l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo, X_WORDS, USE_ASM)
+    g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 16, X_WORDS, USE_ASM)
+    if FIRST:  # s_lo / s_hi come in unset
+        s_lo = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+        s_hi = ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
+    else:
+        s_lo += ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+        s_hi += ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
+    d_lo, d_hi = _dot_word(d_lo, d_hi, qa, ha, p, FIVE_BITS, USE_ASM,
+                           l0, l1, l2, l3, g0, g1, g2, g3)
+    d_lo, d_hi = _dot_word(d_lo, d_hi, qb, hb, p, FIVE_BITS, USE_ASM,
+                           l4, l5, l6, l7, g4, g5, g6, g7)
+    return d_lo, d_hi, s_lo, s_hi
 
 
 @triton.jit
@@ -245,38 +228,14 @@ def _kquant_gemv_kernel(
         xo = bidx * 128 + 32 * p  # [1, NSB, 4]
         d_lo = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
         d_hi = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo, X_WORDS, USE_ASM)
-        g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 16, X_WORDS, USE_ASM)
-        s_lo = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
-        s_hi = ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
-        d_lo, d_hi = _dot_word(d_lo, d_hi, q0, h0, p, FIVE_BITS, USE_ASM,
-                               l0, l1, l2, l3, g0, g1, g2, g3)
-        d_lo, d_hi = _dot_word(d_lo, d_hi, q1, h1, p, FIVE_BITS, USE_ASM,
-                               l4, l5, l6, l7, g4, g5, g6, g7)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo + 4, X_WORDS, USE_ASM)
-        g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 20, X_WORDS, USE_ASM)
-        s_lo += ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
-        s_hi += ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
-        d_lo, d_hi = _dot_word(d_lo, d_hi, q2, h2, p, FIVE_BITS, USE_ASM,
-                               l0, l1, l2, l3, g0, g1, g2, g3)
-        d_lo, d_hi = _dot_word(d_lo, d_hi, q3, h3, p, FIVE_BITS, USE_ASM,
-                               l4, l5, l6, l7, g4, g5, g6, g7)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo + 8, X_WORDS, USE_ASM)
-        g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 24, X_WORDS, USE_ASM)
-        s_lo += ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
-        s_hi += ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
-        d_lo, d_hi = _dot_word(d_lo, d_hi, q4, h4, p, FIVE_BITS, USE_ASM,
-                               l0, l1, l2, l3, g0, g1, g2, g3)
-        d_lo, d_hi = _dot_word(d_lo, d_hi, q5, h5, p, FIVE_BITS, USE_ASM,
-                               l4, l5, l6, l7, g4, g5, g6, g7)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo + 12, X_WORDS, USE_ASM)
-        g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 28, X_WORDS, USE_ASM)
-        s_lo += ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
-        s_hi += ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
-        d_lo, d_hi = _dot_word(d_lo, d_hi, q6, h6, p, FIVE_BITS, USE_ASM,
-                               l0, l1, l2, l3, g0, g1, g2, g3)
-        d_lo, d_hi = _dot_word(d_lo, d_hi, q7, h7, p, FIVE_BITS, USE_ASM,
-                               l4, l5, l6, l7, g4, g5, g6, g7)
+        d_lo, d_hi, s_lo, s_hi = _word_pair(d_lo, d_hi, 0.0, 0.0, x_row, xo, q0, h0, q1, h1, p,
+                                            FIVE_BITS, X_WORDS, USE_ASM, True)
+        d_lo, d_hi, s_lo, s_hi = _word_pair(d_lo, d_hi, s_lo, s_hi, x_row, xo + 4, q2, h2, q3,
+                                            h3, p, FIVE_BITS, X_WORDS, USE_ASM)
+        d_lo, d_hi, s_lo, s_hi = _word_pair(d_lo, d_hi, s_lo, s_hi, x_row, xo + 8, q4, h4, q5,
+                                            h5, p, FIVE_BITS, X_WORDS, USE_ASM)
+        d_lo, d_hi, s_lo, s_hi = _word_pair(d_lo, d_hi, s_lo, s_hi, x_row, xo + 12, q6, h6, q7,
+                                            h7, p, FIVE_BITS, X_WORDS, USE_ASM)
         d = _f16_low(dd)
         dmin = _f16_low(dd >> 16)
         if not EVEN:
@@ -321,7 +280,7 @@ def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
         raise ValueError(f"x must be [M, {k}] with unit stride along K")
     if qweight.dtype != torch.uint8 or qweight.stride(1) != 1 or qweight.stride(0) % 4:
         raise ValueError("qweight must be uint8 [N, row_bytes] with contiguous rows")
-    use_asm = x.is_cuda and not _INTERPRET
+    use_asm = x.is_cuda and not INTERPRET
     if use_asm and (qweight.stride(0) % 16 or qweight.data_ptr() % 16):
         raise ValueError("qweight rows must be 16-byte aligned (16-byte loads)")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)

@@ -12,7 +12,7 @@ Rules:
 - Kernels never build a dequantized copy of the cache: the decode (and small prefill) tiles
   multiply the raw scores q.k by the key scales and the softmax weights by the value scales
   (exact algebra: q.(s k) = s (q.k), sum p (s v) = sum (p s) v); the prefill's wgmma tiles scale
-  each K / V row in registers as they widen it for the 16-bit dots (prefill_attention.attend_tile).
+  each K / V row in registers as they widen it for the 16-bit dots (attention_tile.attend_tile).
 """
 
 from __future__ import annotations

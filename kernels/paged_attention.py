@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import attend_tile
 from kernels.kv_quant import KVScales, dequantize_kv_ref
 from kernels.prefill_attention import (
     attend_ref,
-    attend_tile,
     check_attention_args,
     new_output,
     prefill_attention_ref,

@@ -7,13 +7,13 @@ Layout (both formats are repacked into it at load time, services/engine/quant/w4
 - perm int32 [K] or None (GPTQ act-order): the checkpoint's K order was sorted by group at load
   time, so kernel position k multiplies x[perm[k]].
 
-Codes become floats with one instruction each (_codes8: a byte permute puts a nibble into the
-mantissa of 0.5f, giving 0.5 + code / 256; inline PTX on CUDA, an equal plain form in the
-interpreter; tests/kernels/test_inline_asm.py ties the two). A decode GEMV on sm_90 is bound by
-instruction issue, not bandwidth, unless it spends about 2-4 instructions per 4-bit weight.
-kernels/w4a16_gemv.py holds a tensor-core GEMV (opt-in, kernel="mma"): on an H100 it measured
-slower than the CUDA-core GEMV below (27-55% vs 35-61% of copy bandwidth on Llama-3-8B's
-matrices, GPTQ B1 272 vs 291 tok/s), so decode keeps this one.
+Codes become floats with one instruction each (_codes8 via kernels/code_floats.py: a byte
+permute puts a nibble into the mantissa of 0.5f, giving 0.5 + code / 256). A decode GEMV on
+sm_90 is bound by instruction issue, not bandwidth, unless it spends about 2-4 instructions per
+4-bit weight.
+A tensor-core GEMV (fp8_gemv.py's structure, 1.6-2.0 instructions per weight) measured slower
+than the CUDA-core GEMV below on an H100 (27-55% vs 35-61% of copy bandwidth on Llama-3-8B's
+matrices, GPTQ B1 272 vs 291 tok/s) and was removed (git history: f7768a7, kernels/w4a16_gemv.py).
 GEMV (decode-sized M on a GPU, kernels/gguf_matmul.py: use_gemv): [BLOCK_N, NCHUNK, CHUNK / 8]
 word tiles; each chunk lies in one group, so codes are dotted with x first and scale/zero applied
 per (row, chunk); x is read as bf16 pairs and converted once per thread. The tile (BLOCK_N rows,
@@ -24,18 +24,14 @@ GEMM: per step of BLOCK_K (dividing the group) weights, codes are scaled with on
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.code_floats import INTERPRET, bf16_pair, codes4
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
 from kernels.tuning import warmup_autotune
-from kernels.w4a16_gemv import MAX_M, w4_mma_ok, w4a16_gemv_mma
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -68,44 +64,12 @@ def w4a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return F.linear(x if perm is None else x[..., perm], w)
 
 
-# One int32 word of 8 codes -> 8 float32 (0.5 + code / 256), one PRMT per code: the low and
-# high nibbles of every byte are masked out once per word, then each nibble-byte is placed in
-# byte 2 of 0.5f (0x3F000000: exponent byte 0x3F, mantissa bits 16..19 = the code).
-_NIBBLES_ASM = tl.constexpr("""
-{
-.reg .b32 lo, hi, mg;
-mov.b32 mg, 0x3F000000;
-and.b32 lo, $8, 0x0F0F0F0F;
-shr.u32 hi, $8, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, mg, 0x7044;
-prmt.b32 $1, hi, mg, 0x7044;
-prmt.b32 $2, lo, mg, 0x7144;
-prmt.b32 $3, hi, mg, 0x7144;
-prmt.b32 $4, lo, mg, 0x7244;
-prmt.b32 $5, hi, mg, 0x7244;
-prmt.b32 $6, lo, mg, 0x7344;
-prmt.b32 $7, hi, mg, 0x7344;
-}
-""")
-
-
-@triton.jit
-def _half_plus(q, j: tl.constexpr):
-    """Code j of each word as float32 0.5 + code / 256 (the interpreter's form of the asm)."""
-    return ((((q >> (4 * j)) & 15) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _codes8(q, USE_ASM: tl.constexpr):
-    """int32 words -> 8 tensors of their shape, code j as 0.5 + code / 256."""
-    if USE_ASM:
-        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-            _NIBBLES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [q], dtype=(tl.float32,) * 8,
-            is_pure=True, pack=1)
-    else:
-        c0, c1, c2, c3 = _half_plus(q, 0), _half_plus(q, 1), _half_plus(q, 2), _half_plus(q, 3)
-        c4, c5, c6, c7 = _half_plus(q, 4), _half_plus(q, 5), _half_plus(q, 6), _half_plus(q, 7)
+    """int32 words -> 8 tensors of their shape, code j as 0.5 + code / 256: the low and the
+    high nibbles of every byte are masked out once per word, then one PRMT a code."""
+    c0, c2, c4, c6 = codes4(q & 0x0F0F0F0F, USE_ASM)
+    c1, c3, c5, c7 = codes4((q >> 4) & 0x0F0F0F0F, USE_ASM)
     return c0, c1, c2, c3, c4, c5, c6, c7
 
 
@@ -123,27 +87,22 @@ def _split8(v, NCHUNK: tl.constexpr, CW: tl.constexpr):
 
 
 @triton.jit
-def _bf16_pair(w):
-    """int32 holding two bf16 -> (low, high) as float32: a shift and a mask, no conversion."""
-    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _x8(x_row, perm_ptr, words, c_ok, HAS_PERM: tl.constexpr, X_BF16: tl.constexpr,
+def _x8(x_row, perm_ptr, words, c_ok, HAS_PERM: tl.constexpr, X_PAIRS: tl.constexpr,
         NCHUNK: tl.constexpr, CW: tl.constexpr):
-    """x at k = 8 * word + j as 8 float32 tensors [NCHUNK, CW]. bf16 rows are read as int32
-    words holding bf16 pairs (one 16-byte vector per 8 weights), converted once per thread."""
-    if X_BF16 and not HAS_PERM:
+    """x at k = 8 * word + j as 8 float32 tensors [NCHUNK, CW]. X_PAIRS (bf16 rows starting at
+    4-byte boundaries): read as int32 words holding bf16 pairs (one 16-byte vector per 8
+    weights), converted once per thread; else gathered element by element."""
+    if X_PAIRS and not HAS_PERM:
         xw = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
         v = tl.load(xw + words[:, :, None] * 4 + tl.arange(0, 4)[None, None, :],
                     mask=c_ok[:, None, None], other=0)
         p02, p13 = tl.split(tl.reshape(v, [NCHUNK, CW, 2, 2]))
         p0, p2 = tl.split(p02)
         p1, p3 = tl.split(p13)
-        x0, x1 = _bf16_pair(p0)
-        x2, x3 = _bf16_pair(p1)
-        x4, x5 = _bf16_pair(p2)
-        x6, x7 = _bf16_pair(p3)
+        x0, x1 = bf16_pair(p0)
+        x2, x3 = bf16_pair(p1)
+        x4, x5 = bf16_pair(p2)
+        x6, x7 = bf16_pair(p3)
     else:
         k = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
         if HAS_PERM:
@@ -161,6 +120,7 @@ def _gemv_kernel(
     group_size,
     HAS_PERM: tl.constexpr,
     USE_ASM: tl.constexpr,  # CUDA: codes to floats by inline PTX (the interpreter runs no asm)
+    X_PAIRS: tl.constexpr,  # bf16 x rows 4-byte aligned: read as int32 words of bf16 pairs
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,  # weights per chunk; a power of two dividing the group size
     STEP: tl.constexpr,  # weights per row and loop step (a multiple of CHUNK)
@@ -173,7 +133,6 @@ def _gemv_kernel(
     sm_90 (the previous kernel: 8.7), which is what bounds a 4-bit GEMV there."""
     NCHUNK: tl.constexpr = STEP // CHUNK
     CW: tl.constexpr = CHUNK // 8
-    X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -198,7 +157,7 @@ def _gemv_kernel(
                          mask=row_ok[:, None, None] & (c + NCHUNK < nchunks)[None, :, None],
                          other=0)
         f0, f1, f2, f3, f4, f5, f6, f7 = _codes8(q, USE_ASM)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_row, perm_ptr, words, c_ok, HAS_PERM, X_BF16,
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_row, perm_ptr, words, c_ok, HAS_PERM, X_PAIRS,
                                              NCHUNK, CW)
         d = f0 * x0[None] + f1 * x1[None] + f2 * x2[None] + f3 * x3[None] \
             + f4 * x4[None] + f5 * x5[None] + f6 * x6[None] + f7 * x7[None]
@@ -219,9 +178,8 @@ GEMV_CONFIGS = [
     for bn, step, w in ((16, 1024, 4), (8, 2048, 4), (16, 512, 2), (8, 1024, 2), (16, 2048, 8),
                         (32, 512, 4), (8, 1024, 4), (4, 2048, 4))
 ]
-GEMV_CONFIGS_PERM = GEMV_CONFIGS
 _gemv_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size"])(_gemv_kernel)
-_gemv_tuned_perm = warmup_autotune(GEMV_CONFIGS_PERM, ["N", "K", "group_size"])(_gemv_kernel)
+_gemv_tuned_perm = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size"])(_gemv_kernel)
 
 
 @triton.jit
@@ -319,7 +277,7 @@ def w4a16_matmul_triton(
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype (see the module docstring for the layout). kernel:
     None (CUDA: the GEMV for one row, the GEMM for more; the interpreter: the GEMM), or
-    "mma" (the tensor-core GEMV, M <= 2) / "gemv" / "gemm" to force one."""
+    "gemv" / "gemm" to force one."""
     k = _check(x, qweight, scales, zeros, group_size, perm)
     n = qweight.shape[0]
     x2 = x.reshape(-1, k)
@@ -328,14 +286,11 @@ def w4a16_matmul_triton(
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
-    if kernel == "mma":
-        if m > MAX_M or not w4_mma_ok(x2, k, group_size):
-            raise ValueError(f"the tensor-core GEMV takes <= {MAX_M} 16-bit rows and groups "
-                             f"of 64k or per-channel, got M={m}, G={group_size}, {x.dtype}")
-        out = w4a16_gemv_mma(x2, qweight, scales, zeros, group_size, perm)
-        return out.reshape(*x.shape[:-1], n)
     perm_arg = perm if perm is not None else qweight  # never read without HAS_PERM
     common = dict(HAS_PERM=perm is not None)
+    # bf16 pairs as int32 words need 4-byte-aligned rows (a view may start at an odd element)
+    pairs = (x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0
+             and (m == 1 or x2.stride(0) % 2 == 0))
     # one x row: the GEMV; 2+ rows share each dequantized tile in the GEMM (tensor cores)
     if use_gemv(x, m, kernel) and (m == 1 or kernel == "gemv"):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -344,17 +299,19 @@ def w4a16_matmul_triton(
                 qweight.stride(0), scales.stride(0), out.stride(0), group_size)
         if x.is_cuda and block_n is None:  # autotuned (before any CUDA-graph capture)
             tuned = _gemv_tuned if perm is None else _gemv_tuned_perm
-            tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](*args, CHUNK=chunk,
-                                                              USE_ASM=not _INTERPRET,
-                                                              **common)
+            tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](
+                *args, CHUNK=chunk, USE_ASM=not INTERPRET, X_PAIRS=pairs, **common)
         else:
             bn = block_n or (8 if perm is None else 4)
             _gemv_kernel[(triton.cdiv(n, bn), m)](
                 *args, BLOCK_N=bn, CHUNK=chunk, STEP=max(chunk, 1024), num_warps=4,
-                USE_ASM=x.is_cuda and not _INTERPRET, **common)
+                USE_ASM=x.is_cuda and not INTERPRET, X_PAIRS=pairs, **common)
         return out.reshape(*x.shape[:-1], n)
     bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
     bk = min(64 if x.is_cuda else 128, group_size & -group_size)  # divides the group
+    if x.is_cuda and bk < 16:
+        raise ValueError(f"4-bit group size {group_size}: the GPU GEMM needs groups divisible "
+                         "by 16 (tensor-core K steps of 16+)")
     split_k = split_k_for(x, triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk), split_k)
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
@@ -362,7 +319,7 @@ def w4a16_matmul_triton(
         x2, qweight, scales, zeros, perm_arg, out, m, n, k, x2.stride(0), qweight.stride(0),
         scales.stride(0), out.stride(0), group_size, split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         ATOMIC=split_k > 1, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        USE_ASM=x.is_cuda and not _INTERPRET,
+        USE_ASM=x.is_cuda and not INTERPRET,
         num_warps=4, num_stages=2, **common,
     )
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kernels.paged_attention import SHORT_SPLIT_KEYS
 from libs.common.model_cache import resolve_model
 from services.engine.executor import make_executor
 from services.engine.kv_cache_manager import KVCacheManager
@@ -96,8 +97,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.decode_short_context < 0:
-            raise ValueError("decode_short_context must be >= 0 (0 disables short graphs)")
+        if not 0 <= self.decode_short_context <= SHORT_SPLIT_KEYS:
+            raise ValueError(f"decode_short_context must be in [0, {SHORT_SPLIT_KEYS}] (0 disables "
+                             "short graphs; longer contexts take the long graphs' split rule)")
         if self.prefill_chunk_size < 0:
             raise ValueError("prefill_chunk_size must be >= 0 (0 disables chunking)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

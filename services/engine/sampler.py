@@ -9,7 +9,8 @@ Rules:
   rows to -inf) -> greedy argmax | (temperature -> top-k -> top-p -> min-p -> sample).
 - Greedy rows (temperature 0) take the exact argmax of the penalised logits (`kernels.argmax`:
   the lowest index on ties, like torch.argmax; on CUDA a two-launch Triton argmax, torch's being
-  one thread block per row). A batch without greedy rows skips it.
+  one thread block per row). It is skipped when one sampling group holds every row (all plain
+  or all filtered); a batch mixing plain and filtered rows runs it even without greedy rows.
 - Random rows are split into "plain" rows (no top-k / top-p: softmax over the whole vocabulary)
   and "filtered" rows, which work on their candidates sorted by logit (the top max(top_k) when
   every such row sets top_k, else the whole vocabulary, or on CPU the top 256 / 2048 when they

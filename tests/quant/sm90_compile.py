@@ -2,9 +2,9 @@
 
 Run as `python -m tests.quant.sm90_compile [ggml type ids]` without TRITON_INTERPRET; prints one
 JSON object {config: spill bytes} (every GGUF type by default). Needs no GPU (triton ships
-ptxas). Used by test_compile_sm90.py. `... sm90_compile fp8loop` / `w4loop` / `kquantgemm`:
-SASS instructions per weight in the hot loop of every tensor-core fp8 / w4a16 GEMV config / of
-the Q4_K and Q5_K GEMM instead.
+ptxas). Used by test_compile_sm90.py. `... sm90_compile fp8loop` / `kquantgemm`:
+SASS instructions per weight in the hot loop of every tensor-core fp8 GEMV config / of the Q4_K
+and Q5_K GEMM instead.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ BF16_IO = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
 KQUANT_GEMV = dict(USE_ASM=True, X_WORDS=True, EVEN=True)
 FP8_GEMV = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32",
                       "lock_ptr": "*i32"}
-W4_GEMV = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32",
-                     "ws_ptr": "*fp32", "lock_ptr": "*i32"}
 
 
 def configs(qtypes: list[int] | None = None
@@ -55,7 +53,8 @@ def configs(qtypes: list[int] | None = None
     w4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
     for perm in (False, True):
         out.append(("w4a16", "_gemv_kernel", w4,
-                    dict(HAS_PERM=perm, USE_ASM=True, BLOCK_N=16, CHUNK=128, STEP=1024), 4))
+                    dict(HAS_PERM=perm, USE_ASM=True, X_PAIRS=True, BLOCK_N=16, CHUNK=128,
+                         STEP=1024), 4))
         out.append(("w4a16", "_gemm_kernel", w4 | {"out_ptr": "*fp32"},
                     dict(HAS_PERM=perm, USE_ASM=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
                          ATOMIC=True, DOT_PRECISION="tf32"), 4))
@@ -128,38 +127,6 @@ def fp8_gemv_loop_report() -> dict[str, dict[str, float]]:
     return report
 
 
-def w4_gemv_configs() -> list[tuple[dict[str, Any], int, int]]:
-    """(constexprs, warps, stages) of the tensor-core w4a16 GEMV: every autotune config and the
-    fallback tile with M = 2 bf16 rows, groups of 128 with and without act-order perm (where
-    BLOCK_K divides 128) and per-channel scales (K = 4096)."""
-    from kernels import w4a16_gemv
-
-    out = []
-    for c in [*w4a16_gemv.CONFIGS, w4a16_gemv.FALLBACK]:
-        cases = [(4096, False)] + [(128, perm) for perm in (False, True)
-                                   if 128 % c.kwargs["BLOCK_K"] == 0]
-        for group, perm in cases:
-            out.append((dict(GROUP=group, BLOCK_M=2, HAS_PERM=perm, USE_ASM=True,
-                             PER_CHANNEL=group == 4096, EVEN_K=True, **c.kwargs),
-                        c.num_warps, c.num_stages))
-    return out
-
-
-def w4_gemv_loop_report() -> dict[str, dict[str, float]]:
-    """{config: instructions per weight in the weight loop (the one with the wgmma), its
-    LOP3s per weight, its barriers}: the loop's instructions / (BLOCK_N * BLOCK_K / threads)."""
-    report = {}
-    for constexprs, warps, stages in w4_gemv_configs():
-        body = hot_loop(sass_sm90("w4a16_gemv", "_w4_gemv_mma_kernel", W4_GEMV, constexprs,
-                                  warps, stages), containing="HGMMA")
-        per_thread = constexprs["BLOCK_N"] * constexprs["BLOCK_K"] / (32 * warps)
-        name = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" w{warps} s{stages}"
-        report[name] = {"per_weight": round(len(body) / per_thread, 3),
-                        "lop3": round(sum(t.startswith("LOP3") for t in body) / per_thread, 3),
-                        "bar": sum(t.startswith("BAR") for t in body)}
-    return report
-
-
 def kquant_gemv_loop_report() -> dict[str, dict[str, float]]:
     """{config: instructions per weight in the Q4_K / Q5_K GEMV's loop, its shared-memory
     instructions} for every autotune config: the loop's instructions / the weights one thread
@@ -193,18 +160,19 @@ def spill_report(qtypes: list[int] | None = None) -> dict[str, int]:
 
 
 def tuned_gemv_report() -> dict[str, int]:
-    """Spill bytes of every autotune config of the decode GEMVs (w4a16 CUDA-core and tensor-core,
-    Q4_K/Q5_K, fp8 CUDA-core and tensor-core)."""
+    """Spill bytes of every autotune config of the decode GEMVs (w4a16, Q4_K/Q5_K, fp8 CUDA-core
+    and tensor-core)."""
     from kernels import fp8, gguf_kquant_gemv, w4a16
 
     gguf = BF16_IO | {"w_ptr": "*u8", "w16_ptr": "*fp16"}
     w4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
     fp8_types = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     jobs: list[tuple[str, str, dict[str, str], dict[str, Any], int]] = []
-    for perm, configs in ((False, w4a16.GEMV_CONFIGS), (True, w4a16.GEMV_CONFIGS_PERM)):
+    for perm, configs in ((False, w4a16.GEMV_CONFIGS), (True, w4a16.GEMV_CONFIGS)):
         for c in configs:
             jobs.append(("w4a16", "_gemv_kernel", w4,
-                         dict(HAS_PERM=perm, USE_ASM=True, CHUNK=128, **c.kwargs),
+                         dict(HAS_PERM=perm, USE_ASM=True, X_PAIRS=True, CHUNK=128,
+                              **c.kwargs),
                          c.num_warps))
     for qtype, configs in ((Q4_K, gguf_kquant_gemv.GEMV_CONFIGS),
                            (Q5_K, gguf_kquant_gemv.GEMV_CONFIGS_Q5)):
@@ -220,11 +188,6 @@ def tuned_gemv_report() -> dict[str, int]:
         name = f"{module}.{kernel} " + " ".join(f"{k}={v}" for k, v in constexprs.items()) + \
             f" warps={warps}"
         report[name] = spill_bytes(compile_sm90(module, kernel, types, constexprs, warps))
-    for constexprs, warps, stages in w4_gemv_configs():
-        name = "w4a16_gemv._w4_gemv_mma_kernel " + " ".join(
-            f"{k}={v}" for k, v in constexprs.items()) + f" warps={warps} stages={stages}"
-        report[name] = spill_bytes(compile_sm90("w4a16_gemv", "_w4_gemv_mma_kernel", W4_GEMV,
-                                                constexprs, warps, stages))
     for constexprs, warps, stages in fp8_gemv_configs():  # pipelined: their own stages
         name = "fp8_gemv._gemv_mma_kernel " + " ".join(
             f"{k}={v}" for k, v in constexprs.items()) + f" warps={warps} stages={stages}"
@@ -241,9 +204,6 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1:] == ["kquantloop"]:
         print(json.dumps(kquant_gemv_loop_report()))
-        sys.exit(0)
-    if sys.argv[1:] == ["w4loop"]:
-        print(json.dumps(w4_gemv_loop_report()))
         sys.exit(0)
     if sys.argv[1:] == ["kquantgemm"]:
         print(json.dumps(kquant_gemm_loop_report()))

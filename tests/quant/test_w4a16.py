@@ -51,6 +51,27 @@ def test_kernel_matches_dequantize_then_matmul(kernel: str, m: int, group: int,
     assert rel_err(out.cpu(), ref) < 1e-5
 
 
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "odd-offset-view"])
+def test_gemv_bf16_rows_as_pairs_or_gathered(offset: int) -> None:
+    """bf16 x is read as int32 words of bf16 pairs only when its rows start at 4-byte
+    boundaries; a view starting at an odd element takes the gather path (on a GPU the pair
+    loads would fault there). Both match dequantize-then-matmul."""
+    g = torch.Generator().manual_seed(7)
+    n, k, group = 16, 256, 128
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-3).half()
+    zeros = torch.randint(0, 17, (n, k // group), dtype=torch.uint8, generator=g)
+    base = torch.randn(1, k + 1, generator=g).to(torch.bfloat16)
+    x = base[:, offset:offset + k]
+    assert (x.data_ptr() % 4 == 0) == (offset == 0)
+    ref = x.double() @ w4a16_dequantize_ref(pack_int4(codes), scales, zeros, group).double().T
+    to = {"device": DEVICE}
+    out = w4a16_matmul_triton(x if DEVICE == "cpu" else base.to(**to)[:, offset:offset + k],
+                              pack_int4(codes).to(**to), scales.to(**to), zeros.to(**to), group,
+                              kernel="gemv")
+    assert rel_err(out.cpu().double(), ref) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 16, 128])
 def test_gpu_kernel_real_sizes(m: int) -> None:
