@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
+from kernels.gemm_tile import store_tile
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
 from kernels.gguf_kquant_gemv import _f16_low
 
@@ -119,12 +120,7 @@ def _kquant_gemm_kernel(
         w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK_N, 8, 4, 2, 2, 2])
         w = tl.reshape(tl.permute(w, [0, 4, 5, 3, 1, 2]), [BLOCK_N, 256])
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_tile(out_ptr, acc, rm, rn, m_ok, n_ok, stride_om, ATOMIC)
 
 
 @triton.jit

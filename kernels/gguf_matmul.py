@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.gemm_tile import store_tile
 from kernels.gguf_dequant import (
     Q2_K,
     Q3_K,
@@ -137,12 +138,7 @@ def _gemm_kernel(
             x = tl.load(x_rows + (xk + g * 32)[None, :], mask=m_ok[:, None] & xk_ok[None, :],
                         other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_tile(out_ptr, acc, rm, rn, m_ok, n_ok, stride_om, ATOMIC)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> int:

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.code_floats import INTERPRET, bf16_pair, codes4
+from kernels.gemm_tile import store_tile
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
 from kernels.tuning import warmup_autotune
 
@@ -234,12 +235,7 @@ def _gemm_kernel(
             k = tl.load(perm_ptr + k)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_tile(out_ptr, acc, rm, rn, m_ok, n_ok, stride_om, ATOMIC)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -89,9 +89,10 @@ class EngineSettings(CommonSettings):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs")
     decode_short_context: int = Field(
-        512, ge=0, le=512, description="Decode steps of up to 16 sequences, none longer than "
-        "this (at most 512), replay CUDA graphs whose attention splits the KV for short contexts "
-        "(fewer splits; at 16 rows of 8 KV heads one split and no reduce kernel); 0 = off")
+        512, ge=0, description="Decode steps of up to 16 sequences, none longer than this "
+        "(at most the attention split rule's short bound, checked by EngineConfig), replay CUDA "
+        "graphs whose attention splits the KV for short contexts (fewer splits; at 16 rows of 8 "
+        "KV heads one split and no reduce kernel); 0 = off")
     quantization: str = Field(
         "auto", description="Weights: auto (CPU: int4 for Q4_1 GGUF, else int8; GPU: GGUF blocks "
         "kept) | none | int8 | int4 "
