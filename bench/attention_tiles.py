@@ -60,6 +60,36 @@ def prefill() -> None:
             mark = "*" if (m, n, w, s, lf) == DEFAULT_PREFILL else " "
             report(f"{mark}m={m} n={n} w={w} s={s} {'longest-first' if lf else 'in order'}",
                    ms, flops=flops)
+        if batch == 1:
+            sdpa_peers(q_len, flops)
+
+
+def sdpa_peers(q_len: int, flops: float) -> None:
+    """torch's fused attention backends on the same causal prefill (contiguous K/V, no paging;
+    GQA by enable_gqa, or K/V expanded to 32 heads where a backend refuses it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, q_len, 32, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    k = torch.randn(1, q_len, 8, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    v = torch.randn_like(k)
+    kx, vx = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION):
+        for gqa in (True, False):
+            def fn(gqa: bool = gqa, backend: SDPBackend = backend) -> torch.Tensor:
+                with sdpa_kernel([backend]):
+                    if gqa:
+                        return torch.nn.functional.scaled_dot_product_attention(
+                            q, k, v, is_causal=True, enable_gqa=True)
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        q, kx, vx, is_causal=True)
+            try:
+                ms = bench(fn)
+            except RuntimeError as e:
+                print(f"  torch sdpa {backend.name} gqa={gqa}: unavailable ({str(e)[:80]})")
+                continue
+            report(f" torch sdpa {backend.name} {'enable_gqa' if gqa else 'K/V expanded'}", ms,
+                   flops=flops)
 
 
 def decode() -> None:

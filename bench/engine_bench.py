@@ -179,7 +179,10 @@ def main() -> None:
         flops = L * (2 * layer_params * 4096 + 2 * 4096 * 4096 * h)
         res["B4"] = dict(r, prefill_tok_s=pf, mfu=flops / r["mean_ttft_s"] / 1e12 /
                          res.get("matmul_TFLOPs", 789))
-        rows.append(("B4 prefill 4096", pf, "tok/s", f"{res['B4']['mfu']:.0%} of matmul rate"))
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)  # cudaFree + retry
+        res["B4"]["alloc_retries"] = retries
+        rows.append(("B4 prefill 4096", pf, "tok/s",
+                     f"{res['B4']['mfu']:.0%} of matmul rate; allocator retries {retries}"))
     if "prefix" in only:
         engine.reset_prefix_cache()
         system = rand_prompts(1, 2000, vocab, 5)[0]

@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
-# Session-2 device call (H200 x2): GPU tests of the new kernels (FP8 KV cache, MLA, decode GEMV),
-# the FP8-KV timing, the GEMV sweep at M=1..8, the engine benchmarks with the Triton decode GEMV,
-# the all-reduce timings. carry [".whl"].
+# Session-4 device calls (H100), carry [".whl"]; each part fits one 10-minute call:
+#   bash bench/final_run.sh quant    # GPU tests of the new kernels + quant_bench (all formats)
+#   bash bench/final_run.sh engine   # engine_bench (peers, B1-B4, prefix), the suite vs engine,
+#                                    # per-hop admission of a 64-stream burst
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-quiet() { grep -v "UserWarning\|_warn_once\|warnings.warn\|NCCL INFO\|^\s*$"; }
+quiet() { grep -v "UserWarning\|_warn_once\|warnings.warn\|^\s*$"; }
+part=${1:-quant}
 {
-echo "=== GPU tests ($(date +%T))"
-CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu -s \
-  tests/kernels/test_fp8_kv_cache.py tests/engine/test_fp8_kv_cache.py \
-  tests/kernels/test_mla_attention.py tests/engine/test_moe_models.py tests/kernels/test_gemv.py \
-  2>&1 | grep -i "MLA H=\|passed\|failed\|Error\|assert" | head -20
-echo "=== fp8 KV timing ($(date +%T))"
-CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/fp8_kv_cache.py 2>&1 | quiet | tail -8
-echo "=== all-reduce timings ($(date +%T))"
-timeout 90 python3 bench/tp_probe.py --stage-timeout 40 2>&1 | grep "timings\|exit"
-echo "=== GEMV sweep M=1,2,4,8 ($(date +%T))"
-CUDA_VISIBLE_DEVICES=0 timeout 80 python3 bench/gemv_sweep.py --m 1,2,4,8 --formats cublas,gemv \
-  --out "$OUT/gemv_sweep.json" 2>&1 | quiet | tail -22
-echo "=== engine benchmarks, Triton decode GEMV ($(date +%T))"
-CUDA_VISIBLE_DEVICES=0 FLOTILLA_GEMV=triton timeout 150 python3 bench/engine_bench.py \
-  --only peers,B1,B2,B3,B4 --out "$OUT/engine_bench_gemv.json" 2>&1 | quiet | tail -8
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+if [[ $part == quant ]]; then
+  echo "=== GPU tests ($(date +%T))"
+  timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant \
+    tests/kernels/test_dense_attention.py tests/engine/test_gpu_engine.py 2>&1 \
+    | grep -E "passed|failed|^FAILED|^E " | head -20
+  echo "=== quant bench ($(date +%T))"
+  timeout 300 python3 bench/quant_bench.py --out "$OUT/quant_bench.json" 2>&1 | quiet | tail -8
+else
+  echo "=== engine benchmarks ($(date +%T))"
+  timeout 280 python3 bench/engine_bench.py --out "$OUT/engine_bench.json" 2>&1 | quiet | tail -10
+  echo "=== suite vs engine, 64 streams ($(date +%T))"
+  if ! timeout 280 python3 bench/suite_bench.py --out "$OUT/suite_bench.json" 2>&1 | tail -4; then
+    for f in "$OUT"/suite_logs/*.log; do echo "--- $f"; tail -20 "$f"; done
+  fi
+  rm -rf "$OUT/suite_logs"
+  echo "=== per-hop admission of a 64-stream burst ($(date +%T))"
+  timeout 200 python3 bench/admission_probe.py --device cuda --full --layers 32 --repeat 2 \
+    --out "$OUT/admission_probe.json" 2>&1 | quiet | tail -16
+fi
 echo "=== done ($(date +%T))"
-} 2>&1 | tee "$OUT/final_run.log"
+} 2>&1 | tee "$OUT/final_run_$part.log"

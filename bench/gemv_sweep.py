@@ -89,10 +89,15 @@ def build(fmt: str, n: int, k: int, device: str) -> tuple[Callable[[torch.Tensor
         blocks[..., :4] = torch.tensor([0, 0x20, 0, 0x20], dtype=torch.uint8)  # d, dmin: small
         qw = blocks.reshape(n, -1)
         return (lambda x: gguf_matmul_triton(x, qw, qtype)), qw.numel()
-    if fmt in ("fp8", "fp8g128"):  # per-channel / group-128 scales (fp8g128: opt-in)
+    if fmt in ("fp8", "fp8g128", "fp8mma"):  # per-channel / group-128 scales (fp8g128:
+        # opt-in); fp8mma: the tensor-core GEMV (kernels/fp8_gemv.py) instead of the default
         w8, scale = quantize_fp8_per_channel(torch.randn(n, k, device=device))
         if fmt == "fp8g128":
             scale = scale.repeat(1, k // GROUP) * (1 + torch.rand(n, k // GROUP, device=device))
+        if fmt == "fp8mma":
+            from kernels.fp8_gemv import fp8_gemv_mma
+
+            return (lambda x: fp8_gemv_mma(x, w8, scale, k)), w8.numel() + scale.numel() * 4
         return (lambda x: fp8_matmul_triton(x, w8, scale)), w8.numel() + scale.numel() * 4
     raise ValueError(fmt)
 
@@ -100,10 +105,12 @@ def build(fmt: str, n: int, k: int, device: str) -> tuple[Callable[[torch.Tensor
 def best_config(fmt: str, m: int) -> str | None:
     if fmt in ("gemv", "gemv(silu)"):
         from kernels.gemv import _gemv_tuned
-    elif fmt in ("fp8", "fp8g128") and m <= 2:  # the tensor-core fp8 GEMV
+    elif fmt == "fp8mma" and m <= 2:  # the tensor-core fp8 GEMV
         from kernels.fp8_gemv import _gemv_tuned
+    elif fmt in ("fp8", "fp8g128"):  # the CUDA-core fp8 GEMV (FLOTILLA_FP8_GEMV=fma)
+        from kernels.fp8_gemv_fma import _tuned as _gemv_tuned
     elif fmt == "w4a16" and m == 1:  # the CUDA-core w4a16 GEMV
-        from kernels.w4a16 import _gemv_tuned
+        from kernels.w4a16_gemv import _tuned as _gemv_tuned
     elif fmt in ("q4k", "q5k") and m <= 2:  # kernels/gguf_kquant_gemv.py
         from kernels import gguf_kquant_gemv
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -78,6 +78,37 @@ def decode(engine: Engine, batch: int) -> None:
                                     max_name_column_width=60))
 
 
+def gaps(prof: profile, top: int = 8, host_range: str = "request") -> None:
+    """Device idle time inside the profiled span: kernel intervals merged, the largest gaps
+    with the kernels on either side (idle between kernels = launch latency or host waits), and
+    how long the host range `host_range` (add_request -> token) runs before the first kernel
+    and after the last."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return
+    ranges = [e.time_range for e in prof.events() if e.name == host_range]
+    if ranges:
+        r = ranges[0]
+        print(f"host range {(r.end - r.start) / 1e3:.1f} ms: first kernel after "
+              f"{(kernels[0][0] - r.start) / 1e3:.1f} ms, last kernel ends "
+              f"{(r.end - max(k[1] for k in kernels)) / 1e3:.1f} ms before its end")
+    busy, holes, end, prev = 0.0, [], kernels[0][0], kernels[0][2]
+    for start, stop, name in kernels:
+        if start > end:
+            holes.append((start - end, prev, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    span = end - kernels[0][0]
+    print(f"device span {span / 1e3:.1f} ms, kernels busy {busy / 1e3:.1f} ms, idle "
+          f"{(span - busy) / 1e3:.1f} ms in {len(holes)} gaps; largest:")
+    for size, before, after in sorted(holes, reverse=True)[:top]:
+        print(f"  {size:8.1f} us  after {before[:50]}  before {after[:50]}")
+
+
 def prefill(engine: Engine, length: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -111,9 +142,11 @@ def prefill(engine: Engine, length: int) -> None:
     print(f"prefill {length}: launch step {launched * 1e3:.1f} ms, token after "
           f"{(time.perf_counter() - t) * 1e3:.1f} ms, device span {start.elapsed_time(end):.1f} ms")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        once("profiled")
+        with record_function("request"):
+            once("profiled")
         torch.cuda.synchronize()
     print(table(prof, 12))
+    gaps(prof)
     print("by self CPU time:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
                                     max_name_column_width=60))

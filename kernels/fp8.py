@@ -1,11 +1,12 @@
 """FP8 (e4m3) weights with float32 scales per output channel or per [row, group of K]:
 y[m, n] = sum_k x[m, k] * W8[n, k] * scale[n, k // G] (per-channel: scale [N, 1], G = K).
 
-- Decode (kernels/gguf_matmul.py: use_gemv) with 16-bit x and per-channel scales or groups of a
-  multiple of 64: the tensor-core GEMV of kernels/fp8_gemv.py (fp16 products, fp32 sums).
-- Other decode (fp32 x, odd groups): a CUDA-core GEMV that reads the fp8 bytes once, dots each
-  chunk of K (inside one group) in fp32 and scales the chunk sums (weight-only, x keeps its
-  dtype); its tile is autotuned per (N, K, group) on CUDA.
+- Decode (kernels/gguf_matmul.py: use_gemv, one or two rows): one x row -> the CUDA-core GEMV
+  of kernels/fp8_gemv_fma.py (K and groups multiples of 32; fp32 sums, x keeps its dtype); two
+  rows of 16-bit x -> the tensor-core GEMV of kernels/fp8_gemv.py (fp16 products, fp32 sums),
+  which reads W once for both (the CUDA-core one reads it per row). H100, Llama-3-8B
+  matrices, M = 1: 66-95% of copy bandwidth vs 53-85% on tensor cores; M = 2: 42-71% vs
+  52-85%. FLOTILLA_FP8_GEMV=mma|fma (`set_fp8_gemv`) pins one where it can run.
 - Prefill with per-channel scales on sm_89+ (Ada, Hopper): x is quantized per token to e4m3
   (dynamic scales) and `torch._scaled_mm` runs the fp8 tensor cores with row-wise scales.
 - Otherwise a Triton GEMM that dequantizes tiles to x's dtype for tl.dot; on CPU, the reference.
@@ -14,17 +15,33 @@ Checkpoints with 2D block scales (DeepSeek style) expand them to one scale row p
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels.fp8_gemv import MAX_M, fp8_gemv_mma, mma_gemv_ok
+from kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
 from kernels.gguf_matmul import _gemm_tiles, use_gemv
-from kernels.tuning import warmup_autotune
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+GEMV_KINDS = ("auto", "fma", "mma")
+_gemv_kind = "auto"
+
+
+def set_fp8_gemv(kind: str) -> None:
+    """Decode GEMV choice: "auto" (the module rules), "fma" (CUDA cores) or "mma" (tensor cores,
+    <= 2 rows of 16-bit x), each where it can run."""
+    global _gemv_kind
+    if kind not in GEMV_KINDS:
+        raise ValueError(f"fp8 GEMV must be one of {GEMV_KINDS}, got {kind!r}")
+    _gemv_kind = kind
+
+
+set_fp8_gemv(os.environ.get("FLOTILLA_FP8_GEMV", "auto").lower())
 
 
 def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,57 +60,6 @@ def fp8_dequantize_ref(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 def fp8_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Dequantize-then-matmul in x's dtype."""
     return F.linear(x, fp8_dequantize_ref(weight, scale).to(x.dtype))
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr,  # [M, K] activations, unit stride along K
-    w_ptr,  # e4m3 [N, K], unit stride along K
-    s_ptr,  # float32 [N, K // group] scales
-    out_ptr,  # [M, N] in x's dtype
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_om,
-    group,
-    BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr,  # a power of two dividing the group: each chunk has one scale
-    STEP: tl.constexpr,  # weights per row and loop step (a multiple of CHUNK)
-):
-    NCHUNK: tl.constexpr = STEP // CHUNK
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    nchunks = K // CHUNK
-    offs_c = tl.arange(0, NCHUNK)
-    offs_k = tl.arange(0, CHUNK)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, NCHUNK], dtype=tl.float32)
-    for c0 in range(0, nchunks, NCHUNK):
-        c = c0 + offs_c
-        c_ok = c < nchunks
-        k = c[:, None] * CHUNK + offs_k[None, :]
-        w = tl.load(w_rows + k[None, :, :], mask=row_ok[:, None, None] & c_ok[None, :, None],
-                    other=0.0)
-        x = tl.load(x_ptr + m * stride_xm + k, mask=c_ok[:, None], other=0.0)
-        dot = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :, :], axis=2)
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + ((c * CHUNK) // group)[None, :],
-                    mask=row_ok[:, None] & c_ok[None, :], other=0.0)
-        acc += dot * s
-    out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
-
-
-# GEMV tiles tried on the device (keyed on N, K, group): 2-16 rows, 256 B - 2 KiB per row and step
-GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "STEP": step}, num_warps=w)
-    for bn, step, w in ((8, 512, 4), (4, 1024, 4), (8, 1024, 4), (16, 512, 8), (4, 2048, 8),
-                        (2, 2048, 4), (16, 256, 4), (8, 256, 2))
-]
-_gemv_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group"])(_gemv_kernel)
 
 
 @triton.jit
@@ -183,26 +149,22 @@ def fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     if (not gemv and kernel is None and use_scaled_mm and scale.shape[1] == 1
             and _scaled_mm_ok(x2, weight)):
         return _scaled_mm(x2, weight, scale).reshape(*x.shape[:-1], n)
-    if gemv and m <= MAX_M and mma_gemv_ok(x2, k, group):
-        return fp8_gemv_mma(x2, weight, scale, group).reshape(*x.shape[:-1], n)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if gemv:
-        chunk = min(128, group & -group)  # largest power of two dividing the group, <= 128
-        args = (x2, weight, scale, out, n, k, x2.stride(0), weight.stride(0), scale.stride(0),
-                out.stride(0), group)
-        if x.is_cuda:  # autotuned (before any CUDA-graph capture)
-            _gemv_tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](*args, CHUNK=chunk)
-        else:
-            _gemv_kernel[(triton.cdiv(n, 8), m)](*args, BLOCK_N=8, CHUNK=chunk,
-                                                 STEP=max(chunk, 512), num_warps=4)
-    else:
-        bm, bn = _gemm_tiles(x, m, n, None, None)
-        bk = 64 if x.is_cuda else min(triton.next_power_of_2(k), 1024)
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _gemm_kernel[grid](
-            x2, weight, scale, out, m, n, k, x2.stride(0), weight.stride(0), scale.stride(0),
-            out.stride(0), group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-            num_stages=3,
-        )
+        mma = m <= MAX_M and mma_gemv_ok(x2, k, group)
+        fma = fma_gemv_ok(x2, weight, group)
+        prefer_mma = _gemv_kind == "mma" or (_gemv_kind == "auto" and m == 2)
+        if mma and (prefer_mma or not fma):
+            return fp8_gemv_mma(x2, weight, scale, group).reshape(*x.shape[:-1], n)
+        if fma:
+            return fp8_gemv_fma(x2, weight, scale, group).reshape(*x.shape[:-1], n)
+    # the GEMM: prefill, and decode shapes neither GEMV takes
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bn = _gemm_tiles(x, m, n, None, None)
+    bk = 64 if x.is_cuda else min(triton.next_power_of_2(k), 1024)
+    _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x2, weight, scale, out, m, n, k, x2.stride(0), weight.stride(0), scale.stride(0),
+        out.stride(0), group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        num_stages=3,
+    )
     return out.reshape(*x.shape[:-1], n)

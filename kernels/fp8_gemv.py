@@ -31,11 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.split_k import LOCKS, lock_buffer, split_k_store
 from kernels.tuning import warmup_autotune
 
 MAX_M = 2  # rows of x (the dot pads them to 16 columns)
 X_RANGE = tl.constexpr(32768.0)  # bf16 rows are scaled so that max|x| is this (fp16 max: 65504)
-LOCKS = 4096  # split-K counters per device: row blocks of one launch
 
 
 @triton.jit
@@ -182,20 +182,9 @@ def _gemv_mma_kernel(
     if PER_CHANNEL:
         acc = acc * tl.load(s_rows)[:, None]
     mask = n_ok[:, None] & (rm16 < M)[None, :]
-    out_ptrs = out_ptr + rm16[None, :] * stride_om + rn[:, None]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws_rows = ws_ptr + rm16[None, :] * N + rn[:, None]
-        tl.store(ws_rows + pid_k * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last slice of this row block: add the partials
-            total = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-            for i in tl.static_range(SPLIT_K):  # .cg: not the L1's copy from an older launch
-                total += tl.load(ws_rows + i * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
+    split_k_store(acc, ws_ptr + rm16[None, :] * N + rn[:, None],
+                  out_ptr + rm16[None, :] * stride_om + rn[:, None], mask, lock_ptr + pid_n,
+                  pid_k, M * N, SPLIT_K)
 
 
 def _config(bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config:
@@ -248,22 +237,6 @@ def _even_k(args: dict[str, Any]) -> bool:
 _gemv_fixed = triton.heuristics({"EVEN_K": _even_k})(_gemv_mma_kernel)
 _gemv_tuned = warmup_autotune(CONFIGS, ["N", "K", "group"],
                               prune_configs_by={"early_config_prune": _prune})(_gemv_fixed)
-_locks: dict[torch.device, torch.Tensor] = {}
-
-
-def _lock_buffer(device: torch.device) -> torch.Tensor:
-    """Zeroed split-K counters of a device (every launch leaves them at 0). One buffer per
-    device: launches must not overlap on two streams (the engine runs one stream a device).
-    It must be created eagerly (the engine warms every shape up before capturing graphs): a
-    zero-fill recorded inside a capture would not run before eager launches."""
-    if device not in _locks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fp8 GEMV split-K counters first used inside a CUDA-graph "
-                               "capture: run the shape eagerly first")
-        _locks[device] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
-    return _locks[device]
-
-
 def mma_gemv_ok(x: torch.Tensor, k: int, group: int) -> bool:
     """The tensor-core GEMV takes 16-bit x and per-channel scales or groups that are multiples
     of 64 (fp32 x keeps the exact CUDA-core kernel)."""
@@ -284,7 +257,7 @@ def fp8_gemv_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gr
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     split = _SPLIT_MAX if config is None else config.kwargs["SPLIT_K"]
     ws = torch.empty(split if split > 1 else 0, m, n, dtype=torch.float32, device=x2.device)
-    locks = _lock_buffer(x2.device)
+    locks = lock_buffer(x2.device)
     args = (x2, weight, scale, out, ws, locks, m, n, k, x2.stride(0), weight.stride(0),
             scale.stride(0), out.stride(0), group)
     meta = dict(BLOCK_M=triton.next_power_of_2(m), SCALE_X=x2.dtype == torch.bfloat16,

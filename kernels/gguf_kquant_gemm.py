@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels.code_floats import INTERPRET, codes4
 from kernels.gemm_tile import store_tile
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
-from kernels.gguf_kquant_gemv import _f16_low
+from kernels.vector_loads import f16_low
 
 
 @triton.jit
@@ -95,8 +95,8 @@ def _kquant_gemm_kernel(
     for b in range(first, last):
         blk = w_rows + b * TW
         dd, s0, s1, s2 = _header(blk)
-        d = _f16_low(dd)
-        dmin = _f16_low(dd >> 16)
+        d = f16_low(dd)
+        dmin = f16_low(dd >> 16)
         # 6-bit scales / mins of sub-blocks 0-3 and 4-7 as bytes, then 0.5 + byte / 256 floats:
         # A = 256 d sc = 65536 d f - 32768 d, B = 128 d sc + dmin mn, exact up to 2^-10 d
         sc_a, sc_b, sc_c, sc_d = codes4(s0 & 0x3F3F3F3F, USE_ASM)

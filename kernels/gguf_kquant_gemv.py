@@ -32,61 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.code_floats import INTERPRET, bf16_pair, codes4
+from kernels.code_floats import INTERPRET, codes4
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
 from kernels.tuning import warmup_autotune
+from kernels.vector_loads import f16_low, load16, x8, x_words_ok
 
-_LOAD16_ASM = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
 _ROTL_ASM = tl.constexpr("shf.l.wrap.b32 $0, $1, $1, $2;")
-
-
-@triton.jit
-def _load16(ptr, USE_ASM: tl.constexpr):
-    """The four int32 words at each (16-byte aligned, in-bounds) address."""
-    if USE_ASM:
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(
-            _LOAD16_ASM, "=r,=r,=r,=r,l", [ptr.to(tl.int64, bitcast=True)],
-            dtype=(tl.int32,) * 4, is_pure=True, pack=1)
-    else:
-        w0, w1, w2, w3 = tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
-    return w0, w1, w2, w3
-
-
-@triton.jit
-def _f16_low(w):
-    """The f16 in the low half of each int32 as float32."""
-    return w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _f16_pair(w):
-    """int32 holding two f16 -> (low, high) as float32."""
-    return _f16_low(w), _f16_low(w >> 16)
-
-
-@triton.jit
-def _x8(x_row, off, X_WORDS: tl.constexpr, USE_ASM: tl.constexpr):
-    """x[2 * off + i], i = 0..7, as float32 (off: offset in 16-bit pairs, a multiple of 4)."""
-    if X_WORDS:
-        w0, w1, w2, w3 = _load16(x_row.to(tl.pointer_type(tl.int32), bitcast=True) + off,
-                                 USE_ASM)
-        if x_row.dtype.element_ty == tl.float16:
-            x0, x1 = _f16_pair(w0)
-            x2, x3 = _f16_pair(w1)
-            x4, x5 = _f16_pair(w2)
-            x6, x7 = _f16_pair(w3)
-        else:
-            x0, x1 = bf16_pair(w0)
-            x2, x3 = bf16_pair(w1)
-            x4, x5 = bf16_pair(w2)
-            x6, x7 = bf16_pair(w3)
-    else:
-        k = x_row + 2 * off
-        x0, x1 = tl.load(k).to(tl.float32), tl.load(k + 1).to(tl.float32)
-        x2, x3 = tl.load(k + 2).to(tl.float32), tl.load(k + 3).to(tl.float32)
-        x4, x5 = tl.load(k + 4).to(tl.float32), tl.load(k + 5).to(tl.float32)
-        x6, x7 = tl.load(k + 6).to(tl.float32), tl.load(k + 7).to(tl.float32)
-    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -144,14 +95,14 @@ def _load_step(w_rows, kb, nblocks, blocks, p, TW: tl.constexpr, QS: tl.constexp
     if not EVEN:
         bidx = tl.minimum(bidx, nblocks - 1)
     blk = w_rows + bidx * TW + p * 0  # [BLOCK_N, NSB, 4]: block start
-    q0, q1, q2, q3 = _load16(blk + QS + 8 * p, USE_ASM)
-    q4, q5, q6, q7 = _load16(blk + QS + 8 * p + 4, USE_ASM)
+    q0, q1, q2, q3 = load16(blk + QS + 8 * p, USE_ASM)
+    q4, q5, q6, q7 = load16(blk + QS + 8 * p + 4, USE_ASM)
     if FIVE_BITS:
-        h0, h1, h2, h3 = _load16(blk + 4, USE_ASM)
-        h4, h5, h6, h7 = _load16(blk + 8, USE_ASM)
+        h0, h1, h2, h3 = load16(blk + 4, USE_ASM)
+        h4, h5, h6, h7 = load16(blk + 8, USE_ASM)
     else:
         h0, h1, h2, h3, h4, h5, h6, h7 = q0, q0, q0, q0, q0, q0, q0, q0  # unused
-    dd, s0, s1, s2 = _load16(blk, USE_ASM)
+    dd, s0, s1, s2 = load16(blk, USE_ASM)
     return q0, q1, q2, q3, q4, q5, q6, q7, h0, h1, h2, h3, h4, h5, h6, h7, dd, s0, s1, s2
 
 
@@ -160,8 +111,8 @@ def _word_pair(d_lo, d_hi, s_lo, s_hi, x_row, xo, qa, ha, qb, hb, p, FIVE_BITS: 
                X_WORDS: tl.constexpr, USE_ASM: tl.constexpr, FIRST: tl.constexpr = False):
     """Two code words of run p (8 weights of sub-block 2p, 8 of 2p + 1) against their x (bf16
     pairs at xo and xo + 16): the dots and the x sums, accumulated."""
-    l0, l1, l2, l3, l4, l5, l6, l7 = _x8(x_row, xo, X_WORDS, USE_ASM)
-    g0, g1, g2, g3, g4, g5, g6, g7 = _x8(x_row, xo + 16, X_WORDS, USE_ASM)
+    l0, l1, l2, l3, l4, l5, l6, l7 = x8(x_row, xo, X_WORDS, USE_ASM)
+    g0, g1, g2, g3, g4, g5, g6, g7 = x8(x_row, xo + 16, X_WORDS, USE_ASM)
     if FIRST:  # s_lo / s_hi come in unset
         s_lo = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
         s_hi = ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
@@ -236,8 +187,8 @@ def _kquant_gemv_kernel(
                                             h5, p, FIVE_BITS, X_WORDS, USE_ASM)
         d_lo, d_hi, s_lo, s_hi = _word_pair(d_lo, d_hi, s_lo, s_hi, x_row, xo + 12, q6, h6, q7,
                                             h7, p, FIVE_BITS, X_WORDS, USE_ASM)
-        d = _f16_low(dd)
-        dmin = _f16_low(dd >> 16)
+        d = f16_low(dd)
+        dmin = f16_low(dd >> 16)
         if not EVEN:
             d = tl.where(b_ok, d, 0.0)
             dmin = tl.where(b_ok, dmin, 0.0)
@@ -285,8 +236,7 @@ def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
         raise ValueError("qweight rows must be 16-byte aligned (16-byte loads)")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     args = (x, qweight, out, n, k, x.stride(0), qweight.stride(0), out.stride(0))
-    x_words = (x.dtype in (torch.bfloat16, torch.float16) and x.data_ptr() % 16 == 0
-               and x.stride(0) % 8 == 0)
+    x_words = x_words_ok(x)
     five = int(qtype) == Q5_K
     meta = dict(FIVE_BITS=five, TYPE_SIZE=t.type_size, USE_ASM=use_asm, X_WORDS=x_words)
     if x.is_cuda and block_n is None:

@@ -12,12 +12,10 @@ permute puts a nibble into the mantissa of 0.5f, giving 0.5 + code / 256). A dec
 sm_90 is bound by instruction issue, not bandwidth, unless it spends about 2-4 instructions per
 4-bit weight.
 A tensor-core GEMV (fp8_gemv.py's structure, 1.6-2.0 instructions per weight) measured slower
-than the CUDA-core GEMV below on an H100 (27-55% vs 35-61% of copy bandwidth on Llama-3-8B's
-matrices, GPTQ B1 272 vs 291 tok/s) and was removed (git history: f7768a7, kernels/w4a16_gemv.py).
-GEMV (decode-sized M on a GPU, kernels/gguf_matmul.py: use_gemv): [BLOCK_N, NCHUNK, CHUNK / 8]
-word tiles; each chunk lies in one group, so codes are dotted with x first and scale/zero applied
-per (row, chunk); x is read as bf16 pairs and converted once per thread. The tile (BLOCK_N rows,
-STEP weights per step, warps) is autotuned per (N, K, G) on CUDA.
+than a CUDA-core GEMV on an H100 (27-55% vs 35-61% of copy bandwidth on Llama-3-8B's matrices,
+GPTQ B1 272 vs 291 tok/s) and was removed (git history: f7768a7).
+GEMV (one x row on a GPU, kernels/gguf_matmul.py: use_gemv; groups a multiple of 64):
+kernels/w4a16_gemv.py, lanes along K with 16-byte vector loads, ~2.5-3 instructions a weight.
 GEMM: per step of BLOCK_K (dividing the group) weights, codes are scaled with one FMA each
 (f * 256s - (128 + z)s), cast to x's dtype and fed to tl.dot; split_k as in kernels/gguf_matmul.py.
 """
@@ -29,10 +27,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.code_floats import INTERPRET, bf16_pair, codes4
+from kernels.code_floats import INTERPRET, codes4
 from kernels.gemm_tile import store_tile
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
-from kernels.tuning import warmup_autotune
+from kernels.w4a16_gemv import gemv_ok, w4a16_gemv
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -72,115 +70,6 @@ def _codes8(q, USE_ASM: tl.constexpr):
     c0, c2, c4, c6 = codes4(q & 0x0F0F0F0F, USE_ASM)
     c1, c3, c5, c7 = codes4((q >> 4) & 0x0F0F0F0F, USE_ASM)
     return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
-def _split8(v, NCHUNK: tl.constexpr, CW: tl.constexpr):
-    """[NCHUNK, CW, 8] -> 8 tensors [NCHUNK, CW], element j of the last axis each."""
-    even, odd = tl.split(tl.reshape(v, [NCHUNK, CW, 2, 2, 2]))
-    e0, e2 = tl.split(even)
-    o0, o2 = tl.split(odd)
-    x0, x4 = tl.split(e0)
-    x2, x6 = tl.split(e2)
-    x1, x5 = tl.split(o0)
-    x3, x7 = tl.split(o2)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _x8(x_row, perm_ptr, words, c_ok, HAS_PERM: tl.constexpr, X_PAIRS: tl.constexpr,
-        NCHUNK: tl.constexpr, CW: tl.constexpr):
-    """x at k = 8 * word + j as 8 float32 tensors [NCHUNK, CW]. X_PAIRS (bf16 rows starting at
-    4-byte boundaries): read as int32 words holding bf16 pairs (one 16-byte vector per 8
-    weights), converted once per thread; else gathered element by element."""
-    if X_PAIRS and not HAS_PERM:
-        xw = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
-        v = tl.load(xw + words[:, :, None] * 4 + tl.arange(0, 4)[None, None, :],
-                    mask=c_ok[:, None, None], other=0)
-        p02, p13 = tl.split(tl.reshape(v, [NCHUNK, CW, 2, 2]))
-        p0, p2 = tl.split(p02)
-        p1, p3 = tl.split(p13)
-        x0, x1 = bf16_pair(p0)
-        x2, x3 = bf16_pair(p1)
-        x4, x5 = bf16_pair(p2)
-        x6, x7 = bf16_pair(p3)
-    else:
-        k = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-        if HAS_PERM:
-            k = tl.load(perm_ptr + k, mask=c_ok[:, None, None], other=0)
-        v = tl.load(x_row + k, mask=c_ok[:, None, None], other=0.0).to(tl.float32)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(v, NCHUNK, CW)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
-    N, K,
-    stride_xm, stride_q, stride_s, stride_om,
-    group_size,
-    HAS_PERM: tl.constexpr,
-    USE_ASM: tl.constexpr,  # CUDA: codes to floats by inline PTX (the interpreter runs no asm)
-    X_PAIRS: tl.constexpr,  # bf16 x rows 4-byte aligned: read as int32 words of bf16 pairs
-    BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr,  # weights per chunk; a power of two dividing the group size
-    STEP: tl.constexpr,  # weights per row and loop step (a multiple of CHUNK)
-):
-    """Per (row, chunk): with f = 0.5 + code / 256 from _codes8, sum(code * x) =
-    256 * sum(f * x) - 128 * sum(x), so acc += scale * (256 * dot - (128 + zero) * sum(x)).
-    The dot is 8 elementwise products of [BLOCK_N, NCHUNK, CHUNK / 8] tensors (code j of each
-    word times x at 8 * word + j) and one sum: no reshape of the weight tile, and each x value
-    is converted once per thread for all its rows. About 4 SASS instructions per weight on
-    sm_90 (the previous kernel: 8.7), which is what bounds a 4-bit GEMV there."""
-    NCHUNK: tl.constexpr = STEP // CHUNK
-    CW: tl.constexpr = CHUNK // 8
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
-    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_ok = rows < N
-    nchunks = K // CHUNK
-    offs_c = tl.arange(0, NCHUNK)
-    offs_w = tl.arange(0, CW)
-    x_row = x_ptr + m * stride_xm
-    acc = tl.zeros([BLOCK_N, NCHUNK], dtype=tl.float32)
-    q_rows = q_ptr + rows[:, None, None] * stride_q
-    words = offs_c[:, None] * CW + offs_w[None, :]
-    q_next = tl.load(q_rows + words[None, :, :],
-                     mask=row_ok[:, None, None] & (offs_c < nchunks)[None, :, None], other=0)
-    for c0 in range(0, nchunks, NCHUNK):
-        c = c0 + offs_c
-        c_ok = c < nchunks
-        words = c[:, None] * CW + offs_w[None, :]
-        # the next step's words are requested before this step's math (Triton does not
-        # pipeline this loop itself): two steps of weights in flight per program
-        q = q_next
-        q_next = tl.load(q_rows + (words + NCHUNK * CW)[None, :, :],
-                         mask=row_ok[:, None, None] & (c + NCHUNK < nchunks)[None, :, None],
-                         other=0)
-        f0, f1, f2, f3, f4, f5, f6, f7 = _codes8(q, USE_ASM)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_row, perm_ptr, words, c_ok, HAS_PERM, X_PAIRS,
-                                             NCHUNK, CW)
-        d = f0 * x0[None] + f1 * x1[None] + f2 * x2[None] + f3 * x3[None] \
-            + f4 * x4[None] + f5 * x5[None] + f6 * x6[None] + f7 * x7[None]
-        xsum = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)
-        grp = rows[:, None] * stride_s + ((c * CHUNK) // group_size)[None, :]
-        ok = row_ok[:, None] & c_ok[None, :]
-        s = tl.load(s_ptr + grp, mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + grp, mask=ok, other=0).to(tl.float32)
-        acc += s * (256.0 * tl.sum(d, axis=2) - (128.0 + z) * xsum[None, :])
-    out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
-
-
-# GEMV tiles tried on the device (keyed on N, K, group): 4-32 rows per program; mostly 128
-# weights per thread and step (fewest instructions per weight on sm_90), some 64 for narrow N
-GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "STEP": step}, num_warps=w)
-    for bn, step, w in ((16, 1024, 4), (8, 2048, 4), (16, 512, 2), (8, 1024, 2), (16, 2048, 8),
-                        (32, 512, 4), (8, 1024, 4), (4, 2048, 4))
-]
-_gemv_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size"])(_gemv_kernel)
-_gemv_tuned_perm = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size"])(_gemv_kernel)
 
 
 @triton.jit
@@ -283,25 +172,10 @@ def w4a16_matmul_triton(
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
     perm_arg = perm if perm is not None else qweight  # never read without HAS_PERM
-    common = dict(HAS_PERM=perm is not None)
-    # bf16 pairs as int32 words need 4-byte-aligned rows (a view may start at an odd element)
-    pairs = (x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0
-             and (m == 1 or x2.stride(0) % 2 == 0))
     # one x row: the GEMV; 2+ rows share each dequantized tile in the GEMM (tensor cores)
-    if use_gemv(x, m, kernel) and (m == 1 or kernel == "gemv"):
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        chunk = min(128, group_size & -group_size)  # largest power of two dividing G, <= 128
-        args = (x2, qweight, scales, zeros, perm_arg, out, n, k, x2.stride(0),
-                qweight.stride(0), scales.stride(0), out.stride(0), group_size)
-        if x.is_cuda and block_n is None:  # autotuned (before any CUDA-graph capture)
-            tuned = _gemv_tuned if perm is None else _gemv_tuned_perm
-            tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](
-                *args, CHUNK=chunk, USE_ASM=not INTERPRET, X_PAIRS=pairs, **common)
-        else:
-            bn = block_n or (8 if perm is None else 4)
-            _gemv_kernel[(triton.cdiv(n, bn), m)](
-                *args, BLOCK_N=bn, CHUNK=chunk, STEP=max(chunk, 1024), num_warps=4,
-                USE_ASM=x.is_cuda and not INTERPRET, X_PAIRS=pairs, **common)
+    if use_gemv(x, m, kernel) and (m == 1 or kernel == "gemv") and gemv_ok(
+            x2, qweight, scales, group_size, perm):
+        out = w4a16_gemv(x2, qweight, scales, zeros, group_size, perm, block_n=block_n)
         return out.reshape(*x.shape[:-1], n)
     bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
     bk = min(64 if x.is_cuda else 128, group_size & -group_size)  # divides the group
@@ -315,7 +189,7 @@ def w4a16_matmul_triton(
         x2, qweight, scales, zeros, perm_arg, out, m, n, k, x2.stride(0), qweight.stride(0),
         scales.stride(0), out.stride(0), group_size, split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         ATOMIC=split_k > 1, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        USE_ASM=x.is_cuda and not INTERPRET,
-        num_warps=4, num_stages=2, **common,
+        USE_ASM=x.is_cuda and not INTERPRET, HAS_PERM=perm is not None,
+        num_warps=4, num_stages=2,
     )
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

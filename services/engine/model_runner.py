@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels import dense_attention
 from kernels.kv_quant import FP8_KV_DTYPE, KVScales
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.distributed import tp_min
@@ -77,6 +78,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.inputs = StepInputBuilder(self.max_num_tokens, self.max_num_seqs,
                                        self.max_blocks_per_seq, self.block_size, self.device)
+        self._warm_up_dense_attention()
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self._logits_all_rows, self.max_num_seqs,
@@ -84,6 +86,14 @@ class ModelRunner:
                                        config.decode_short_context)
             with torch.inference_mode():
                 self.graphs.capture()
+
+    def _warm_up_dense_attention(self) -> None:
+        """Fused-attention plans for every long-prompt length bucket (kernels/dense_attention.py),
+        built now rather than on a user's first long prompt."""
+        layer = next((a for a in self.attention if type(a) is Attention), None)
+        if layer is not None and self.device.type == "cuda":
+            dense_attention.warm_up(layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                    self.dtype, self.device, self.max_num_tokens)
 
     # ------------------------------------------------------------------ KV cache
 

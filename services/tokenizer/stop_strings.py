@@ -3,7 +3,9 @@
 Rules: text before the first occurrence of any stop string is emitted, the stop string and
 everything after it never are. Text that could be the start of a stop string (a suffix of what
 has arrived that is a prefix of some stop string) is held back until the next piece decides it;
-at the end of the stream whatever is held is released. A match may span any number of pieces.
+at the end of the stream whatever is held is released, cut at a stop string it holds. A match may
+span any number of pieces, and a complete match waits while a longer stop string that would start
+earlier is still open (stops "a" and " aa" over " a" + "a" stop before the space).
 """
 
 from __future__ import annotations
@@ -45,19 +47,27 @@ class StopStringMatcher:
         if not self.stops:
             return StopResult(text, False)
         buf = self._held + text
+        hit = self._first_hit(buf)
+        start = len(buf) - partial_suffix(buf, self.stops)  # earliest open partial match
+        if hit is not None and hit[0] <= start:
+            self.stopped, self._held = True, ""
+            return StopResult(buf[:hit[0]], True, hit[1])
+        self._held = buf[start:]
+        return StopResult(buf[:start], False)
+
+    def _first_hit(self, buf: str) -> tuple[int, str] | None:
         hit: tuple[int, str] | None = None
         for stop in self.stops:
             idx = buf.find(stop)
             if idx >= 0 and (hit is None or idx < hit[0]):
                 hit = (idx, stop)
-        if hit is not None:
-            self.stopped, self._held = True, ""
-            return StopResult(buf[:hit[0]], True, hit[1])
-        keep = partial_suffix(buf, self.stops)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return StopResult(buf[:len(buf) - keep], False)
+        return hit
 
     def flush(self) -> str:
-        """End of stream without a match: release the held text."""
+        """End of stream: release the held text, up to a stop string it holds (then stopped)."""
         out, self._held = ("" if self.stopped else self._held), ""
+        hit = self._first_hit(out)
+        if hit is not None:
+            self.stopped = True
+            return out[:hit[0]]
         return out

@@ -2,9 +2,9 @@
 
 Run as `python -m tests.quant.sm90_compile [ggml type ids]` without TRITON_INTERPRET; prints one
 JSON object {config: spill bytes} (every GGUF type by default). Needs no GPU (triton ships
-ptxas). Used by test_compile_sm90.py. `... sm90_compile fp8loop` / `kquantgemm`:
-SASS instructions per weight in the hot loop of every tensor-core fp8 GEMV config / of the Q4_K
-and Q5_K GEMM instead.
+ptxas). Used by test_compile_sm90.py. `... sm90_compile fp8loop` / `gemvloop` / `kquantgemm`:
+SASS instructions per weight in the hot loop of every tensor-core fp8 GEMV config / of every
+lanes-along-K GEMV config (Q4_K, Q5_K, 4-bit, fp8) / of the Q4_K and Q5_K GEMM instead.
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ from kernels.gguf_matmul import gemm_config
 from tests.kernels.sm90_compile import compile_sm90, hot_loop, sass_sm90, spill_bytes
 
 BF16_IO = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
-# the Q4_K / Q5_K GEMV as run on CUDA with bf16 x (K a multiple of 256 * NSB)
-KQUANT_GEMV = dict(USE_ASM=True, X_WORDS=True, EVEN=True)
+# the Q4_K / Q5_K, 4-bit and fp8 CUDA-core GEMVs as run on CUDA with bf16 x (K a multiple of
+# the step)
+LANE_GEMV = dict(USE_ASM=True, X_WORDS=True, EVEN=True)
+W4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32",
+                "ws_ptr": "*fp32", "lock_ptr": "*i32"}
 FP8_GEMV = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32",
                       "lock_ptr": "*i32"}
 
@@ -47,19 +50,19 @@ def configs(qtypes: list[int] | None = None
             out.extend(kquant_gemm_configs(qtype))
     for qtype in (Q4_K, Q5_K):
         out.append(("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
-                    KQUANT_GEMV | dict(FIVE_BITS=qtype == Q5_K,
+                    LANE_GEMV | dict(FIVE_BITS=qtype == Q5_K,
                                        TYPE_SIZE=GGUF_TYPES[qtype].type_size, BLOCK_N=16,
                                        NSB=8, PREFETCH=False), 4))
-    w4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
     for perm in (False, True):
-        out.append(("w4a16", "_gemv_kernel", w4,
-                    dict(HAS_PERM=perm, USE_ASM=True, X_PAIRS=True, BLOCK_N=16, CHUNK=128,
-                         STEP=1024), 4))
-        out.append(("w4a16", "_gemm_kernel", w4 | {"out_ptr": "*fp32"},
+        out.append(("w4a16_gemv", "_gemv_kernel", W4,
+                    LANE_GEMV | dict(HAS_PERM=perm, BLOCK_N=16, NSB=8, PREFETCH=False,
+                                     SPLIT_K=1), 4))
+        out.append(("w4a16", "_gemm_kernel", W4 | {"out_ptr": "*fp32"},
                     dict(HAS_PERM=perm, USE_ASM=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
                          ATOMIC=True, DOT_PRECISION="tf32"), 4))
     fp8 = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    out.append(("fp8", "_gemv_kernel", fp8, dict(BLOCK_N=8, CHUNK=128, STEP=512), 4))
+    out.append(("fp8_gemv_fma", "_gemv_kernel", fp8,
+                LANE_GEMV | dict(PER_CHANNEL=True, BLOCK_N=16, NSB=8, PREFETCH=False), 4))
     out.append(("fp8", "_gemm_kernel", fp8,
                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"), 4))
     for constexprs, warps, _ in fp8_gemv_configs(tuned=False):
@@ -127,26 +130,45 @@ def fp8_gemv_loop_report() -> dict[str, dict[str, float]]:
     return report
 
 
-def kquant_gemv_loop_report() -> dict[str, dict[str, float]]:
-    """{config: instructions per weight in the Q4_K / Q5_K GEMV's loop, its shared-memory
-    instructions} for every autotune config: the loop's instructions / the weights one thread
-    handles per step (BLOCK_N * NSB * 256 / threads)."""
-    from kernels import gguf_kquant_gemv
+def lane_gemv_jobs() -> list[tuple[str, str, dict[str, str], dict[str, Any], int, int]]:
+    """(module, kernel, types, constexprs, warps, weights one thread handles per step) of every
+    autotune config of the lanes-along-K GEMVs: Q4_K / Q5_K, 4-bit (plain and act-order), fp8
+    (per-channel and group scales)."""
+    from kernels import fp8_gemv_fma, gguf_kquant_gemv, w4a16_gemv
 
     gguf = BF16_IO | {"w_ptr": "*u8"}
-    report = {}
+    fp8 = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    jobs = []
     for qtype, configs in ((Q4_K, gguf_kquant_gemv.GEMV_CONFIGS),
                            (Q5_K, gguf_kquant_gemv.GEMV_CONFIGS_Q5)):
         for c in configs:
-            constexprs = KQUANT_GEMV | dict(FIVE_BITS=qtype == Q5_K,
-                                            TYPE_SIZE=GGUF_TYPES[qtype].type_size, **c.kwargs)
-            body = hot_loop(sass_sm90("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
-                                      constexprs, c.num_warps), containing="PRMT")
-            per_thread = c.kwargs["BLOCK_N"] * c.kwargs["NSB"] * 256 / (32 * c.num_warps)
-            name = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" w{c.num_warps}"
-            report[name] = {"per_weight": round(len(body) / per_thread, 3),
-                            "shared": sum(t.split()[0] in ("LDS", "STS", "BAR.SYNC")
-                                          or t.startswith(("LDS.", "STS.")) for t in body)}
+            jobs.append(("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
+                         LANE_GEMV | dict(FIVE_BITS=qtype == Q5_K,
+                                          TYPE_SIZE=GGUF_TYPES[qtype].type_size, **c.kwargs),
+                         c.num_warps, 256))
+    for c in w4a16_gemv.GEMV_CONFIGS:
+        for perm in (False, True):
+            jobs.append(("w4a16_gemv", "_gemv_kernel", W4,
+                         LANE_GEMV | dict(HAS_PERM=perm, **c.kwargs), c.num_warps, 256))
+    for c in fp8_gemv_fma.GEMV_CONFIGS:
+        for per_channel in (True, False):
+            jobs.append(("fp8_gemv_fma", "_gemv_kernel", fp8,
+                         LANE_GEMV | dict(PER_CHANNEL=per_channel, **c.kwargs), c.num_warps,
+                         128))
+    return [(module, kernel, types, ce, warps, ce["BLOCK_N"] * ce["NSB"] * block // (32 * warps))
+            for module, kernel, types, ce, warps, block in jobs]
+
+
+def lane_gemv_loop_report() -> dict[str, dict[str, float]]:
+    """{config: instructions per weight in the loop, its shared-memory instructions} for every
+    job of lane_gemv_jobs: the loop's instructions / the weights one thread handles per step."""
+    report = {}
+    for module, kernel, types, constexprs, warps, per_thread in lane_gemv_jobs():
+        body = hot_loop(sass_sm90(module, kernel, types, constexprs, warps), containing="FFMA")
+        name = f"{module} " + " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" w{warps}"
+        report[name] = {"per_weight": round(len(body) / per_thread, 3),
+                        "shared": sum(t.split()[0] in ("LDS", "STS", "BAR.SYNC")
+                                      or t.startswith(("LDS.", "STS.")) for t in body)}
     return report
 
 
@@ -160,31 +182,10 @@ def spill_report(qtypes: list[int] | None = None) -> dict[str, int]:
 
 
 def tuned_gemv_report() -> dict[str, int]:
-    """Spill bytes of every autotune config of the decode GEMVs (w4a16, Q4_K/Q5_K, fp8 CUDA-core
-    and tensor-core)."""
-    from kernels import fp8, gguf_kquant_gemv, w4a16
-
-    gguf = BF16_IO | {"w_ptr": "*u8", "w16_ptr": "*fp16"}
-    w4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
-    fp8_types = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    jobs: list[tuple[str, str, dict[str, str], dict[str, Any], int]] = []
-    for perm, configs in ((False, w4a16.GEMV_CONFIGS), (True, w4a16.GEMV_CONFIGS)):
-        for c in configs:
-            jobs.append(("w4a16", "_gemv_kernel", w4,
-                         dict(HAS_PERM=perm, USE_ASM=True, X_PAIRS=True, CHUNK=128,
-                              **c.kwargs),
-                         c.num_warps))
-    for qtype, configs in ((Q4_K, gguf_kquant_gemv.GEMV_CONFIGS),
-                           (Q5_K, gguf_kquant_gemv.GEMV_CONFIGS_Q5)):
-        for c in configs:
-            jobs.append(("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
-                         KQUANT_GEMV | dict(FIVE_BITS=qtype == Q5_K,
-                                            TYPE_SIZE=GGUF_TYPES[qtype].type_size, **c.kwargs),
-                         c.num_warps))
-    for c in fp8.GEMV_CONFIGS:
-        jobs.append(("fp8", "_gemv_kernel", fp8_types, dict(CHUNK=128, **c.kwargs), c.num_warps))
+    """Spill bytes of every autotune config of the decode GEMVs (lanes-along-K GEMVs and the
+    tensor-core fp8 one)."""
     report = {}
-    for module, kernel, types, constexprs, warps in jobs:
+    for module, kernel, types, constexprs, warps, _ in lane_gemv_jobs():
         name = f"{module}.{kernel} " + " ".join(f"{k}={v}" for k, v in constexprs.items()) + \
             f" warps={warps}"
         report[name] = spill_bytes(compile_sm90(module, kernel, types, constexprs, warps))
@@ -202,8 +203,8 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["tuned"]:  # every autotune config of the decode GEMVs
         print(json.dumps(tuned_gemv_report()))
         sys.exit(0)
-    if sys.argv[1:] == ["kquantloop"]:
-        print(json.dumps(kquant_gemv_loop_report()))
+    if sys.argv[1:] == ["gemvloop"]:
+        print(json.dumps(lane_gemv_loop_report()))
         sys.exit(0)
     if sys.argv[1:] == ["kquantgemm"]:
         print(json.dumps(kquant_gemm_loop_report()))

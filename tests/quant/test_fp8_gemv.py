@@ -10,9 +10,9 @@ import pytest
 import torch
 import triton
 
-from kernels import fp8_gemv
 from kernels.fp8 import fp8_matmul_triton, quantize_fp8_per_channel
 from kernels.fp8_gemv import CONFIGS, FALLBACK, fp8_gemv_mma
+from kernels.split_k import lock_buffer
 from tests.quant.conftest import DEVICE, rel_err
 
 SPLIT = triton.Config({"BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 3}, num_warps=4, num_stages=3)
@@ -74,7 +74,7 @@ def test_bf16_rows_beyond_fp16_range() -> None:
 def test_split_k_counters_return_to_zero() -> None:
     x, weight, scale, ref = make(300, 512, 4, 2, torch.bfloat16, seed=5)
     first = fp8_gemv_mma(x, weight, scale, 128, SPLIT)
-    locks = fp8_gemv._lock_buffer(x.device)
+    locks = lock_buffer(x.device)
     assert int(locks.abs().sum()) == 0
     second = fp8_gemv_mma(x, weight, scale, 128, SPLIT)  # a stale counter would skip the sum
     assert torch.equal(first, second)
@@ -83,8 +83,9 @@ def test_split_k_counters_return_to_zero() -> None:
 
 @pytest.mark.parametrize("groups", [1, 4, 13], ids=["per-channel", "groups-of-128", "groups-of-40"])
 def test_decode_dispatch(groups: int) -> None:
-    """fp8_matmul_triton's GEMV: the tensor-core kernel for 16-bit x and groups of 64k, the
-    CUDA-core one otherwise (groups of 40); both against the reference."""
+    """fp8_matmul_triton with kernel="gemv" on two rows: the tensor-core GEMV for 16-bit x and
+    groups of 64k, the GEMM where no GEMV takes the shape (K = 520, groups of 40); both against
+    the reference (tests/quant/test_fp8_gemv_fma.py has the dispatch by row count)."""
     x, weight, scale, ref = make(24, 520, groups, 2, torch.bfloat16, seed=6)
     out = fp8_matmul_triton(x, weight, scale, kernel="gemv")
     assert rel_err(out.cpu(), ref) < TOL[torch.bfloat16]
@@ -104,7 +105,7 @@ def test_gpu_every_config(config: triton.Config, k: int, groups: int, m: int) ->
                                  x_scale=3e4)
     out = fp8_gemv_mma(x, weight, scale, k // groups, config)
     assert rel_err(out.cpu(), ref) < TOL[torch.bfloat16]
-    assert int(fp8_gemv._lock_buffer(x.device).abs().sum()) == 0
+    assert int(lock_buffer(x.device).abs().sum()) == 0
 
 
 @pytest.mark.gpu

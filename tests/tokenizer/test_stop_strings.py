@@ -21,8 +21,8 @@ def _feed(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:
             stopped = True
             break
     if not stopped:
-        out.append(m.flush())
-    return out, stopped
+        out.append(m.flush())  # may still find a stop in the held text
+    return out, m.stopped
 
 
 def _reference(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -46,9 +46,16 @@ def test_false_start_is_released_once_disambiguated() -> None:
 
 
 def test_earliest_stop_wins_and_overlaps_work() -> None:
-    assert _feed(["abc", "b"], ["xab", "c"]) == (["xa"], True)
+    # "b" is complete in "xab", but "abc" would start earlier: held until "c" shows it does
+    assert _feed(["abc", "b"], ["xab", "c"]) == (["x", ""], True)
+    assert _feed(["abc", "b"], ["xab", "d"]) == (["x", "a"], True)
     assert _feed(["abc", "bd"], ["xab", "c"]) == (["x", ""], True)
     assert _feed(["aab"], ["a", "a", "a", "b", "z"]) == (["", "", "a", ""], True)
+    # "a" is complete in " a" but " aa", starting earlier, is still open: wait, then stop there
+    assert _feed(["a", " aa"], [" a", "a"]) == (["", ""], True)
+    assert _feed(["a", " aa"], [" a", "b"]) == (["", " "], True)
+    # the stream ends while the longer stop is open: the held text is cut at the short one
+    assert _feed(["a", " aa"], [" a"]) == (["", " "], True)
 
 
 letters = st.text(alphabet="abc é🤖", max_size=30)

@@ -10,7 +10,10 @@ Rules:
   (kernels/kv_quant.py). Layers that cannot read one set `supports_fp8_kv_cache = False`.
 - Batch layout, positions and slots come from `get_forward_context()` (see forward_context.py).
 - q/k/v arrive already projected and rotated, flattened as [T, heads * head_dim]; the output is
-  [T, num_heads * head_dim]. `num_heads` / `num_kv_heads` are this rank's head counts.
+  [T, num_heads * head_dim].
+- With FLOTILLA_DENSE_PREFILL=1, one long prompt without a cached prefix attends through torch's
+  fused attention on its fresh K/V (kernels/dense_attention.py); all else reads the paged cache.
+- `num_heads` / `num_kv_heads` are this rank's head counts.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.dense_attention import dense_causal_attention, dense_prefill_ok
 from kernels.kv_quant import KVScales
 from services.engine.forward_context import get_forward_context
 from services.engine.layers.rotary import RotaryEmbedding
@@ -64,6 +68,15 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if dense_prefill_ok(q, meta, self.kv_scales, self.sliding_window, self.logit_softcap):
+            # one long prompt without a cached prefix: fused attention on the fresh K/V
+            if rotary is not None:
+                assert positions is not None, "rotary needs the positions"
+                q, k = kernels.rotary_embedding(positions, q, k, rotary.cos_sin_cache,
+                                                rotary.is_neox)
+            kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = dense_causal_attention(q, k, v, self.scale)
+            return out.reshape(t, self.num_heads * self.head_dim)
         if rotary is None:
             kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
                                    self.kv_scales)

@@ -1,0 +1,217 @@
+"""Decode GEMV for 4-bit weights (GPTQ / AWQ after loading; layout in kernels/w4a16.py).
+
+Work split, as the Q4_K GEMV (kernels/gguf_kquant_gemv.py): element (row, block, run p) of a
+[BLOCK_N, NSB, 4] index space dots one run of 64 weights (8 int32 words: two 16-byte loads,
+`load16`) of a 256-weight block with its 64 x values. The lanes of a warp lie along runs and
+blocks, the warps along rows, so a thread holds BLOCK_N / warps rows of one run: x is loaded (16
+bytes a word) and converted once per thread for all of them, and nothing crosses threads before
+the end (the earlier tl.load kernel moved x through shared memory with a barrier per step).
+
+A run lies in one group (the group size is a multiple of 64), so per (row, run), with codes
+as f = 0.5 + code / 256 (kernels/code_floats.py: one PRMT each),
+
+    sum_l (code_l - zero) * scale * x_l = scale * (256 * sum_l f_l x_l - (128 + zero) * S)
+
+with S = sum_l x_l. Word j of a run holds weights 8j .. 8j + 7, weight 8j + i in bits 4i ..
+4i + 3: its low nibbles (q & 0x0F0F0F0F) are weights 8j + 0, 2, 4, 6 and the high ones 1, 3,
+5, 7, against the even and odd halves of x's bf16 pairs. GPTQ act-order (perm) gathers x by
+perm inside the loop. Rows past N read row N - 1 (the asm loads take no mask) and runs past K
+the last run, with a zero scale; neither is stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.code_floats import INTERPRET, codes4
+from kernels.split_k import LOCKS, lock_buffer, split_k_store
+from kernels.tuning import warmup_autotune
+from kernels.vector_loads import load16, load_run, load_scalars, x8, x_words_ok
+
+RUN = 64  # weights per (row, run) element: the group size must be a multiple of it
+
+
+@triton.jit
+def _x8_perm(x_row, perm_ptr, k0, USE_ASM: tl.constexpr):
+    """x[perm[k0 + i]], i = 0..7, as float32 (act-order: k0 a multiple of 8)."""
+    p0, p1, p2, p3 = load16(perm_ptr + k0, USE_ASM)
+    p4, p5, p6, p7 = load16(perm_ptr + k0 + 4, USE_ASM)
+    return (tl.load(x_row + p0).to(tl.float32), tl.load(x_row + p1).to(tl.float32),
+            tl.load(x_row + p2).to(tl.float32), tl.load(x_row + p3).to(tl.float32),
+            tl.load(x_row + p4).to(tl.float32), tl.load(x_row + p5).to(tl.float32),
+            tl.load(x_row + p6).to(tl.float32), tl.load(x_row + p7).to(tl.float32))
+
+
+@triton.jit
+def _dot_word(d, s, q, x_row, perm_ptr, r, j: tl.constexpr, HAS_PERM: tl.constexpr,
+              X_WORDS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Adds word j of run r: sum f * x to d, sum x to s."""
+    if HAS_PERM:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x8_perm(x_row, perm_ptr, r * 64 + 8 * j, USE_ASM)
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = x8(x_row, r * 32 + 4 * j, X_WORDS, USE_ASM)
+    s += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    a0, a1, a2, a3 = codes4(q & 0x0F0F0F0F, USE_ASM)
+    b0, b1, b2, b3 = codes4((q >> 4) & 0x0F0F0F0F, USE_ASM)
+    d = d + a0 * x0 + b0 * x1 + a1 * x2 + b1 * x3 + a2 * x4 + b2 * x5 + a3 * x6 + b3 * x7
+    return d, s
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] activations, unit stride along K
+    q_ptr,  # int32 [N, K // 8], 16-byte aligned rows
+    s_ptr,  # fp16 [N, K // G] scales
+    z_ptr,  # uint8 [N, K // G] zeros
+    perm_ptr,  # int32 [K] (HAS_PERM)
+    out_ptr,  # [M, N] in x's dtype
+    ws_ptr,  # float32 [SPLIT_K, M, N] partials (SPLIT_K > 1)
+    lock_ptr,  # int32 [>= cdiv(N, BLOCK_N) * M] zeroed counters (SPLIT_K > 1)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_q,  # int32 words between weight rows
+    stride_s,
+    stride_om,
+    group_size,
+    HAS_PERM: tl.constexpr,
+    USE_ASM: tl.constexpr,  # CUDA: inline PTX loads and code conversion
+    X_WORDS: tl.constexpr,  # 16-bit x with 16-byte aligned rows: read as int32 pairs
+    EVEN: tl.constexpr,  # K is a multiple of 256 * NSB * SPLIT_K
+    BLOCK_N: tl.constexpr,
+    NSB: tl.constexpr,  # 256-weight blocks per loop step
+    PREFETCH: tl.constexpr,  # load step i + 1 before the arithmetic of step i
+    SPLIT_K: tl.constexpr,  # programs sharing a row block, each a run of whole steps of K
+):
+    STEP: tl.constexpr = NSB * 4  # runs per loop step
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)[:, None, None]
+    q_rows = q_ptr + rows_c * stride_q
+    sz_rows = rows_c * stride_s
+    x_row = x_ptr + m * stride_xm
+    nruns = K // 64
+    r_lo = pid_k * tl.cdiv(tl.cdiv(nruns, STEP), SPLIT_K) * STEP
+    r_hi = tl.minimum(r_lo + tl.cdiv(tl.cdiv(nruns, STEP), SPLIT_K) * STEP, nruns)
+    runs = tl.arange(0, NSB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NSB, 4]
+    acc = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
+    if PREFETCH:
+        w = load_run(q_rows, r_lo + runs if EVEN else tl.minimum(r_lo + runs, nruns - 1),
+                     USE_ASM)
+    for r0 in range(r_lo, r_hi, STEP):
+        r = r0 + runs
+        if not EVEN:
+            r_ok = r < r_hi
+            r = tl.minimum(r, nruns - 1)
+        if PREFETCH:  # issue the next step's loads before this step's arithmetic
+            if r0 + STEP < r_hi:
+                r_next = r0 + STEP + runs
+                if not EVEN:
+                    r_next = tl.minimum(r_next, nruns - 1)
+                w_next = load_run(q_rows, r_next, USE_ASM)
+            else:
+                w_next = w
+        else:
+            w = load_run(q_rows, r, USE_ASM)
+        q0, q1, q2, q3, q4, q5, q6, q7 = w
+        d, s = _dot_word(0.0, 0.0, q0, x_row, perm_ptr, r, 0, HAS_PERM, X_WORDS, USE_ASM)
+        d, s = _dot_word(d, s, q1, x_row, perm_ptr, r, 1, HAS_PERM, X_WORDS, USE_ASM)
+        d, s = _dot_word(d, s, q2, x_row, perm_ptr, r, 2, HAS_PERM, X_WORDS, USE_ASM)
+        d, s = _dot_word(d, s, q3, x_row, perm_ptr, r, 3, HAS_PERM, X_WORDS, USE_ASM)
+        d, s = _dot_word(d, s, q4, x_row, perm_ptr, r, 4, HAS_PERM, X_WORDS, USE_ASM)
+        d, s = _dot_word(d, s, q5, x_row, perm_ptr, r, 5, HAS_PERM, X_WORDS, USE_ASM)
+        d, s = _dot_word(d, s, q6, x_row, perm_ptr, r, 6, HAS_PERM, X_WORDS, USE_ASM)
+        d, s = _dot_word(d, s, q7, x_row, perm_ptr, r, 7, HAS_PERM, X_WORDS, USE_ASM)
+        grp = sz_rows + (r * 64) // group_size
+        scale = load_scalars(s_ptr + grp, USE_ASM)
+        zero = load_scalars(z_ptr + grp, USE_ASM)
+        if not EVEN:
+            scale = tl.where(r_ok, scale, 0.0)
+        acc += scale * (256.0 * d - (128.0 + zero) * s)
+        if PREFETCH:
+            w = w_next
+    split_k_store(tl.sum(tl.sum(acc, axis=2), axis=1), ws_ptr + m * N + rows,
+                  out_ptr + m * stride_om + rows, row_ok, lock_ptr + pid_n * M + m, pid_k,
+                  M * N, SPLIT_K)
+
+
+# (BLOCK_N, NSB, warps, prefetch, split-K), keyed on (N, K, group) on CUDA: a thread holds
+# BLOCK_N / warps rows of one run when NSB = 8 (32 lanes along the runs of 8 blocks)
+_TILES = ((16, 8, 4, False, 1), (32, 8, 4, False, 1), (8, 8, 4, False, 1), (4, 8, 1, False, 1),
+          (16, 8, 2, False, 1), (8, 16, 4, False, 1), (16, 8, 4, True, 1), (8, 8, 4, True, 1),
+          # 4 blocks a step: more, shorter steps, so prefetch overlaps more of a narrow matrix
+          (32, 4, 4, True, 1), (16, 4, 2, False, 1), (8, 4, 2, True, 1),
+          # split-K: more programs for matrices with few rows and a long K (down: 4096 x 14336)
+          (16, 8, 4, False, 2), (8, 8, 4, True, 2), (16, 8, 4, False, 4), (8, 8, 4, False, 4))
+GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "NSB": nsb, "PREFETCH": pf, "SPLIT_K": sk},
+                              num_warps=w) for bn, nsb, w, pf, sk in _TILES]
+_SPLIT_MAX = max(c.kwargs["SPLIT_K"] for c in GEMV_CONFIGS)
+
+
+def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any
+           ) -> list[triton.Config]:
+    """Split-K only with a loop step or more per slice and no more tiles than counters."""
+    blocks = named_args["K"] // 256
+    return [c for c in configs if c.kwargs["SPLIT_K"] == 1 or (
+        blocks >= c.kwargs["NSB"] * c.kwargs["SPLIT_K"]
+        and triton.cdiv(named_args["N"], c.kwargs["BLOCK_N"]) * named_args["M"] <= LOCKS)]
+
+
+_EVEN = triton.heuristics(
+    {"EVEN": lambda a: a["K"] % (256 * a["NSB"] * a["SPLIT_K"]) == 0})
+_tuned, _tuned_perm = (
+    warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size", "M"],
+                    prune_configs_by={"early_config_prune": _prune})(_EVEN(_gemv_kernel))
+    for _ in range(2))
+
+
+def gemv_ok(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+            perm: torch.Tensor | None) -> bool:
+    """This GEMV takes groups that are multiples of 64 (groups of 32 decode through the GEMM),
+    fp16 scales and (CUDA) 16-byte aligned weight rows and act-order permutation."""
+    if group_size % RUN or scales.dtype != torch.float16:
+        return False
+    if x2.is_cuda and not INTERPRET:
+        return (qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 4 == 0
+                and (perm is None or perm.data_ptr() % 16 == 0))
+    return True
+
+
+def w4a16_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None,
+               block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
+               num_warps: int = 4, split_k: int = 1) -> torch.Tensor:
+    """x2 [M, K] (a few rows: one program row each) -> [M, N] in x2's dtype; arguments checked
+    by kernels/w4a16.py. On CUDA without a pinned block_n the tile is autotuned (before any
+    CUDA-graph capture)."""
+    m, k = x2.shape
+    n = qweight.shape[0]
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    use_asm = x2.is_cuda and not INTERPRET
+    tuned = x2.is_cuda and block_n is None
+    split = _SPLIT_MAX if tuned else split_k
+    ws = torch.empty(split if split > 1 else 0, m, n, dtype=torch.float32, device=x2.device)
+    if not tuned and split > 1 and triton.cdiv(n, block_n or 8) * m > LOCKS:
+        raise ValueError(f"split-K over {triton.cdiv(n, block_n or 8) * m} tiles: at most "
+                         f"{LOCKS}")
+    args = (x2, qweight, scales, zeros, qweight if perm is None else perm, out, ws,
+            lock_buffer(x2.device), m, n, k, x2.stride(0), qweight.stride(0), scales.stride(0),
+            out.stride(0), group_size)
+    meta = dict(HAS_PERM=perm is not None, USE_ASM=use_asm, X_WORDS=x_words_ok(x2))
+    if tuned:
+        kernel = _tuned if perm is None else _tuned_perm
+        kernel[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m, a["SPLIT_K"])](*args, **meta)
+    else:
+        bn = block_n or 8
+        _gemv_kernel[(triton.cdiv(n, bn), m, split_k)](
+            *args, **meta, EVEN=k % (256 * nsb * split_k) == 0, BLOCK_N=bn, NSB=nsb,
+            PREFETCH=prefetch, SPLIT_K=split_k, num_warps=num_warps)
+    return out
