@@ -18,9 +18,8 @@ and `warm_up` builds every bucket's plan at start-up. A prompt takes the fused p
 the padding adds at most MAX_PAD_COST of attention work (the fused kernel is ~1.4x faster).
 The path is opt-in, FLOTILLA_DENSE_PREFILL=1 (read at start-up; without it no plan is built and
 every prompt reads the paged cache): start-up 5.5 s with it vs 5.4 s without on an H100 with
-warm caches (17.1 s on a fresh machine), and PyTorch keeps these plans per thread, so a server
-whose engine steps run on another thread than start-up (the engine service) may still build a
-bucket's plan on its first prompt.
+warm caches (17.1 s on a fresh machine). PyTorch keeps these plans per thread: the engine
+service's loop thread builds them again before its first step (services/engine/loop.py).
 """
 
 from __future__ import annotations

@@ -149,6 +149,9 @@ _TILES = ((16, 8, 4, False, 1), (32, 8, 4, False, 1), (8, 8, 4, False, 1), (4, 8
           (16, 8, 2, False, 1), (8, 16, 4, False, 1), (16, 8, 4, True, 1), (8, 8, 4, True, 1),
           # 4 blocks a step: more, shorter steps, so prefetch overlaps more of a narrow matrix
           (32, 4, 4, True, 1), (16, 4, 2, False, 1), (8, 4, 2, True, 1),
+          # more warps along K (NSB 16-32: 2-4 warps share a row block's x range)
+          (8, 32, 4, False, 1), (16, 16, 8, False, 1), (4, 16, 2, False, 1), (8, 16, 4, True, 1),
+          (16, 16, 4, False, 1),
           # split-K: more programs for matrices with few rows and a long K (down: 4096 x 14336)
           (16, 8, 4, False, 2), (8, 8, 4, True, 2), (16, 8, 4, False, 4), (8, 8, 4, False, 4))
 GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "NSB": nsb, "PREFETCH": pf, "SPLIT_K": sk},

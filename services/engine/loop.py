@@ -107,6 +107,11 @@ class EngineLoop:
     def _run(self) -> None:
         self._refresh_stats()
         try:
+            # per-thread caches (cuDNN attention plans, FLOTILLA_DENSE_PREFILL) belong to the
+            # thread that steps the engine, not to the one that built it
+            warm = getattr(getattr(self.engine, "runner", None), "warm_up_dense_attention", None)
+            if warm is not None:
+                warm()
             while True:
                 if not self._admit(block=not self.engine.has_unfinished()):
                     return

@@ -78,7 +78,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.inputs = StepInputBuilder(self.max_num_tokens, self.max_num_seqs,
                                        self.max_blocks_per_seq, self.block_size, self.device)
-        self._warm_up_dense_attention()
+        self.warm_up_dense_attention()
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self._logits_all_rows, self.max_num_seqs,
@@ -87,9 +87,11 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs.capture()
 
-    def _warm_up_dense_attention(self) -> None:
+    def warm_up_dense_attention(self) -> None:
         """Fused-attention plans for every long-prompt length bucket (kernels/dense_attention.py),
-        built now rather than on a user's first long prompt."""
+        built now rather than on a user's first long prompt; PyTorch keeps them per thread, so a
+        server calls this again on the thread that steps the engine (services/engine/loop.py).
+        Does nothing unless FLOTILLA_DENSE_PREFILL=1 on a GPU."""
         layer = next((a for a in self.attention if type(a) is Attention), None)
         if layer is not None and self.device.type == "cuda":
             dense_attention.warm_up(layer.num_heads, layer.num_kv_heads, layer.head_dim,

@@ -90,3 +90,25 @@ def test_stop_during_the_window_ends_the_thread() -> None:
     loop.stop()
     assert time.monotonic() - t < 5
     assert not loop._thread.is_alive()
+
+
+def test_per_thread_warm_up_runs_on_the_loop_thread_before_the_first_step() -> None:
+    """Caches PyTorch keeps per thread (cuDNN attention plans) are warmed by the thread that
+    steps the engine: the runner's warm_up_dense_attention runs on the engine-loop thread,
+    before any step."""
+    engine = StepRecorder()
+    seen: list[tuple[str, int]] = []
+
+    class Runner:
+        def warm_up_dense_attention(self) -> None:
+            seen.append((threading.current_thread().name, len(engine.steps)))
+
+    engine.runner = Runner()  # type: ignore[attr-defined]
+    loop = EngineLoop(engine, asyncio.new_event_loop(), lambda _: None, lambda exc: None)
+    loop.start()
+    try:
+        loop.add("r0", [1], None)
+        assert engine.stepped.wait(5)
+    finally:
+        loop.stop()
+    assert seen == [("engine-loop", 0)]
