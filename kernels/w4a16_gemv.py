@@ -21,14 +21,11 @@ the last run, with a zero scale; neither is stored.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
-from kernels.split_k import LOCKS, lock_buffer, split_k_store
 from kernels.tuning import warmup_autotune
 from kernels.vector_loads import load16, load_run, load_scalars, x8, x_words_ok
 
@@ -69,9 +66,6 @@ def _gemv_kernel(
     z_ptr,  # uint8 [N, K // G] zeros
     perm_ptr,  # int32 [K] (HAS_PERM)
     out_ptr,  # [M, N] in x's dtype
-    ws_ptr,  # float32 [SPLIT_K, M, N] partials (SPLIT_K > 1)
-    lock_ptr,  # int32 [>= cdiv(N, BLOCK_N) * M] zeroed counters (SPLIT_K > 1)
-    M,
     N,
     K,
     stride_xm,
@@ -82,16 +76,14 @@ def _gemv_kernel(
     HAS_PERM: tl.constexpr,
     USE_ASM: tl.constexpr,  # CUDA: inline PTX loads and code conversion
     X_WORDS: tl.constexpr,  # 16-bit x with 16-byte aligned rows: read as int32 pairs
-    EVEN: tl.constexpr,  # K is a multiple of 256 * NSB * SPLIT_K
+    EVEN: tl.constexpr,  # K is a multiple of 256 * NSB
     BLOCK_N: tl.constexpr,
     NSB: tl.constexpr,  # 256-weight blocks per loop step
     PREFETCH: tl.constexpr,  # load step i + 1 before the arithmetic of step i
-    SPLIT_K: tl.constexpr,  # programs sharing a row block, each a run of whole steps of K
 ):
     STEP: tl.constexpr = NSB * 4  # runs per loop step
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    pid_k = tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)[:, None, None]
@@ -99,20 +91,17 @@ def _gemv_kernel(
     sz_rows = rows_c * stride_s
     x_row = x_ptr + m * stride_xm
     nruns = K // 64
-    r_lo = pid_k * tl.cdiv(tl.cdiv(nruns, STEP), SPLIT_K) * STEP
-    r_hi = tl.minimum(r_lo + tl.cdiv(tl.cdiv(nruns, STEP), SPLIT_K) * STEP, nruns)
     runs = tl.arange(0, NSB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NSB, 4]
     acc = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
     if PREFETCH:
-        w = load_run(q_rows, r_lo + runs if EVEN else tl.minimum(r_lo + runs, nruns - 1),
-                     USE_ASM)
-    for r0 in range(r_lo, r_hi, STEP):
+        w = load_run(q_rows, runs if EVEN else tl.minimum(runs, nruns - 1), USE_ASM)
+    for r0 in range(0, nruns, STEP):
         r = r0 + runs
         if not EVEN:
-            r_ok = r < r_hi
+            r_ok = r < nruns
             r = tl.minimum(r, nruns - 1)
         if PREFETCH:  # issue the next step's loads before this step's arithmetic
-            if r0 + STEP < r_hi:
+            if r0 + STEP < nruns:
                 r_next = r0 + STEP + runs
                 if not EVEN:
                     r_next = tl.minimum(r_next, nruns - 1)
@@ -138,42 +127,27 @@ def _gemv_kernel(
         acc += scale * (256.0 * d - (128.0 + zero) * s)
         if PREFETCH:
             w = w_next
-    split_k_store(tl.sum(tl.sum(acc, axis=2), axis=1), ws_ptr + m * N + rows,
-                  out_ptr + m * stride_om + rows, row_ok, lock_ptr + pid_n * M + m, pid_k,
-                  M * N, SPLIT_K)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-# (BLOCK_N, NSB, warps, prefetch, split-K), keyed on (N, K, group) on CUDA: a thread holds
-# BLOCK_N / warps rows of one run when NSB = 8 (32 lanes along the runs of 8 blocks)
-_TILES = ((16, 8, 4, False, 1), (32, 8, 4, False, 1), (8, 8, 4, False, 1), (4, 8, 1, False, 1),
-          (16, 8, 2, False, 1), (8, 16, 4, False, 1), (16, 8, 4, True, 1), (8, 8, 4, True, 1),
+# (BLOCK_N, NSB, warps, prefetch), keyed on (N, K, group) on CUDA: a thread holds BLOCK_N /
+# warps rows of one run when NSB = 8 (32 lanes along the runs of 8 blocks). Split-K (programs
+# over slices of K, finished in the same launch) was measured on an H100 and never picked for
+# Llama-3-8B's matrices; it is not offered.
+_TILES = ((16, 8, 4, False), (32, 8, 4, False), (8, 8, 4, False), (4, 8, 1, False),
+          (16, 8, 2, False), (8, 16, 4, False), (16, 8, 4, True), (8, 8, 4, True),
           # 4 blocks a step: more, shorter steps, so prefetch overlaps more of a narrow matrix
-          (32, 4, 4, True, 1), (16, 4, 2, False, 1), (8, 4, 2, True, 1),
-          # more warps along K (NSB 16-32: 2-4 warps share a row block's x range)
-          (8, 32, 4, False, 1), (16, 16, 8, False, 1), (4, 16, 2, False, 1), (8, 16, 4, True, 1),
-          (16, 16, 4, False, 1),
-          # split-K: more programs for matrices with few rows and a long K (down: 4096 x 14336)
-          (16, 8, 4, False, 2), (8, 8, 4, True, 2), (16, 8, 4, False, 4), (8, 8, 4, False, 4))
-GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "NSB": nsb, "PREFETCH": pf, "SPLIT_K": sk},
-                              num_warps=w) for bn, nsb, w, pf, sk in _TILES]
-_SPLIT_MAX = max(c.kwargs["SPLIT_K"] for c in GEMV_CONFIGS)
-
-
-def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any
-           ) -> list[triton.Config]:
-    """Split-K only with a loop step or more per slice and no more tiles than counters."""
-    blocks = named_args["K"] // 256
-    return [c for c in configs if c.kwargs["SPLIT_K"] == 1 or (
-        blocks >= c.kwargs["NSB"] * c.kwargs["SPLIT_K"]
-        and triton.cdiv(named_args["N"], c.kwargs["BLOCK_N"]) * named_args["M"] <= LOCKS)]
-
-
-_EVEN = triton.heuristics(
-    {"EVEN": lambda a: a["K"] % (256 * a["NSB"] * a["SPLIT_K"]) == 0})
-_tuned, _tuned_perm = (
-    warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size", "M"],
-                    prune_configs_by={"early_config_prune": _prune})(_EVEN(_gemv_kernel))
-    for _ in range(2))
+          (32, 4, 4, True), (16, 4, 2, False), (8, 4, 2, True),
+          # more warps along K (NSB 16-32: 2-4 warps share a row block's x range; down picks
+          # 8 x 32 on an H100)
+          (8, 32, 4, False), (16, 16, 8, False), (4, 16, 2, False), (8, 16, 4, True),
+          (16, 16, 4, False))
+GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "NSB": nsb, "PREFETCH": pf}, num_warps=w)
+                for bn, nsb, w, pf in _TILES]
+_EVEN = triton.heuristics({"EVEN": lambda a: a["K"] % (256 * a["NSB"]) == 0})
+_tuned, _tuned_perm = (warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size"])(
+    _EVEN(_gemv_kernel)) for _ in range(2))
 
 
 def gemv_ok(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -191,7 +165,7 @@ def gemv_ok(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group
 def w4a16_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None,
                block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
-               num_warps: int = 4, split_k: int = 1) -> torch.Tensor:
+               num_warps: int = 4) -> torch.Tensor:
     """x2 [M, K] (a few rows: one program row each) -> [M, N] in x2's dtype; arguments checked
     by kernels/w4a16.py. On CUDA without a pinned block_n the tile is autotuned (before any
     CUDA-graph capture)."""
@@ -199,22 +173,15 @@ def w4a16_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     n = qweight.shape[0]
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     use_asm = x2.is_cuda and not INTERPRET
-    tuned = x2.is_cuda and block_n is None
-    split = _SPLIT_MAX if tuned else split_k
-    ws = torch.empty(split if split > 1 else 0, m, n, dtype=torch.float32, device=x2.device)
-    if not tuned and split > 1 and triton.cdiv(n, block_n or 8) * m > LOCKS:
-        raise ValueError(f"split-K over {triton.cdiv(n, block_n or 8) * m} tiles: at most "
-                         f"{LOCKS}")
-    args = (x2, qweight, scales, zeros, qweight if perm is None else perm, out, ws,
-            lock_buffer(x2.device), m, n, k, x2.stride(0), qweight.stride(0), scales.stride(0),
-            out.stride(0), group_size)
+    args = (x2, qweight, scales, zeros, qweight if perm is None else perm, out, n, k,
+            x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size)
     meta = dict(HAS_PERM=perm is not None, USE_ASM=use_asm, X_WORDS=x_words_ok(x2))
-    if tuned:
+    if x2.is_cuda and block_n is None:
         kernel = _tuned if perm is None else _tuned_perm
-        kernel[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m, a["SPLIT_K"])](*args, **meta)
+        kernel[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](*args, **meta)
     else:
         bn = block_n or 8
-        _gemv_kernel[(triton.cdiv(n, bn), m, split_k)](
-            *args, **meta, EVEN=k % (256 * nsb * split_k) == 0, BLOCK_N=bn, NSB=nsb,
-            PREFETCH=prefetch, SPLIT_K=split_k, num_warps=num_warps)
+        _gemv_kernel[(triton.cdiv(n, bn), m)](
+            *args, **meta, EVEN=k % (256 * nsb) == 0, BLOCK_N=bn, NSB=nsb, PREFETCH=prefetch,
+            num_warps=num_warps)
     return out

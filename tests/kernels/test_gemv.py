@@ -4,17 +4,11 @@ FLOTILLA_GEMV dispatch in the unquantized linear method."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
 
 from kernels.activation import silu_and_mul_ref
 from kernels.gemv import CONFIGS, GEMV_MAX_M, _config, gemv_triton
@@ -25,9 +19,8 @@ from services.engine.quant.base import (
     use_triton_gemv,
 )
 from tests.kernels.conftest import DEVICE, tolerance
+from tests.kernels.sm90_report import needs_ptxas, sm90_report
 
-ROOT = Path(__file__).resolve().parents[2]
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 # FMA and tensor-core tiles; small K blocks so a tiny K still takes several (masked) steps
 PATHS = {"fma": _config(8, 64, False, 4), "dot": _config(16, 64, True, 4, 2), "default": None}
 
@@ -91,13 +84,9 @@ def test_gpu_gemv_autotuned_real_sizes(m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+@needs_ptxas
 def test_gemv_configs_compile_for_sm90_without_spills() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "tests.kernels.gemv_sm90"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    spills = json.loads(result.stdout.strip().splitlines()[-1])
+    spills = sm90_report("tests.kernels.gemv_sm90", timeout=900)
     assert len(spills) >= len(CONFIGS)
     assert {name: n for name, n in spills.items() if n} == {}
 

@@ -3,10 +3,6 @@ reference against decompressed per-head attention (the form transformers compute
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -23,7 +19,7 @@ from kernels.mla_attention import (
 from services.engine.forward_context import AttentionMetadata
 from tests.kernels.attention_cases import make_case
 from tests.kernels.conftest import DEVICE, tolerance
-from tests.kernels.test_compile_sm90 import PTXAS, ROOT
+from tests.kernels.sm90_report import needs_ptxas, sm90_report
 
 
 class MLACase(NamedTuple):
@@ -144,12 +140,8 @@ def test_gpu_deepseek_v3_sizes(heads: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+@needs_ptxas
 def test_mla_kernels_compile_for_sm90_without_spills() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "tests.kernels.mla_sm90"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    spills = json.loads(result.stdout.strip().splitlines()[-1])
+    spills = sm90_report("tests.kernels.mla_sm90", timeout=600)
     assert len(spills) == 3
     assert {name: n for name, n in spills.items() if n} == {}

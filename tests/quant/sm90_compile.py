@@ -23,8 +23,7 @@ BF16_IO = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
 # the Q4_K / Q5_K, 4-bit and fp8 CUDA-core GEMVs as run on CUDA with bf16 x (K a multiple of
 # the step)
 LANE_GEMV = dict(USE_ASM=True, X_WORDS=True, EVEN=True)
-W4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32",
-                "ws_ptr": "*fp32", "lock_ptr": "*i32"}
+W4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
 FP8_GEMV = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32",
                       "lock_ptr": "*i32"}
 
@@ -55,8 +54,7 @@ def configs(qtypes: list[int] | None = None
                                        NSB=8, PREFETCH=False), 4))
     for perm in (False, True):
         out.append(("w4a16_gemv", "_gemv_kernel", W4,
-                    LANE_GEMV | dict(HAS_PERM=perm, BLOCK_N=16, NSB=8, PREFETCH=False,
-                                     SPLIT_K=1), 4))
+                    LANE_GEMV | dict(HAS_PERM=perm, BLOCK_N=16, NSB=8, PREFETCH=False), 4))
         out.append(("w4a16", "_gemm_kernel", W4 | {"out_ptr": "*fp32"},
                     dict(HAS_PERM=perm, USE_ASM=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
                          ATOMIC=True, DOT_PRECISION="tf32"), 4))

@@ -6,32 +6,19 @@ ptxas) in a subprocess, since this session's kernels are decorated for the inter
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-import triton
 
 from kernels.gguf_dequant import Q4_1, Q4_K, Q6_K
-
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.sm90_report import needs_ptxas, sm90_report
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+@needs_ptxas
 def test_quant_kernels_compile_for_sm90_without_spills() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # one type per decoder family (32-weight, k-quant 32 / 16-weight sub-blocks) keeps this
     # near a minute; `python -m tests.quant.sm90_compile` compiles all ten
     types = [str(q) for q in (Q4_1, Q4_K, Q6_K)]
-    result = subprocess.run([sys.executable, "-m", "tests.quant.sm90_compile", *types], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    spills = json.loads(result.stdout.strip().splitlines()[-1])
+    spills = sm90_report("tests.quant.sm90_compile", *types, timeout=900)
     # GGUF GEMV + 2 GEMMs per type, Q4_K GEMM (2 tiles), k-quant GEMVs, w4a16, fp8 GEMV + GEMM,
     # tensor-core fp8 GEMV
     assert len(spills) == 3 * 3 + 2 + 2 + 4 + 2 + 2
@@ -39,13 +26,9 @@ def test_quant_kernels_compile_for_sm90_without_spills() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+@needs_ptxas
 def test_decode_gemv_autotune_configs_compile_for_sm90_without_spills() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "tests.quant.sm90_compile", "tuned"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    spills = json.loads(result.stdout.strip().splitlines()[-1])
+    spills = sm90_report("tests.quant.sm90_compile", "tuned", timeout=900)
     from tests.quant.sm90_compile import fp8_gemv_configs, lane_gemv_jobs
 
     assert len(spills) == len(lane_gemv_jobs()) + len(fp8_gemv_configs())
@@ -53,7 +36,7 @@ def test_decode_gemv_autotune_configs_compile_for_sm90_without_spills() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+@needs_ptxas
 def test_lane_gemv_loops_stay_lean() -> None:
     """The lanes-along-K decode GEMVs' loops, every autotune config: no shared-memory round trips
     (Triton laying x out apart from the weight words again, as a tl.load of the scales did in the
@@ -61,11 +44,7 @@ def test_lane_gemv_loops_stay_lean() -> None:
     (3.4-4.4), Q5_K 5.2 (4.2-4.9), 4-bit 4.3 (3.0-4.1), 4-bit act-order 6.0 (3.4-5.7), fp8 4.0
     per-channel (2.9-3.7) / 4.4 group scales (3.1-4.1). The tl.load kernels before them took
     8.2-12.4 (Q4_K), 4.1-4.3 (4-bit, x through shared memory) and ~7 (fp8)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "tests.quant.sm90_compile", "gemvloop"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = sm90_report("tests.quant.sm90_compile", "gemvloop", timeout=1200)
     from tests.quant.sm90_compile import lane_gemv_jobs
 
     def limit(name: str) -> float:
@@ -81,16 +60,12 @@ def test_lane_gemv_loops_stay_lean() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+@needs_ptxas
 def test_fp8_gemv_weight_loop_stays_lean() -> None:
     """The tensor-core fp8 GEMV's weight loop: no 2-byte shared loads (the K reorder of
     kernels/fp8_gemv.py lost: Triton converting the fp8 tile through shared memory again) and
     at most 2.5 (per-channel) / 3.5 (group scales) SASS instructions per weight."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "tests.quant.sm90_compile", "fp8loop"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = sm90_report("tests.quant.sm90_compile", "fp8loop", timeout=900)
     from kernels.fp8_gemv import FALLBACK
 
     fallback = " ".join(f"{k}={v}" for k, v in FALLBACK.kwargs.items())
@@ -101,16 +76,12 @@ def test_fp8_gemv_weight_loop_stays_lean() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PTXAS.exists(), reason="triton's bundled ptxas not found")
+@needs_ptxas
 def test_kquant_gemm_loop_stays_lean() -> None:
     """The Q4_K / Q5_K GEMM's loop (kernels/gguf_kquant_gemm.py), both tiles: at most 5.3 (Q4_K)
     / 5.8 (Q5_K) SASS instructions per weight (4.7-4.9 / 5.2-5.5 now; the generic GEMM of
     kernels/gguf_matmul.py takes 8.9-10.1 / 11.2-12.1)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "tests.quant.sm90_compile", "kquantgemm"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = sm90_report("tests.quant.sm90_compile", "kquantgemm", timeout=900)
     assert len(report) == 4
     assert {name: r for name, r in report.items()
             if r > (5.8 if "FIVE_BITS=True" in name else 5.3)} == {}
