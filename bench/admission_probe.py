@@ -1,12 +1,13 @@
 """Per-hop admission latency of a burst: N simultaneous /v1/completions through the suite.
 
     python bench/admission_probe.py [--streams 64] [--prompt 128] [--new 8] [--layers 4]
-                                    [--device cpu] [--full] [--repeat 3]
+                                    [--device cpu] [--full] [--repeat 3] [--clients 16]
 
 Starts a private nats-server and the gateway, tokenizer and engine as separate processes (as the
 launcher does, with suite_bench's generated model: tiny hidden sizes unless --full), each
 exporting its spans as JSON to its log (FLOTILLA_OTEL_EXPORTER=console). Fires --streams
-streaming requests at once, then reads the spans back and joins them by trace id:
+streaming requests at once from --clients client processes (each connected beforehand), then
+reads the spans back and joins them by trace id:
 
     client send → gateway.request start → tokenizer.generate start → engine.request start
                 → first token (engine span event)
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import string
@@ -70,9 +72,10 @@ def read_spans(log: Path) -> list[dict[str, Any]]:
     return spans
 
 
-async def burst(base: str, prompts: list[str], new: int
-                ) -> tuple[float, list[float], list[float]]:
-    """Send all requests at once; (t0, when the client wrote each request, client TTFTs), s."""
+async def _client_burst(base: str, prompts: list[str], new: int, ready: Any, go: Any
+                        ) -> tuple[list[float], list[float]]:
+    """One client process's share of the burst, sent when `go` is set: (when each request
+    was written, when its first token arrived), epoch seconds."""
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     sent: list[float] = []
 
@@ -94,10 +97,40 @@ async def burst(base: str, prompts: list[str], new: int
                         first = time.time()
             return first
 
-        await asyncio.gather(*(http.get("/v1/models") for _ in range(8)))  # open connections
-        t0 = time.time()
+        # open connections, then wait for the other clients
+        await asyncio.gather(*(http.get("/v1/models") for _ in range(min(8, len(prompts)))))
+        ready.release()
+        await asyncio.to_thread(go.wait)
         firsts = await asyncio.gather(*(one(p) for p in prompts))
-    return t0, [s - t0 for s in sent[-len(prompts):]], [f - t0 for f in firsts]
+    return sent, list(firsts)
+
+
+def _client(base: str, prompts: list[str], new: int, ready: Any, go: Any, out: Any) -> None:
+    out.put(asyncio.run(_client_burst(base, prompts, new, ready, go)))
+
+
+def burst(base: str, prompts: list[str], new: int, clients: int
+          ) -> tuple[float, list[float], list[float]]:
+    """Send all requests at once from `clients` processes (dealt round-robin: one Python client
+    needs ~0.5 ms of CPU a request, which would spread the burst by itself); (t0, when each
+    request was written, client TTFTs), s after t0."""
+    ctx = multiprocessing.get_context("spawn")
+    out, ready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Event()
+    procs = [ctx.Process(target=_client, args=(base, prompts[i::clients], new, ready, go, out))
+             for i in range(clients)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        if not ready.acquire(timeout=120):
+            raise RuntimeError("a client process did not start")
+    t0 = time.time()
+    go.set()
+    parts = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    sent = [t - t0 for s, _ in parts for t in s]
+    firsts = [t - t0 for _, f in parts for t in f]
+    return t0, sent, firsts
 
 
 def pct(values: list[float]) -> dict[str, float]:
@@ -166,11 +199,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_once(base: str, prompts: list[str], new: int, logs: Path,
-             pids: dict[str, int]) -> dict[str, Any]:
+             pids: dict[str, int], clients: int) -> dict[str, Any]:
     sizes = {name: (logs / f"{name}.log").stat().st_size for name in
              ("gateway", "tokenizer", "engine")}
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    t0, sent, ttfts = asyncio.run(burst(base, prompts, new))
+    t0, sent, ttfts = burst(base, prompts, new, clients)
     time.sleep(2.0)  # the span processors export every 0.5 s
     cpu = {name: (cpu_seconds(pid) - cpu0[name]) / len(prompts) * 1e3
            for name, pid in pids.items()}
@@ -209,6 +242,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--full", action="store_true", help="Llama-3-8B sizes (GPU)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=16,
+                    help="client processes sharing the burst (1: one Python client)")
     ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra FLOTILLA_* settings for the services")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/admission_probe.json")
@@ -228,10 +263,11 @@ def main() -> None:
         procs = start_services(model, nats.url, port, logs, args.device, None)
         try:
             asyncio.run(wait_ready(base, procs, timeout=300))
-            asyncio.run(burst(base, prompts[:8], 2))  # warm-up through every hop
+            burst(base, prompts[:8], 2, 2)  # warm-up through every hop
             for i in range(args.repeat):
                 res = run_once(base, prompts, args.new, logs,
-                               {name: p.pid for name, p in zip(SERVICES, procs, strict=True)})
+                               {name: p.pid for name, p in zip(SERVICES, procs, strict=True)},
+                               args.clients)
                 print(f"burst {i + 1}/{args.repeat}, {args.streams} x {args.prompt} tokens:")
                 show(res)
                 runs.append(res)

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Session-4 device calls (H100), carry [".whl"]; each part fits one 10-minute call:
-#   bash bench/final_run.sh quant    # GPU tests of the new kernels + quant_bench (all formats)
+# Device calls (H100), carry [".whl"]; each part fits one 10-minute call:
+#   bash bench/final_run.sh ab       # B1 of gptq / awq / bf16 (3 runs each), FLOTILLA_PDL=1 then 0
+#                                    # (PDL_MODES, FORMATS; TESTS: GPU tests to run first)
+#   bash bench/final_run.sh quant    # GPU tests of the kernels + quant_bench (all formats)
 #   bash bench/final_run.sh engine   # engine_bench (peers, B1-B4, prefix), the suite vs engine,
 #                                    # per-hop admission of a 64-stream burst
+#   bash bench/final_run.sh admit    # admission (16 client processes) + suite, 1 and 4 gateways
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,13 +15,38 @@ quiet() { grep -v "UserWarning\|_warn_once\|warnings.warn\|^\s*$"; }
 part=${1:-quant}
 {
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-if [[ $part == quant ]]; then
+if [[ $part == ab ]]; then
+  if [[ -n ${TESTS:-} ]]; then
+    echo "=== GPU tests ($(date +%T))"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS 2>&1 \
+      | grep -E "passed|failed|^FAILED|^E " | head -20
+  fi
+  i=0
+  for mode in ${PDL_MODES:-1 0}; do
+    i=$((i + 1))
+    echo "=== FLOTILLA_PDL=$mode ($(date +%T))"
+    FLOTILLA_PDL=$mode timeout 200 python3 bench/quant_bench.py --only ${FORMATS:-gptq,awq,bf16} \
+      --repeat 3 --out "$OUT/quant_ab_${i}_pdl$mode.json" 2>&1 | quiet | tail -6
+  done
+elif [[ $part == quant ]]; then
   echo "=== GPU tests ($(date +%T))"
-  timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant \
-    tests/kernels/test_dense_attention.py tests/engine/test_gpu_engine.py 2>&1 \
-    | grep -E "passed|failed|^FAILED|^E " | head -20
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant \
+    tests/kernels/test_pdl.py tests/kernels/test_gemv.py tests/kernels/test_dense_attention.py \
+    tests/engine/test_gpu_engine.py 2>&1 | grep -E "passed|failed|^FAILED|^E " | head -20
   echo "=== quant bench ($(date +%T))"
-  timeout 300 python3 bench/quant_bench.py --out "$OUT/quant_bench.json" 2>&1 | quiet | tail -8
+  timeout 250 python3 bench/quant_bench.py --repeat 3 --out "$OUT/quant_bench.json" 2>&1 \
+    | quiet | tail -8
+elif [[ $part == admit ]]; then
+  for w in 1 4; do
+    echo "=== per-hop admission, 16 client processes, $w gateway worker(s) ($(date +%T))"
+    timeout 150 python3 bench/admission_probe.py --device cuda --full --layers 32 --repeat 2 \
+      --clients 16 --env FLOTILLA_GATEWAY_WORKERS=$w --out "$OUT/admission_probe_gw$w.json" \
+      2>&1 | quiet | grep -E "burst|arrivals|send→|→first|TTFT|CPU per" | tail -14
+    echo "=== suite vs engine, 64 streams, $w gateway worker(s) ($(date +%T))"
+    FLOTILLA_GATEWAY_WORKERS=$w timeout 200 python3 bench/suite_bench.py \
+      --out "$OUT/suite_bench_gw$w.json" 2>&1 | tail -4
+    rm -rf "$OUT/suite_logs"
+  done
 else
   echo "=== engine benchmarks ($(date +%T))"
   timeout 280 python3 bench/engine_bench.py --out "$OUT/engine_bench.json" 2>&1 | quiet | tail -10

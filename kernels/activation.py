@@ -14,6 +14,15 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in `dtype` from fp32 (or `dtype`) gate and up, rounded as torch's
+    silu(gate) * up on `dtype` tensors: inputs, silu and product each rounded to `dtype`."""
+    g = gate.to(dtype).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
+    return (act * up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2I], last dim contiguous: gate = x[:, :I], up = x[:, I:]
     out_ptr,  # [T, I] contiguous
@@ -25,11 +34,9 @@ def _silu_and_mul_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    # Round silu to the input dtype before the product, as silu(gate) * up does in torch.
-    act = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * inter + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * inter + offs, silu_mul(gate, up, out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.activation import silu_and_mul_triton
 from kernels.fp8_gemv import MAX_M, fp8_gemv_mma, mma_gemv_ok
 from kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
+from kernels.gemv_rows import check_gated
 from kernels.gguf_matmul import _gemm_tiles, use_gemv
 
 FP8 = torch.float8_e4m3fn
@@ -135,28 +137,35 @@ def _scaled_mm(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
 
 
 def fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                      use_scaled_mm: bool = True, kernel: str | None = None) -> torch.Tensor:
-    """x [..., K] @ dequant(weight, scale).T -> [..., N] in x's dtype."""
+                      use_scaled_mm: bool = True, kernel: str | None = None,
+                      gated: bool = False) -> torch.Tensor:
+    """x [..., K] @ dequant(weight, scale).T -> [..., N] in x's dtype. gated: the weight is
+    [gate; up] and the result silu(gate) * up [..., N / 2], fused into the CUDA-core GEMV when
+    it runs."""
     group = _check(x, weight, scale)
     n, k = weight.shape
+    check_gated(n, gated)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty(*x.shape[:-1], n)
+        return x.new_empty(*x.shape[:-1], n // 2 if gated else n)
     gemv = use_gemv(x, m, kernel)
-    if (not gemv and kernel is None and use_scaled_mm and scale.shape[1] == 1
-            and _scaled_mm_ok(x2, weight)):
-        return _scaled_mm(x2, weight, scale).reshape(*x.shape[:-1], n)
     if gemv:
         mma = m <= MAX_M and mma_gemv_ok(x2, k, group)
         fma = fma_gemv_ok(x2, weight, group)
         prefer_mma = _gemv_kind == "mma" or (_gemv_kind == "auto" and m == 2)
-        if mma and (prefer_mma or not fma):
-            return fp8_gemv_mma(x2, weight, scale, group).reshape(*x.shape[:-1], n)
-        if fma:
-            return fp8_gemv_fma(x2, weight, scale, group).reshape(*x.shape[:-1], n)
+        if fma and not (mma and prefer_mma):
+            return fp8_gemv_fma(x2, weight, scale, group, gated=gated).reshape(
+                *x.shape[:-1], -1)
+    if gated:
+        return silu_and_mul_triton(fp8_matmul_triton(x, weight, scale, use_scaled_mm, kernel))
+    if (not gemv and kernel is None and use_scaled_mm and scale.shape[1] == 1
+            and _scaled_mm_ok(x2, weight)):
+        return _scaled_mm(x2, weight, scale).reshape(*x.shape[:-1], n)
+    if gemv and mma:
+        return fp8_gemv_mma(x2, weight, scale, group).reshape(*x.shape[:-1], n)
     # the GEMM: prefill, and decode shapes neither GEMV takes
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn = _gemm_tiles(x, m, n, None, None)

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 from kernels.code_floats import INTERPRET
+from kernels.gemv_rows import check_gated, gemv_grid, gemv_rows, gemv_store
+from kernels.pdl import pdl_args, pdl_wait_after
 from kernels.tuning import warmup_autotune
 from kernels.vector_loads import load_run, load_scalars, x8, x_words_ok
 
@@ -87,41 +89,41 @@ def _gemv_kernel(
     stride_om,
     group,
     PER_CHANNEL: tl.constexpr,  # group == K
+    GATED: tl.constexpr,  # [gate; up] rows: store silu(gate) * up (kernels/gemv_rows.py)
     USE_ASM: tl.constexpr,  # CUDA: inline PTX loads and conversions
     X_WORDS: tl.constexpr,  # 16-bit x with 16-byte aligned rows: read as int32 pairs
     EVEN: tl.constexpr,  # K is a multiple of 128 * NSB
     BLOCK_N: tl.constexpr,
     NSB: tl.constexpr,  # 128-weight blocks (4 runs) per loop step
     PREFETCH: tl.constexpr,  # load step i + 1 before the arithmetic of step i
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
 ):
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows_c = tl.minimum(rows, N - 1).to(tl.int64)[:, None, None]
+    rows_c = gemv_rows(pid_n, N, BLOCK_N, GATED)[:, None, None]
     w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows_c * (stride_wn // 4)
     s_rows = s_ptr + rows_c * stride_sn
     x_row = x_ptr + m * stride_xm
     nruns = K // 32
     runs = tl.arange(0, NSB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NSB, 4]
     acc = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
-    if PREFETCH:
-        w = load_run(w_rows, runs if EVEN else tl.minimum(runs, nruns - 1), USE_ASM)
+    # step 0's words first: with PDL they load while the previous kernel finishes, and the
+    # wait for x (that kernel's output) comes once they are in (kernels/pdl.py)
+    w = load_run(w_rows, runs if EVEN else tl.minimum(runs, nruns - 1), USE_ASM)
+    x_row += pdl_wait_after(w[0], USE_PDL)
     for r0 in range(0, nruns, NSB * 4):
         r = r0 + runs
         if not EVEN:
             r_ok = r < nruns
             r = tl.minimum(r, nruns - 1)
+        r_next = r0 + NSB * 4 + runs
+        if not EVEN:
+            r_next = tl.minimum(r_next, nruns - 1)
         if PREFETCH:  # issue the next step's loads before this step's arithmetic
             if r0 + NSB * 4 < nruns:
-                r_next = r0 + NSB * 4 + runs
-                if not EVEN:
-                    r_next = tl.minimum(r_next, nruns - 1)
                 w_next = load_run(w_rows, r_next, USE_ASM)
             else:
                 w_next = w
-        else:
-            w = load_run(w_rows, r, USE_ASM)
         w0, w1, w2, w3, w4, w5, w6, w7 = w
         d = _dot_words(0.0, w0, w1, x_row, r * 16, X_WORDS, USE_ASM)
         d = _dot_words(d, w2, w3, x_row, r * 16 + 4, X_WORDS, USE_ASM)
@@ -135,10 +137,12 @@ def _gemv_kernel(
             acc += load_scalars(s_rows + (r * 32) // group, USE_ASM) * d
         if PREFETCH:
             w = w_next
+        elif r0 + NSB * 4 < nruns:  # the next step's words, after this step's arithmetic
+            w = load_run(w_rows, r_next, USE_ASM)
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if PER_CHANNEL:
-        out = out * tl.load(s_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_sn)
-    tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        out = out * tl.load(s_ptr + gemv_rows(pid_n, N, BLOCK_N, GATED) * stride_sn)
+    gemv_store(out, out_ptr + m * stride_om, pid_n, N, BLOCK_N, GATED)
 
 
 # (BLOCK_N, NSB, warps, prefetch), keyed on (N, K, group) on CUDA: a thread holds BLOCK_N /
@@ -148,7 +152,7 @@ _TILES = ((16, 8, 4, False), (32, 8, 4, False), (8, 8, 4, False), (4, 8, 1, Fals
 GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "NSB": nsb, "PREFETCH": pf}, num_warps=w)
                 for bn, nsb, w, pf in _TILES]
 _EVEN = triton.heuristics({"EVEN": lambda a: a["K"] % (128 * a["NSB"]) == 0})
-_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group"])(_EVEN(_gemv_kernel))
+_tuned = warmup_autotune(GEMV_CONFIGS, ["N", "K", "group", "GATED"])(_EVEN(_gemv_kernel))
 
 
 def fma_gemv_ok(x2: torch.Tensor, weight: torch.Tensor, group: int) -> bool:
@@ -163,22 +167,23 @@ def fma_gemv_ok(x2: torch.Tensor, weight: torch.Tensor, group: int) -> bool:
 
 def fp8_gemv_fma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int,
                  block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
-                 num_warps: int = 4) -> torch.Tensor:
-    """x2 [M, K] (unit stride along K) @ dequant(weight, scale).T -> [M, N] in x2's dtype
-    (arguments checked by kernels/fp8.py). On CUDA without a pinned block_n the tile is
-    autotuned (before any CUDA-graph capture)."""
+                 num_warps: int = 4, gated: bool = False) -> torch.Tensor:
+    """x2 [M, K] (unit stride along K) @ dequant(weight, scale).T -> [M, N] in x2's dtype, or
+    gated (rows [gate; up]) silu(gate) * up [M, N / 2] (arguments checked by kernels/fp8.py).
+    On CUDA without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
     m, k = x2.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    check_gated(n, gated)
+    out = torch.empty(m, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
     args = (x2, weight, scale, out, n, k, x2.stride(0), weight.stride(0), scale.stride(0),
             out.stride(0), group)
-    meta = dict(PER_CHANNEL=group == k, USE_ASM=x2.is_cuda and not INTERPRET,
-                X_WORDS=x_words_ok(x2))
+    meta = dict(PER_CHANNEL=group == k, GATED=gated, USE_ASM=x2.is_cuda and not INTERPRET,
+                X_WORDS=x_words_ok(x2), **pdl_args(x2))
     if x2.is_cuda and block_n is None:
-        _tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](*args, **meta)
+        _tuned[lambda a: (gemv_grid(n, a["BLOCK_N"], gated), m)](*args, **meta)
     else:
         bn = block_n or 8
-        _gemv_kernel[(triton.cdiv(n, bn), m)](
+        _gemv_kernel[(gemv_grid(n, bn, gated), m)](
             *args, **meta, EVEN=k % (128 * nsb) == 0, BLOCK_N=bn, NSB=nsb, PREFETCH=prefetch,
             num_warps=num_warps)
     return out

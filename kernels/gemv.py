@@ -27,6 +27,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.activation import silu_mul
+from kernels.gemv_rows import check_gated, gemv_grid, gemv_rows
+from kernels.pdl import pdl_args, pdl_wait
 from kernels.tuning import warmup_autotune
 
 GEMV_MAX_M = 16
@@ -47,10 +50,7 @@ def _load_x(x_ptr, rm, m_ok, k, k_ok, stride_xm, K, SILU_MUL: tl.constexpr):
     mask = m_ok[:, None] & k_ok[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0)
     if SILU_MUL:
-        g = x.to(tl.float32)
-        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
-        x = (act * up).to(x.dtype)
+        x = silu_mul(x, tl.load(ptrs + K, mask=mask, other=0.0), x.dtype)
     return x
 
 
@@ -67,17 +67,18 @@ def _gemv_kernel(
     stride_om,
     BLOCK_M: tl.constexpr,  # M bucket: next power of two of M (the autotune key)
     SILU_MUL: tl.constexpr,
+    GATED: tl.constexpr,  # W = [gate; up]: out = silu(x gate^T) * (x up^T) (kernels/gemv_rows.py)
     BLOCK_N: tl.constexpr,  # output columns (weight rows) per program
     BLOCK_K: tl.constexpr,  # K per loop step
     USE_DOT: tl.constexpr,  # tensor-core inner product (x padded to 16 rows)
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
 ):
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
     # clamped rows re-read row N - 1 instead of masking, so weight loads stay unmasked
-    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + gemv_rows(pid, N, BLOCK_N, GATED)[:, None] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
+    pdl_wait(USE_PDL)
     if USE_DOT:
         rm = tl.arange(0, 16)
         m_ok = rm < M
@@ -118,8 +119,18 @@ def _gemv_kernel(
                 x = _load_x(x_ptr, row, row < M, k, k < K, stride_xm, K, SILU_MUL)
                 part = tl.sum(w * x.to(tl.float32), axis=1)
                 acc += tl.where((rm == i)[:, None], part[None, :], 0.0)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:  # columns pair up as (gate, up): kernels/gemv_rows.py
+        gate, up = tl.split(tl.reshape(acc, [acc.shape[0], BLOCK_N // 2, 2]))
+        rn = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        val = silu_mul(gate, up, dtype)
+        n_ok = rn < N // 2
+    else:
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        val = acc.to(dtype)
+        n_ok = rn < N
     out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptrs, val, mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _config(bn: int, bk: int, dot: bool, warps: int, stages: int = 1) -> triton.Config:
@@ -153,6 +164,8 @@ def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: A
     bm = kwargs["BLOCK_M"]
     out = []
     for c in configs:
+        if kwargs.get("GATED") and c.kwargs["BLOCK_N"] < 2:  # a (gate, up) pair per column
+            continue
         dot = c.kwargs["USE_DOT"]
         per_thread = c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] // (32 * c.num_warps)
         if (bm == 1 and not dot) or (bm >= 16 and dot) or (1 < bm < 16 and (dot or per_thread
@@ -166,7 +179,7 @@ def _even_k(args: dict[str, Any]) -> bool:
 
 
 _gemv_fixed = triton.heuristics({"EVEN_K": _even_k})(_gemv_kernel)
-_gemv_tuned = warmup_autotune(CONFIGS, ["N", "K", "BLOCK_M"],
+_gemv_tuned = warmup_autotune(CONFIGS, ["N", "K", "BLOCK_M", "GATED"],
                               prune_configs_by={"early_config_prune": _prune})(_gemv_fixed)
 
 
@@ -177,11 +190,13 @@ def interpreter_config(m: int, n: int, k: int) -> triton.Config:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
-                config: triton.Config | None = None) -> torch.Tensor:
+                config: triton.Config | None = None, gated: bool = False) -> torch.Tensor:
     """x [..., K] (silu_mul: [..., 2K] = [gate | up]) @ weight [N, K].T -> [..., N] in x's
-    dtype, for at most GEMV_MAX_M rows. `config` pins one tile config (tests); otherwise CUDA
-    autotunes and the interpreter uses `interpreter_config`."""
+    dtype, for at most GEMV_MAX_M rows; gated (weight = [gate; up], N = 2I): silu(x gate^T) *
+    (x up^T) [..., I]. `config` pins one tile config (tests); otherwise CUDA autotunes and the
+    interpreter uses `interpreter_config`."""
     n, k = weight.shape
+    check_gated(n, gated)
     width = 2 * k if silu_mul else k
     if x.shape[-1] != width:
         raise ValueError(f"x has {x.shape[-1]} features, expected {width}")
@@ -196,18 +211,22 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
     m = x2.shape[0]
     if m > GEMV_MAX_M:
         raise ValueError(f"gemv_triton takes at most {GEMV_MAX_M} rows, got {m}")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_out = n // 2 if gated else n
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.reshape(*x.shape[:-1], n)
+        return out.reshape(*x.shape[:-1], n_out)
     args = (x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0))
-    meta = dict(BLOCK_M=triton.next_power_of_2(m), SILU_MUL=silu_mul)
+    meta = dict(BLOCK_M=triton.next_power_of_2(m), SILU_MUL=silu_mul, GATED=gated,
+                **pdl_args(x2))
     if config is None and x.is_cuda:
-        _gemv_tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]),)](*args, **meta)
+        _gemv_tuned[lambda a: (gemv_grid(n, a["BLOCK_N"], gated),)](*args, **meta)
     else:
         c = config or interpreter_config(m, n, k)
-        _gemv_fixed[(triton.cdiv(n, c.kwargs["BLOCK_N"]),)](
+        if gated and c.kwargs["BLOCK_N"] < 2:
+            raise ValueError("a gated GEMV needs BLOCK_N >= 2")
+        _gemv_fixed[(gemv_grid(n, c.kwargs["BLOCK_N"], gated),)](
             *args, **meta, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-    return out.reshape(*x.shape[:-1], n)
+    return out.reshape(*x.shape[:-1], n_out)
 
 
 __all__ = ["CONFIGS", "GEMV_MAX_M", "gemv_ref", "gemv_triton", "interpreter_config"]

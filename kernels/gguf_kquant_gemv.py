@@ -33,7 +33,9 @@ import triton
 import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
+from kernels.gemv_rows import check_gated, gemv_grid, gemv_rows, gemv_store
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
+from kernels.pdl import pdl_args, pdl_wait_after
 from kernels.tuning import warmup_autotune
 from kernels.vector_loads import f16_low, load16, x8, x_words_ok
 
@@ -138,29 +140,31 @@ def _kquant_gemv_kernel(
     stride_om,
     FIVE_BITS: tl.constexpr,  # Q5_K
     TYPE_SIZE: tl.constexpr,  # 144 (Q4_K) or 176 (Q5_K)
+    GATED: tl.constexpr,  # [gate; up] rows: store silu(gate) * up (kernels/gemv_rows.py)
     USE_ASM: tl.constexpr,  # CUDA: inline PTX loads and code conversion
     X_WORDS: tl.constexpr,  # x is bf16 / f16 with 16-byte aligned rows: read as int32 pairs
     EVEN: tl.constexpr,  # NSB divides K / 256
     BLOCK_N: tl.constexpr,
     NSB: tl.constexpr,  # super-blocks per loop step
     PREFETCH: tl.constexpr,  # load step i + 1 before the arithmetic of step i
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
 ):
     TW: tl.constexpr = TYPE_SIZE // 4  # int32 words per block
     QS: tl.constexpr = 12 if FIVE_BITS else 4  # word offset of the code runs
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
     # rows past N read row N - 1 (the asm loads take no mask); their sums are not stored
     w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) \
-        + tl.minimum(rows, N - 1).to(tl.int64)[:, None, None] * (stride_wn // 4)
+        + gemv_rows(pid_n, N, BLOCK_N, GATED)[:, None, None] * (stride_wn // 4)
     x_row = x_ptr + m * stride_xm
     nblocks = K // 256
     blocks = tl.arange(0, NSB)[None, :, None]
     p = tl.arange(0, 4)[None, None, :]
     acc = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
-    if PREFETCH:
-        w = _load_step(w_rows, 0, nblocks, blocks, p, TW, QS, FIVE_BITS, EVEN, USE_ASM)
+    # step 0's words first: with PDL they load while the previous kernel finishes, and the
+    # wait for x (that kernel's output) comes once they are in (kernels/pdl.py)
+    w = _load_step(w_rows, 0, nblocks, blocks, p, TW, QS, FIVE_BITS, EVEN, USE_ASM)
+    x_row += pdl_wait_after(w[0], USE_PDL)
     for kb in range(0, nblocks, NSB):
         if PREFETCH:  # issue the next step's loads before this step's arithmetic
             if kb + NSB < nblocks:
@@ -168,8 +172,6 @@ def _kquant_gemv_kernel(
                                     USE_ASM)
             else:
                 w_next = w
-        else:
-            w = _load_step(w_rows, kb, nblocks, blocks, p, TW, QS, FIVE_BITS, EVEN, USE_ASM)
         q0, q1, q2, q3, q4, q5, q6, q7, h0, h1, h2, h3, h4, h5, h6, h7, dd, s0, s1, s2 = w
         bidx = kb + blocks
         if not EVEN:
@@ -197,32 +199,36 @@ def _kquant_gemv_kernel(
             - dmin * (mn_lo * s_lo + mn_hi * s_hi)
         if PREFETCH:
             w = w_next
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        elif kb + NSB < nblocks:  # the next step's words, after this step's arithmetic
+            w = _load_step(w_rows, kb + NSB, nblocks, blocks, p, TW, QS, FIVE_BITS, EVEN, USE_ASM)
+    gemv_store(tl.sum(tl.sum(acc, axis=2), axis=1), out_ptr + m * stride_om, pid_n, N, BLOCK_N,
+               GATED)
 
 
 # Tiles tried on the device, keyed on (N, K): (BLOCK_N, NSB, warps, prefetch). A thread holds
 # R = BLOCK_N * NSB / (8 * warps) (row, block) pairs of one run when NSB >= 8: more rows share
 # each x value (R = 8: 3.4 instructions per Q4_K weight, R = 4: 3.7, R = 2: 4.2), more blocks
-# per step keep more bytes in flight (narrow N), prefetch doubles the registers. Q5_K keeps to
-# R <= 4 (R = 8 needs 255 registers).
-_TILES_Q4 = ((16, 8, 4, False), (4, 8, 1, False), (32, 8, 4, False), (16, 8, 2, False),
-             (8, 8, 4, False), (8, 16, 4, False), (16, 8, 4, True), (8, 8, 4, True))
+# per step keep more bytes in flight (narrow N), prefetch doubles the registers. R <= 4: R = 8
+# needs 255 registers (Q5_K), and for Q4_K spilled once every tile loaded its first step ahead
+# of the PDL wait (the words then live across the loop's back edge); its tiles were not picked.
+_TILES_Q4 = ((16, 8, 4, False), (4, 8, 1, False), (8, 8, 4, False), (8, 16, 4, False),
+             (16, 8, 4, True), (8, 8, 4, True))
 _TILES_Q5 = ((16, 8, 4, False), (4, 8, 1, False), (8, 8, 2, False), (8, 8, 4, False),
              (8, 16, 4, False), (4, 16, 2, False), (8, 8, 4, True), (4, 8, 2, True))
 GEMV_CONFIGS, GEMV_CONFIGS_Q5 = (
     [triton.Config({"BLOCK_N": bn, "NSB": nsb, "PREFETCH": pf}, num_warps=w)
      for bn, nsb, w, pf in tiles] for tiles in (_TILES_Q4, _TILES_Q5))
 _EVEN = triton.heuristics({"EVEN": lambda a: a["K"] // 256 % a["NSB"] == 0})
-_tuned_q4 = warmup_autotune(GEMV_CONFIGS, ["N", "K"])(_EVEN(_kquant_gemv_kernel))
-_tuned_q5 = warmup_autotune(GEMV_CONFIGS_Q5, ["N", "K"])(_EVEN(_kquant_gemv_kernel))
+_tuned_q4 = warmup_autotune(GEMV_CONFIGS, ["N", "K", "GATED"])(_EVEN(_kquant_gemv_kernel))
+_tuned_q5 = warmup_autotune(GEMV_CONFIGS_Q5, ["N", "K", "GATED"])(_EVEN(_kquant_gemv_kernel))
 
 
 def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
                        block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
-                       num_warps: int = 4) -> torch.Tensor:
-    """x [M, K] (small M; one program row per x row) @ dequant(qweight).T -> [M, N]. On CUDA
-    without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
+                       num_warps: int = 4, gated: bool = False) -> torch.Tensor:
+    """x [M, K] (small M; one program row per x row) @ dequant(qweight).T -> [M, N], or gated
+    (rows [gate; up]) silu(gate) * up [M, N / 2]. On CUDA without a pinned block_n the tile is
+    autotuned (before any CUDA-graph capture)."""
     if int(qtype) not in (Q4_K, Q5_K):
         raise ValueError("kquant_gemv_triton decodes Q4_K and Q5_K only")
     t = gguf_type(qtype)
@@ -234,17 +240,19 @@ def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     use_asm = x.is_cuda and not INTERPRET
     if use_asm and (qweight.stride(0) % 16 or qweight.data_ptr() % 16):
         raise ValueError("qweight rows must be 16-byte aligned (16-byte loads)")
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    check_gated(n, gated)
+    out = torch.empty(x.shape[0], n // 2 if gated else n, dtype=x.dtype, device=x.device)
     args = (x, qweight, out, n, k, x.stride(0), qweight.stride(0), out.stride(0))
     x_words = x_words_ok(x)
     five = int(qtype) == Q5_K
-    meta = dict(FIVE_BITS=five, TYPE_SIZE=t.type_size, USE_ASM=use_asm, X_WORDS=x_words)
+    meta = dict(FIVE_BITS=five, TYPE_SIZE=t.type_size, GATED=gated, USE_ASM=use_asm,
+                X_WORDS=x_words, **pdl_args(x))
     if x.is_cuda and block_n is None:
         tuned = _tuned_q5 if five else _tuned_q4
-        tuned[lambda a: (triton.cdiv(n, a["BLOCK_N"]), x.shape[0])](*args, **meta)
+        tuned[lambda a: (gemv_grid(n, a["BLOCK_N"], gated), x.shape[0])](*args, **meta)
     else:
         bn = block_n or 8
-        _kquant_gemv_kernel[(triton.cdiv(n, bn), x.shape[0])](
+        _kquant_gemv_kernel[(gemv_grid(n, bn, gated), x.shape[0])](
             *args, **meta, EVEN=k // 256 % nsb == 0, BLOCK_N=bn, NSB=nsb, PREFETCH=prefetch,
             num_warps=num_warps)
     return out

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.activation import silu_and_mul_triton
 from kernels.gemm_tile import store_tile
+from kernels.gemv_rows import check_gated
 from kernels.gguf_dequant import (
     Q2_K,
     Q3_K,
@@ -198,21 +200,27 @@ def gguf_matmul_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     split_k: int | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x [..., K] @ dequant(qweight [N, row_bytes]).T -> [..., N] in x's dtype. `kernel`,
-    block sizes and split_k override the defaults (tests, tuning)."""
+    block sizes and split_k override the defaults (tests, tuning). gated: the weight is [gate;
+    up] and the result silu(gate) * up [..., N / 2], fused into the K-quant GEMV when it runs."""
     k = _check(x, qweight, qtype)
     t = gguf_type(qtype)
     n = qweight.shape[0]
+    check_gated(n, gated)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     w16 = qweight.view(torch.float16)
     if m == 0:
-        return x.new_empty(*x.shape[:-1], n)
+        return x.new_empty(*x.shape[:-1], n // 2 if gated else n)
     if use_gemv(x, m, kernel) and int(qtype) in (Q4_K, Q5_K) and block_n is None:
-        return kquant_gemv_triton(x2, qweight, qtype).reshape(*x.shape[:-1], n)
+        return kquant_gemv_triton(x2, qweight, qtype, gated=gated).reshape(*x.shape[:-1], -1)
+    if gated:
+        return silu_and_mul_triton(gguf_matmul_triton(x, qweight, qtype, kernel, block_m,
+                                                      block_n, split_k))
     if use_gemv(x, m, kernel):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         bn = block_n or 8

@@ -98,7 +98,7 @@ def _mla_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # see kernels/paged_attention.py
 def _mla_decode_kernel(
     q_lat_ptr, q_pe_ptr,  # [T, H, R], [T, H, P]; one row per sequence (query_start_loc[seq])
     cache_ptr,  # [num_blocks, BLOCK_SIZE, 1, R + P]
@@ -157,7 +157,7 @@ def _mla_decode_kernel(
                        r_mask, stride_ot, stride_oh, num_heads, RANK, NUM_SPLITS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # see kernels/paged_attention.py
 def _mla_extend_kernel(
     q_lat_ptr, q_pe_ptr,  # [T, H, R], [T, H, P]
     cache_ptr,  # [num_blocks, BLOCK_SIZE, 1, R + P]

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kernels.attention_tile import attend_tile
 from kernels.kv_quant import KVScales, dequantize_kv_ref
+from kernels.pdl import pdl_args, pdl_wait
 from kernels.prefill_attention import (
     attend_ref,
     check_attention_args,
@@ -123,7 +124,10 @@ def paged_attention_ref(
     return out
 
 
-@triton.jit
+# stride_bt (the block table's row stride) is the step's longest sequence in blocks: Triton would
+# specialise it (divisible by 16 or not, or 1), compiling a new variant mid-serving the first
+# time a step crosses into another class (a ~1 s stall); these kernels take it unspecialised.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr,  # [T, Hq, D] one query row per sequence (row = query_start_loc[seq])
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
@@ -151,6 +155,7 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, head) scales
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
 ):
     # Grid (B, Hk, NUM_SPLITS): the visible keys of a sequence are cut into NUM_SPLITS equal
     # ranges (rounded to BLOCK_N); each program reads its range of one KV head once and serves
@@ -161,6 +166,9 @@ def _decode_split_kernel(
     row = tl.load(query_start_loc_ptr + seq)
     next_row = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # the step's metadata (host copies before the graph) is read before the wait; q and the
+    # KV cache (the rotary kernel's writes) after it
+    pdl_wait(USE_PDL)
     # Return when the sequence has no new token. `seq_len < 0` never holds: testing it keeps the
     # seq_len load above the branch, issued with the query_start_loc loads (LLVM otherwise sinks
     # it below: one more serial memory round trip in the chain query_start_loc -> seq_len ->
@@ -240,6 +248,7 @@ def _decode_reduce_kernel(
     num_q_heads, head_dim,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
 ):
     # Grid (B, Hq): weight each split by 2^(lse - max lse); a sequence with no keys gets zeros.
     # No early return and no load waits for another (the partials are not masked by their
@@ -254,6 +263,7 @@ def _decode_reduce_kernel(
     d_mask = offs_d < head_dim
     row = tl.load(query_start_loc_ptr + seq)
     has_token = tl.load(query_start_loc_ptr + seq + 1) > row
+    pdl_wait(USE_PDL)
     lse = tl.load(lse_ptr + base + offs_s)
     part = tl.load(partial_ptr + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
                    mask=d_mask[None, :], other=0.0)
@@ -350,12 +360,13 @@ def decode_attention_triton(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         KV_FP8=kv_scales is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             partial, lse, out, meta.query_start_loc, out.stride(0), out.stride(1),
             num_q_heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4,
+            **pdl_args(q),
         )
     return out
 

@@ -118,7 +118,7 @@ if _TILE_OVERRIDE and len(_TILE_OVERRIDE) != 4:
 FP8_MAXNREG: int | None = 128  # register cap of 8-warp fp8-cache launches (None: ptxas's choice)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # see kernels/paged_attention.py
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D] new tokens' queries (token/head strides free, last dim contiguous)
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]

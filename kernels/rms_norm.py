@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_wait
+
 
 class AddNormOutput(NamedTuple):
     out: torch.Tensor
@@ -48,10 +50,12 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= H: one program holds a whole row
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
@@ -90,6 +94,7 @@ def _launch(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            **pdl_args(x2),
         )
     return AddNormOutput(out, res_out)
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kernels.kv_cache import write_kv_cache_ref
 from kernels.kv_quant import KVScales, check_kv_scales, quantize, quantize_rows, scales_from_amax
+from kernels.pdl import pdl_args, pdl_wait
 from kernels.rotary import (
     check_rotary_args,
     load_cos_sin,
@@ -91,17 +92,19 @@ def _rotary_kv_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= D
     HAS_PASS: tl.constexpr,
     KV_FP8: tl.constexpr,  # e4m3 caches: quantize each k / v head row with its own scale
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
 ):
     # One program per token: its cos/sin are read once; q heads go to q_out, k and v heads to
     # the cache slot of the token.
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
+    pos = tl.load(pos_ptr + t)  # the step's metadata and the cos/sin table: before the wait
+    slot = tl.load(slot_ptr + t)
     cos, sin = load_cos_sin(cache_ptr, pos, rot_half, BLOCK_R)
+    pdl_wait(USE_PDL)
     rotate_heads(
         q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * head_dim, stride_qh, head_dim,
         num_q_heads, head_dim, rot_half, cos, sin, IS_NEOX, BLOCK_HQ, BLOCK_R, BLOCK_P, HAS_PASS,
     )
-    slot = tl.load(slot_ptr + t)
     if slot >= 0:
         row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
         h = tl.arange(0, BLOCK_HK)[:, None]
@@ -173,6 +176,7 @@ def rotary_write_kv_cache_triton(
         BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_PASS=rot_dim < head_dim,
         KV_FP8=kv_scales is not None,
+        **pdl_args(q),
         num_warps=4,
     )
     return q_out

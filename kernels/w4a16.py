@@ -27,8 +27,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.activation import silu_and_mul_triton
 from kernels.code_floats import INTERPRET, codes4
 from kernels.gemm_tile import store_tile
+from kernels.gemv_rows import check_gated
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
 from kernels.w4a16_gemv import gemv_ok, w4a16_gemv
 
@@ -159,24 +161,28 @@ def w4a16_matmul_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     split_k: int | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype (see the module docstring for the layout). kernel:
     None (CUDA: the GEMV for one row, the GEMM for more; the interpreter: the GEMM), or
-    "gemv" / "gemm" to force one."""
+    "gemv" / "gemm" to force one. gated: the weight is [gate; up] and the result silu(gate) *
+    up [..., N / 2], fused into the GEMV (kernels/gemv_rows.py) when it runs."""
     k = _check(x, qweight, scales, zeros, group_size, perm)
     n = qweight.shape[0]
+    check_gated(n, gated)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty(*x.shape[:-1], n)
+        return x.new_empty(*x.shape[:-1], n // 2 if gated else n)
     perm_arg = perm if perm is not None else qweight  # never read without HAS_PERM
     # one x row: the GEMV; 2+ rows share each dequantized tile in the GEMM (tensor cores)
     if use_gemv(x, m, kernel) and (m == 1 or kernel == "gemv") and gemv_ok(
             x2, qweight, scales, group_size, perm):
-        out = w4a16_gemv(x2, qweight, scales, zeros, group_size, perm, block_n=block_n)
-        return out.reshape(*x.shape[:-1], n)
+        out = w4a16_gemv(x2, qweight, scales, zeros, group_size, perm, block_n=block_n,
+                         gated=gated)
+        return out.reshape(*x.shape[:-1], -1)
     bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
     bk = min(64 if x.is_cuda else 128, group_size & -group_size)  # divides the group
     if x.is_cuda and bk < 16:
@@ -192,4 +198,5 @@ def w4a16_matmul_triton(
         USE_ASM=x.is_cuda and not INTERPRET, HAS_PERM=perm is not None,
         num_warps=4, num_stages=2,
     )
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+    out = out.to(x.dtype).reshape(*x.shape[:-1], n)
+    return silu_and_mul_triton(out) if gated else out

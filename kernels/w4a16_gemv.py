@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
+from kernels.gemv_rows import check_gated, gemv_grid, gemv_rows, gemv_store
+from kernels.pdl import pdl_args, pdl_wait_after
 from kernels.tuning import warmup_autotune
 from kernels.vector_loads import load16, load_run, load_scalars, x8, x_words_ok
 
@@ -74,42 +76,41 @@ def _gemv_kernel(
     stride_om,
     group_size,
     HAS_PERM: tl.constexpr,
+    GATED: tl.constexpr,  # [gate; up] rows: store silu(gate) * up (kernels/gemv_rows.py)
     USE_ASM: tl.constexpr,  # CUDA: inline PTX loads and code conversion
     X_WORDS: tl.constexpr,  # 16-bit x with 16-byte aligned rows: read as int32 pairs
     EVEN: tl.constexpr,  # K is a multiple of 256 * NSB
     BLOCK_N: tl.constexpr,
     NSB: tl.constexpr,  # 256-weight blocks per loop step
     PREFETCH: tl.constexpr,  # load step i + 1 before the arithmetic of step i
+    USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
 ):
     STEP: tl.constexpr = NSB * 4  # runs per loop step
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows_c = tl.minimum(rows, N - 1).to(tl.int64)[:, None, None]
+    rows_c = gemv_rows(pid_n, N, BLOCK_N, GATED)[:, None, None]
     q_rows = q_ptr + rows_c * stride_q
     sz_rows = rows_c * stride_s
-    x_row = x_ptr + m * stride_xm
     nruns = K // 64
     runs = tl.arange(0, NSB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NSB, 4]
     acc = tl.zeros([BLOCK_N, NSB, 4], dtype=tl.float32)
-    if PREFETCH:
-        w = load_run(q_rows, runs if EVEN else tl.minimum(runs, nruns - 1), USE_ASM)
+    # step 0's words first: with PDL they load while the previous kernel finishes, and the
+    # wait for x (that kernel's output) comes once they are in (kernels/pdl.py)
+    w = load_run(q_rows, runs if EVEN else tl.minimum(runs, nruns - 1), USE_ASM)
+    x_row = x_ptr + m * stride_xm + pdl_wait_after(w[0], USE_PDL)
     for r0 in range(0, nruns, STEP):
         r = r0 + runs
         if not EVEN:
             r_ok = r < nruns
             r = tl.minimum(r, nruns - 1)
+        r_next = r0 + STEP + runs
+        if not EVEN:
+            r_next = tl.minimum(r_next, nruns - 1)
         if PREFETCH:  # issue the next step's loads before this step's arithmetic
             if r0 + STEP < nruns:
-                r_next = r0 + STEP + runs
-                if not EVEN:
-                    r_next = tl.minimum(r_next, nruns - 1)
                 w_next = load_run(q_rows, r_next, USE_ASM)
             else:
                 w_next = w
-        else:
-            w = load_run(q_rows, r, USE_ASM)
         q0, q1, q2, q3, q4, q5, q6, q7 = w
         d, s = _dot_word(0.0, 0.0, q0, x_row, perm_ptr, r, 0, HAS_PERM, X_WORDS, USE_ASM)
         d, s = _dot_word(d, s, q1, x_row, perm_ptr, r, 1, HAS_PERM, X_WORDS, USE_ASM)
@@ -127,8 +128,10 @@ def _gemv_kernel(
         acc += scale * (256.0 * d - (128.0 + zero) * s)
         if PREFETCH:
             w = w_next
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(out_ptr + m * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        elif r0 + STEP < nruns:  # the next step's words, after this step's arithmetic
+            w = load_run(q_rows, r_next, USE_ASM)
+    gemv_store(tl.sum(tl.sum(acc, axis=2), axis=1), out_ptr + m * stride_om, pid_n, N, BLOCK_N,
+               GATED)
 
 
 # (BLOCK_N, NSB, warps, prefetch), keyed on (N, K, group) on CUDA: a thread holds BLOCK_N /
@@ -146,7 +149,7 @@ _TILES = ((16, 8, 4, False), (32, 8, 4, False), (8, 8, 4, False), (4, 8, 1, Fals
 GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "NSB": nsb, "PREFETCH": pf}, num_warps=w)
                 for bn, nsb, w, pf in _TILES]
 _EVEN = triton.heuristics({"EVEN": lambda a: a["K"] % (256 * a["NSB"]) == 0})
-_tuned, _tuned_perm = (warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size"])(
+_tuned, _tuned_perm = (warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size", "GATED"])(
     _EVEN(_gemv_kernel)) for _ in range(2))
 
 
@@ -165,23 +168,25 @@ def gemv_ok(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group
 def w4a16_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None,
                block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
-               num_warps: int = 4) -> torch.Tensor:
-    """x2 [M, K] (a few rows: one program row each) -> [M, N] in x2's dtype; arguments checked
-    by kernels/w4a16.py. On CUDA without a pinned block_n the tile is autotuned (before any
-    CUDA-graph capture)."""
+               num_warps: int = 4, gated: bool = False) -> torch.Tensor:
+    """x2 [M, K] (a few rows: one program row each) -> [M, N] in x2's dtype, or gated (weight
+    rows [gate; up]) silu(gate) * up [M, N / 2]; arguments checked by kernels/w4a16.py. On CUDA
+    without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
     m, k = x2.shape
     n = qweight.shape[0]
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    check_gated(n, gated)
+    out = torch.empty(m, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
     use_asm = x2.is_cuda and not INTERPRET
     args = (x2, qweight, scales, zeros, qweight if perm is None else perm, out, n, k,
             x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size)
-    meta = dict(HAS_PERM=perm is not None, USE_ASM=use_asm, X_WORDS=x_words_ok(x2))
+    meta = dict(HAS_PERM=perm is not None, GATED=gated, USE_ASM=use_asm, X_WORDS=x_words_ok(x2),
+                **pdl_args(x2))
     if x2.is_cuda and block_n is None:
         kernel = _tuned if perm is None else _tuned_perm
-        kernel[lambda a: (triton.cdiv(n, a["BLOCK_N"]), m)](*args, **meta)
+        kernel[lambda a: (gemv_grid(n, a["BLOCK_N"], gated), m)](*args, **meta)
     else:
         bn = block_n or 8
-        _gemv_kernel[(triton.cdiv(n, bn), m)](
+        _gemv_kernel[(gemv_grid(n, bn, gated), m)](
             *args, **meta, EVEN=k % (256 * nsb) == 0, BLOCK_N=bn, NSB=nsb, PREFETCH=prefetch,
             num_warps=num_warps)
     return out

@@ -7,6 +7,11 @@ Rules:
 - Lookup order: `settings.spec_path`, then `openapi/flotilla.yaml` of the source tree, then the copy
   packaged next to this module (`services/gateway/flotilla.yaml`, a link to the same file that
   setuptools copies into wheels as package data).
+- `jsonschema` (pure Python) is the reference validator: it decides every rejection and explains
+  it (validation.py). A compiled validator (`jsonschema_rs`, built once per operation at start)
+  only answers "valid" for the common case, ~3 us instead of ~0.6 ms for a chat body; whatever
+  it does not accept (or cannot read) goes to the reference, so no body the reference accepts is
+  refused and every 400 reads the same. Without `jsonschema_rs` the reference does everything.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from services.gateway.validation import describe
+
+try:
+    import jsonschema_rs
+except ImportError:  # a declared dependency; without it every body takes the reference path
+    jsonschema_rs = None  # type: ignore[assignment]
 
 SPEC_NAME = "flotilla.yaml"
 _SPEC_URI = "urn:flotilla:openapi"
@@ -46,7 +56,8 @@ def find_spec(explicit: Path | None = None) -> Path:
 class Spec:
     """A loaded OpenAPI 3.1 document with one request-body validator per operation."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, compiled: bool = True):
+        """`compiled=False`: the reference validator alone (what runs without jsonschema_rs)."""
         self.path = path
         self.document: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
         if not str(self.document.get("openapi", "")).startswith("3.1"):
@@ -55,13 +66,21 @@ class Spec:
         registry: Registry = Registry().with_resource(
             _SPEC_URI, Resource.from_contents(self.document, default_specification=DRAFT202012))
         self._validators: dict[str, Draft202012Validator] = {}
+        self._fast: dict[str, Any] = {}  # operation → compiled validator (see the module rules)
+        fast_registry = None
+        if compiled and jsonschema_rs is not None:
+            fast_registry = jsonschema_rs.Registry([(_SPEC_URI, self.document)],
+                                                   draft=jsonschema_rs.Draft202012)
         for operation_id, ref in self._request_schema_refs().items():
             schema = {"$ref": _SPEC_URI + ref}
             self._validators[operation_id] = Draft202012Validator(schema, registry=registry)
+            if fast_registry is not None:
+                self._fast[operation_id] = jsonschema_rs.Draft202012Validator(
+                    schema, registry=fast_registry)
 
     @classmethod
-    def load(cls, explicit: Path | None = None) -> Spec:
-        return cls(find_spec(explicit))
+    def load(cls, explicit: Path | None = None, compiled: bool = True) -> Spec:
+        return cls(find_spec(explicit), compiled)
 
     def _request_schema_refs(self) -> dict[str, str]:
         refs: dict[str, str] = {}
@@ -74,11 +93,26 @@ class Spec:
         return refs
 
     @property
+    def compiled(self) -> bool:
+        """Whether a compiled validator answers for the valid bodies (see the module rules)."""
+        return bool(self._fast)
+
+    @property
     def operations(self) -> list[str]:
         return sorted(self._validators)
 
     def validate(self, operation_id: str, body: Any) -> None:
         """Raise FlotillaError (400, naming the parameter) when `body` breaks the schema."""
+        fast = self._fast.get(operation_id)
+        if fast is not None and _accepts(fast, body):
+            return
         errors = list(self._validators[operation_id].iter_errors(body))
         if errors:
             raise describe(errors)
+
+
+def _accepts(validator: Any, body: Any) -> bool:
+    try:
+        return bool(validator.is_valid(body))
+    except Exception:  # a value it cannot convert (e.g. an integer past 64 bits): ask the reference
+        return False

@@ -7,7 +7,9 @@ Rules:
   before any response byte).
 - `events()` yields `(choice, frame)` for data and final frames of all choices as they arrive,
   and ends after the last final. A failure of any choice (error frame, dead upstream) cancels
-  every unfinished choice and raises FlotillaError.
+  every unfinished choice and raises FlotillaError. Several choices are merged through one pump
+  task per reader; a single choice (the common case) is read directly, one task wake-up less
+  per frame.
 - Cancels are published from tasks of their own (`Bus.spawn`), so they go out even while the
   caller is being cancelled (client disconnect). `close()` may be called any number of times.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from libs.common import subjects
 from libs.common.bus import Bus, StreamReader
@@ -90,19 +92,34 @@ class ChoiceStreams:
             queue.put_nowait((index, exc))
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
+        if len(self._readers) == 1:  # one choice: read it here, without a pump task and queue
+            (index, reader), = self._readers.items()
+            while self._unfinished:
+                try:
+                    frame = await reader.next()
+                except Exception as exc:
+                    self._fail(index, exc)
+                if frame.kind == "final":
+                    self._unfinished.discard(index)
+                yield ChoiceEvent(index, frame)
+            return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._pumps = [asyncio.ensure_future(self._pump(i, queue)) for i in self._readers]
         while self._unfinished:
             index, item = await queue.get()
             if isinstance(item, BaseException):
-                # The failed choice too: a silent upstream may still hold it (and its KV blocks).
-                self.cancel("client_disconnect")
-                if isinstance(item, FlotillaError):
-                    raise item
-                raise internal(f"stream of choice {index} failed: {item!r}") from item
+                self._fail(index, item)
             if item.kind == "final":
                 self._unfinished.discard(index)
             yield ChoiceEvent(index, item)
+
+    def _fail(self, index: int, exc: BaseException) -> NoReturn:
+        """Choice `index` failed: cancel every unfinished choice (the failed one too: a silent
+        upstream may still hold it, and its KV blocks) and raise FlotillaError."""
+        self.cancel("client_disconnect")
+        if isinstance(exc, FlotillaError):
+            raise exc
+        raise internal(f"stream of choice {index} failed: {exc!r}") from exc
 
     def cancel(self, reason: str = "client_disconnect") -> None:
         """Publish Cancel for every choice not finished yet (each once)."""

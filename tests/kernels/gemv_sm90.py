@@ -21,8 +21,14 @@ def spill_report(buckets: tuple[int, ...] = (1, 2, 8, 16)) -> dict[str, int]:
     report = {}
     for bm in buckets:
         for c in _prune(CONFIGS, {}, BLOCK_M=bm):
-            for silu in (False, True) if bm == 1 else (False,):
-                constexprs = dict(BLOCK_M=bm, SILU_MUL=silu, EVEN_K=True, **c.kwargs)
+            # at M = 1 also SiLU·mul read as x, and stored from [gate; up] rows (gated)
+            variants = ((False, False), (True, False), (False, True)) if bm == 1 else \
+                ((False, False),)
+            for silu, gated in variants:
+                if gated and c.kwargs["BLOCK_N"] < 2:
+                    continue
+                constexprs = dict(BLOCK_M=bm, SILU_MUL=silu, GATED=gated, EVEN_K=True,
+                                  **c.kwargs)
                 name = " ".join(f"{k}={v}" for k, v in constexprs.items()) + \
                     f" warps={c.num_warps} stages={c.num_stages}"
                 report[name] = spill_bytes(compile_sm90("gemv", "_gemv_kernel", TYPES,

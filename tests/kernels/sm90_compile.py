@@ -34,6 +34,9 @@ ATTN_PTRS |= SCALE_PTRS
 def _ptx_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, Any],
               num_warps: int, num_stages: int, maxnreg: int | None) -> str:
     fn = getattr(sys.modules[f"kernels.{module}"], kernel)
+    # constexprs left out take their defaults (USE_PDL = False), as at a launch
+    constexprs = {p.name: p.default for p in fn.params
+                  if p.is_constexpr and p.has_default} | constexprs
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in constexprs and (signature[n].startswith("*")

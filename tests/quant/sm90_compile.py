@@ -22,7 +22,7 @@ from tests.kernels.sm90_compile import compile_sm90, hot_loop, sass_sm90, spill_
 BF16_IO = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
 # the Q4_K / Q5_K, 4-bit and fp8 CUDA-core GEMVs as run on CUDA with bf16 x (K a multiple of
 # the step)
-LANE_GEMV = dict(USE_ASM=True, X_WORDS=True, EVEN=True)
+LANE_GEMV = dict(USE_ASM=True, X_WORDS=True, EVEN=True, GATED=False)
 W4 = BF16_IO | {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "perm_ptr": "*i32"}
 FP8_GEMV = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32",
                       "lock_ptr": "*i32"}
@@ -47,20 +47,23 @@ def configs(qtypes: list[int] | None = None
     for qtype in (Q4_K, Q5_K):
         if qtypes is None or qtype in qtypes:
             out.extend(kquant_gemm_configs(qtype))
-    for qtype in (Q4_K, Q5_K):
+    for qtype, gated in ((Q4_K, False), (Q5_K, False), (Q4_K, True)):  # gated: gate/up + SiLU
         out.append(("gguf_kquant_gemv", "_kquant_gemv_kernel", gguf,
                     LANE_GEMV | dict(FIVE_BITS=qtype == Q5_K,
                                        TYPE_SIZE=GGUF_TYPES[qtype].type_size, BLOCK_N=16,
-                                       NSB=8, PREFETCH=False), 4))
-    for perm in (False, True):
+                                       NSB=8, PREFETCH=False, GATED=gated), 4))
+    for perm, gated in ((False, False), (True, False), (False, True)):
         out.append(("w4a16_gemv", "_gemv_kernel", W4,
-                    LANE_GEMV | dict(HAS_PERM=perm, BLOCK_N=16, NSB=8, PREFETCH=False), 4))
+                    LANE_GEMV | dict(HAS_PERM=perm, BLOCK_N=16, NSB=8, PREFETCH=False,
+                                     GATED=gated), 4))
         out.append(("w4a16", "_gemm_kernel", W4 | {"out_ptr": "*fp32"},
                     dict(HAS_PERM=perm, USE_ASM=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
                          ATOMIC=True, DOT_PRECISION="tf32"), 4))
     fp8 = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    out.append(("fp8_gemv_fma", "_gemv_kernel", fp8,
-                LANE_GEMV | dict(PER_CHANNEL=True, BLOCK_N=16, NSB=8, PREFETCH=False), 4))
+    for gated in (False, True):
+        out.append(("fp8_gemv_fma", "_gemv_kernel", fp8,
+                    LANE_GEMV | dict(PER_CHANNEL=True, BLOCK_N=16, NSB=8, PREFETCH=False,
+                                     GATED=gated), 4))
     out.append(("fp8", "_gemm_kernel", fp8,
                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"), 4))
     for constexprs, warps, _ in fp8_gemv_configs(tuned=False):

@@ -19,9 +19,10 @@ def test_quant_kernels_compile_for_sm90_without_spills() -> None:
     # near a minute; `python -m tests.quant.sm90_compile` compiles all ten
     types = [str(q) for q in (Q4_1, Q4_K, Q6_K)]
     spills = sm90_report("tests.quant.sm90_compile", *types, timeout=900)
-    # GGUF GEMV + 2 GEMMs per type, Q4_K GEMM (2 tiles), k-quant GEMVs, w4a16, fp8 GEMV + GEMM,
-    # tensor-core fp8 GEMV
-    assert len(spills) == 3 * 3 + 2 + 2 + 4 + 2 + 2
+    # GGUF GEMV + 2 GEMMs per type, Q4_K GEMM (2 tiles), k-quant GEMVs (Q4_K, Q5_K, gated Q4_K),
+    # w4a16 (GEMV plain / act-order / gated, GEMM plain / act-order), fp8 GEMV (plain, gated) +
+    # GEMM, tensor-core fp8 GEMV
+    assert len(spills) == 3 * 3 + 2 + 3 + 5 + 3 + 2
     assert {name: n for name, n in spills.items() if n} == {}
 
 

@@ -89,7 +89,7 @@ def test_decode_dispatch(kind: str, m: int, expect: str, monkeypatch: pytest.Mon
 
     calls: list[str] = []
     def fake(kind: str):  # type: ignore[no-untyped-def]
-        return lambda x2, w, *a: calls.append(kind) or x2.new_zeros(x2.shape[0], w.shape[0])
+        return lambda x2, w, *a, **kw: calls.append(kind) or x2.new_zeros(x2.shape[0], w.shape[0])
 
     monkeypatch.setattr(fp8, "fp8_gemv_fma", fake("fma"))
     monkeypatch.setattr(fp8, "fp8_gemv_mma", fake("mma"))

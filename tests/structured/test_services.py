@@ -113,7 +113,10 @@ async def test_a_hundred_json_schema_samples_all_validate(
 
     async def one(seed: int) -> tuple[str | None, str | None]:
         r = await sdk.chat.completions.create(
-            model=model, temperature=1.0, max_tokens=40, seed=seed,
+            # 64 tokens bound the longest valid answer: a 10-character name of 3-byte UTF-8
+            # characters is up to 30 byte-level tokens, the rest of the object ~16 (seed 36
+            # wrote one in katakana and ran out of 40)
+            model=model, temperature=1.0, max_tokens=64, seed=seed,
             response_format=response_format,
             messages=[{"role": "user", "content": "Invent a club member. Answer in JSON."}])
         return r.choices[0].message.content, r.choices[0].finish_reason

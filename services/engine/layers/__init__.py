@@ -1,6 +1,11 @@
 """Shared model layers: every architecture file is built from these."""
 
-from services.engine.layers.activation import GeluAndMul, SiluAndMul, get_gated_activation
+from services.engine.layers.activation import (
+    GeluAndMul,
+    SiluAndMul,
+    gated_projection,
+    get_gated_activation,
+)
 from services.engine.layers.attention import Attention
 from services.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.engine.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
@@ -28,6 +33,7 @@ __all__ = [
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
+    "gated_projection",
     "get_gated_activation",
     "get_rope",
 ]

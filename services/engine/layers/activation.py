@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from services.engine.layers.linear import LinearBase
 
 
 class SiluAndMul(nn.Module):
@@ -41,6 +42,15 @@ _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
     "gelu_tanh": lambda: GeluAndMul("tanh"),
 }
+
+
+def gated_projection(gate_up: nn.Module, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """act(gate_up(x)) for a gated MLP's fused [gate; up] projection. SiLU on a bias-free
+    projection goes through its quant method's `apply_gated`, which may store the activation
+    from the matmul itself (the decode GEMVs do)."""
+    if isinstance(act, SiluAndMul) and isinstance(gate_up, LinearBase) and gate_up.bias is None:
+        return gate_up.quant_method.apply_gated(gate_up, x)
+    return act(gate_up(x))
 
 
 def get_gated_activation(name: str) -> nn.Module:

@@ -32,6 +32,7 @@ from services.engine.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    gated_projection,
     get_gated_activation,
     get_rope,
 )
@@ -113,7 +114,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_gated_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(gated_projection(self.gate_up_proj, self.act_fn, x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from kernels.gemv import gemv_triton
 
 GEMV_BACKENDS = ("auto", "cublas", "triton")
@@ -67,6 +68,12 @@ class QuantMethod(ABC):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """silu(x gate^T) * (x up^T) for a bias-free [gate; up] weight (a gated MLP's projection
+        and activation). Methods whose decode GEMV stores the activation itself override this
+        (kernels/gemv_rows.py: one launch less per layer and step)."""
+        return kernels.silu_and_mul(self.apply(layer, x))
+
 
 class UnquantizedLinearMethod(QuantMethod):
     """Plain float weight in the model dtype."""
@@ -78,6 +85,12 @@ class UnquantizedLinearMethod(QuantMethod):
         if x.is_cuda and use_triton_gemv(x, weight):
             return linear_2d(x, lambda x2: gemv_triton(x2, weight), bias)
         return F.linear(x, weight, bias)
+
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weight = layer_tensor(layer, "weight")
+        if x.is_cuda and use_triton_gemv(x, weight):
+            return linear_2d(x, lambda x2: gemv_triton(x2, weight, gated=True), None)
+        return super().apply_gated(layer, x)
 
 
 def set_gemv_backend(backend: str | None) -> None:

@@ -135,6 +135,12 @@ class FP8LinearMethod(QuantMethod):
         weight, scale = layer_tensor(layer, "weight_fp8"), layer_tensor(layer, "weight_scale")
         return linear_2d(x, lambda x2: fp8_matmul_triton(x2, weight, scale), bias)
 
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.kernels:
+            return super().apply_gated(layer, x)
+        weight, scale = layer_tensor(layer, "weight_fp8"), layer_tensor(layer, "weight_scale")
+        return linear_2d(x, lambda x2: fp8_matmul_triton(x2, weight, scale, gated=True), None)
+
 
 class FP8Config(QuantConfig):
     """An fp8 checkpoint: linear layers quantized, the LM head and `ignore`d modules float."""

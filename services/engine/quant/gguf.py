@@ -103,6 +103,13 @@ class GGUFLinearMethod(QuantMethod):
         qweight = layer_tensor(layer, "qweight")
         return linear_2d(x, lambda x2: gguf_matmul_triton(x2, qweight, self.qtype), bias)
 
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.kernels:
+            return super().apply_gated(layer, x)
+        qweight = layer_tensor(layer, "qweight")
+        return linear_2d(x, lambda x2: gguf_matmul_triton(x2, qweight, self.qtype, gated=True),
+                         None)
+
 
 class GGUFConfig(QuantConfig):
     """Per-layer choice for a GGUF checkpoint, from the file's tensor types.

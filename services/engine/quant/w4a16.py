@@ -141,5 +141,14 @@ class W4A16LinearMethod(QuantMethod):
         assert perm is None or isinstance(perm, torch.Tensor)
         return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm), bias)
 
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.kernels:
+            return super().apply_gated(layer, x)
+        q, s = layer_tensor(layer, "w4_qweight"), layer_tensor(layer, "w4_scales")
+        z, perm = layer_tensor(layer, "w4_zeros"), layer.w4_perm
+        assert perm is None or isinstance(perm, torch.Tensor)
+        return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm,
+                                                           gated=True), None)
+
 
 __all__ = ["W4A16LinearMethod", "unpack_cols", "unpack_rows"]

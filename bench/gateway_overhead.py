@@ -1,0 +1,382 @@
+"""The gateway's CPU cost per streamed request and per streamed token event, on CPU, in-process.
+
+    python bench/gateway_overhead.py [--requests 200] [--tokens 64] [--baseline PATH]
+
+Two tables:
+
+- pieces: the work of one request (body parse, schema validation, plan, the `gateway.request`
+  span) and of one token event (frame decode, stream read, chunk building, SSE encoding), each
+  timed in a loop. Where this tree replaced a piece, the replaced way is timed beside it
+  ("before": pure-Python jsonschema for validation, json.dumps for SSE, nats-py's
+  `next_msg(timeout)` for reading a stream).
+- whole requests: streaming /v1/chat/completions and /v1/completions driven through the real ASGI
+  app, `Bus` and nats-py `Subscription` objects, with only the NATS connection faked (replies
+  and frames come from memory, one frame after the previous event was written). HTTP parsing
+  (uvicorn/httptools) is not included. CPU per request with 1 and with --tokens tokens gives
+  the cost per request and per event. `--baseline PATH` runs the same measurement on another
+  checkout (e.g. `git archive HEAD | tar -x -C /tmp/base`) in a subprocess, for a before column.
+
+Needs no GPU, NATS or network; runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+MODEL = "bench-model"
+CHAT = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": 256, "temperature": 0.0,
+        "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                     {"role": "user", "content": "Tell me a long story about a dragon. " * 8}]}
+COMPLETION = {"model": MODEL, "prompt": "hello " * 128, "max_tokens": 64, "temperature": 0.0,
+              "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def cpu_us(fn: Callable[[], Any], n: int, repeat: int = 3) -> float:
+    """CPU microseconds per call of `fn` (best of `repeat` loops of `n`)."""
+    for _ in range(min(n, 50)):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.process_time()
+        for _ in range(n):
+            fn()
+        best = min(best, time.process_time() - t0)
+    return best / n * 1e6
+
+
+# ------------------------------------------------------------------ a NATS connection in memory
+
+
+class Progress:
+    """Counts response body messages; lets the frame feeder wait for the next one."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._waiter: asyncio.Future[None] | None = None
+
+    def bump(self) -> None:
+        self.count += 1
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def past(self, n: int) -> None:
+        while self.count <= n:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+
+class FakeNC:
+    """The part of nats-py's Client that Bus uses, without a server: requests are answered from
+    memory and each stream subscription is fed `frames`, one after the previous SSE event (after
+    the `opening` events a response sends before any frame: chat's role chunk)."""
+
+    is_closed = is_draining = is_reconnecting = False
+    is_connected = True
+
+    def __init__(self, frames: list[bytes], progress: Progress, opening: int):
+        from libs.common.messages import Admission, ToolsListReply, encode
+
+        self.frames, self.progress, self.opening = frames, progress, opening
+        self.admitted = encode(Admission(request_id="bench", accepted=True))
+        self.no_tools = encode(ToolsListReply(tools=[]))
+        self._sid = 0
+        self._stream: Any = None
+        self._feeders: set[asyncio.Task[None]] = set()
+
+    async def subscribe(self, subject: str, queue: str = "", cb: Any = None, **_: Any) -> Any:
+        from nats.aio.subscription import Subscription
+
+        self._sid += 1
+        sub = Subscription(self, self._sid, subject, queue, cb)
+        sub._start(None)
+        if ".stream." in subject:
+            self._stream = sub
+        return sub
+
+    async def request(self, subject: str, payload: bytes = b"", timeout: float = 1.0,
+                      headers: Any = None, **_: Any) -> Any:
+        from nats.aio.msg import Msg
+
+        if subject.endswith(".generate"):
+            task = asyncio.ensure_future(self._feed(self._stream,
+                                                    self.progress.count + self.opening))
+            self._feeders.add(task)
+            task.add_done_callback(self._feeders.discard)
+            return Msg(self, subject="_INBOX.x", data=self.admitted)  # type: ignore[arg-type]
+        return Msg(self, subject="_INBOX.x", data=self.no_tools)  # type: ignore[arg-type]
+
+    async def _feed(self, sub: Any, opened: int) -> None:
+        from nats.aio.msg import Msg
+
+        await self.progress.past(opened - 1)  # the opening events are out: the stream starts
+        for data in self.frames:
+            sent = self.progress.count
+            sub._pending_size += len(data)  # as nats-py's Client._process_msg does
+            sub._pending_queue.put_nowait(Msg(self, subject=sub.subject,  # type: ignore[arg-type]
+                                              data=data))
+            await self.progress.past(sent)
+
+    async def publish(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def _remove_sub(self, sid: int) -> None:
+        pass
+
+    async def _send_unsubscribe(self, sid: int, limit: int = 0) -> None:
+        pass
+
+
+# ------------------------------------------------------------------ whole requests through ASGI
+
+
+def text_frames(tokens: int) -> list[bytes]:
+    from libs.common.messages import TextDelta, TextFinal, TextFrame, Usage, encode
+
+    frames = [TextFrame(request_id="bench-0", seq=i, kind="data",
+                        data=TextDelta(text=f" word{i}")) for i in range(tokens)]
+    frames.append(TextFrame(request_id="bench-0", seq=tokens, kind="final", final=TextFinal(
+        finish_reason="length", usage=Usage(prompt_tokens=100, completion_tokens=tokens))))
+    return [encode(f) for f in frames]
+
+
+async def one_request(app: Any, path: str, body: bytes, progress: Progress) -> int:
+    """Drive one POST through the ASGI app; the number of SSE events it sent."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000), "state": {},
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"user-agent", b"bench"),
+                         (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    never = asyncio.Event()
+    out: list[bytes] = []
+    status = 0
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message.get("body"):
+            out.append(message["body"])
+            progress.bump()
+
+    await app(scope, receive, send)
+    if status != 200:
+        raise RuntimeError(f"{path}: HTTP {status}: {b''.join(out)[:300]!r}")
+    return b"".join(out).count(b"data: ")
+
+
+async def whole_requests(requests: int, tokens: int) -> dict[str, float]:
+    """CPU ms per streamed request with 1 and with `tokens` tokens, per path."""
+    from libs.common import telemetry
+    from libs.common.bus import Bus
+    from libs.common.messages import Announcement
+    from libs.common.settings import GatewaySettings
+    from libs.common.store import MemoryStore
+    from services.gateway.app import create_app
+
+    settings = GatewaySettings(nats_url="nats://unused", redis_url=None, log_level="WARNING",
+                               model_ttl_s=3600)  # type: ignore[call-arg]
+    telemetry.setup_tracing("gateway", settings)  # as run_forever: an SDK provider, no exporter
+    out: dict[str, float] = {}
+    for path, body, opening in (("/v1/chat/completions", CHAT, 1),
+                                ("/v1/completions", COMPLETION, 0)):
+        raw = json.dumps(body).encode()
+        for k in (1, tokens):
+            progress = Progress()
+            nc = FakeNC(text_frames(k), progress, opening)
+            app = create_app(settings, Bus(nc), MemoryStore())  # type: ignore[arg-type]
+            await app.state.gateway.registry.record(Announcement(
+                service="tokenizer", instance="bench", model=MODEL, max_model_len=4096))
+            for _ in range(20):  # warm-up
+                events = await one_request(app, path, raw, progress)
+            # + opening, final, usage and [DONE]
+            assert events == k + opening + 3, f"{path}: {events} events for {k} tokens"
+            t0 = time.process_time()
+            for _ in range(requests):
+                await one_request(app, path, raw, progress)
+            out[f"{path} {k}"] = (time.process_time() - t0) / requests * 1e3
+    return out
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def pieces(tokens: int) -> list[tuple[str, float | None, float]]:
+    """(what, before µs or None when unchanged, now µs)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from libs.common.messages import TextDelta, TextFrame, decode, encode
+    from services.gateway.chunks import chunk_builder
+    from services.gateway.plan import chat_plan
+    from services.gateway.spec import Spec
+    from services.gateway.sse import sse
+    from services.gateway.tracing import TracingMiddleware
+
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+    spec, reference = Spec.load(), Spec.load(compiled=False)
+    chat, completion = json.loads(json.dumps(CHAT)), json.loads(json.dumps(COMPLETION))
+    raw = json.dumps(chat).encode()
+    rows: list[tuple[str, float | None, float]] = []
+    for op, body in (("createChatCompletion", chat), ("createCompletion", completion)):
+        rows.append((f"validate {op}", cpu_us(functools.partial(reference.validate, op, body), 300),
+                     cpu_us(functools.partial(spec.validate, op, body), 3000)))
+    rows.append(("parse body (json.loads)", None, cpu_us(lambda: json.loads(raw), 5000)))
+    rows.append(("chat_plan + encode TextRequest", None,
+                 cpu_us(lambda: encode(chat_plan(chat, None, 8).requests[0]), 2000)))
+
+    async def noop_app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def nothing(_: Any) -> None:
+        pass
+
+    async def receive_nothing() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    middleware = TracingMiddleware(noop_app)
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "scheme": "http",
+             "http_version": "1.1", "headers": [(b"host", b"x"), (b"user-agent", b"bench")]}
+
+    async def spans(n: int) -> float:
+        t0 = time.process_time()
+        for _ in range(n):
+            await middleware(scope, receive_nothing, nothing)
+        return (time.process_time() - t0) / n * 1e6
+
+    run(spans(200))
+    rows.append(("gateway.request span (middleware)", None, min(run(spans(2000))
+                                                             for _ in range(3))))
+
+    frame = encode(TextFrame(request_id="bench-0", seq=0, kind="data",
+                             data=TextDelta(text=" dragon")))
+    rows.append(("decode TextFrame", None, cpu_us(lambda: decode(frame, TextFrame), 20000)))
+    plan = chat_plan(chat, None, 8)
+    chunks = chunk_builder(plan, int(time.time()))
+    delta = TextDelta(text=" dragon")
+    rows.append(("chunk build (ChatChunks.delta)", None,
+                 cpu_us(lambda: chunks.delta(0, delta), 20000)))
+    chunk = chunks.delta(0, delta)
+    assert chunk is not None and json.loads(sse(chunk)[6:]) == chunk
+    rows.append(("SSE encode", cpu_us(
+        lambda: b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n", 20000),
+        cpu_us(lambda: sse(chunk), 20000)))
+    rows.append(("stream read + decode, per frame", run(_read_cost(False, tokens)),
+                 run(_read_cost(True, tokens))))
+    return rows
+
+
+async def _read_cost(callback: bool, frames: int, rounds: int = 30) -> float:
+    """CPU µs per frame to hand `frames` frames, one at a time, to a waiting reader that decodes
+    them: nats-py's next_msg(timeout) (before) or this tree's StreamReader (callback)."""
+    from nats.aio.msg import Msg
+
+    from libs.common.bus import StreamReader
+    from libs.common.messages import TextDelta, TextFrame, decode, encode
+
+    nc = FakeNC([], Progress(), 0)
+    data = [encode(TextFrame(request_id="r", seq=i, kind="data", data=TextDelta(text="x")))
+            for i in range(frames)]
+    async def consume(receive: Callable[[], Any], got: Progress) -> None:
+        for _ in range(frames):
+            await receive()
+            got.bump()
+
+    total = 0.0
+    for _ in range(rounds):
+        got = Progress()
+        if callback:
+            reader: StreamReader[Any, Any] = StreamReader(TextFrame, 3.0)
+            sub = await nc.subscribe("s.stream.x", cb=reader.deliver)
+            receive: Callable[[], Any] = reader.next
+        else:
+            sub = await nc.subscribe("s.stream.x")
+
+            async def receive(sub: Any = sub) -> Any:
+                return decode((await sub.next_msg(timeout=3.0)).data, TextFrame)
+        t0 = time.process_time()
+        task = asyncio.ensure_future(consume(receive, got))
+        for i, d in enumerate(data):
+            sub._pending_size += len(d)
+            sub._pending_queue.put_nowait(Msg(nc, subject="s", data=d))  # type: ignore[arg-type]
+            await got.past(i)
+        await task
+        total += time.process_time() - t0
+        await sub.unsubscribe()
+    return total / (rounds * frames) * 1e6
+
+
+# ------------------------------------------------------------------ report
+
+
+def run(coro: Any) -> Any:
+    """On uvloop when installed, as the services run (libs/common/service.py)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--baseline", type=Path, help="another checkout: its whole-request costs too")
+    ap.add_argument("--root", type=Path, default=HERE.parents[1], help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sys.path.insert(0, str(args.root.resolve()))
+    now = run(whole_requests(args.requests, args.tokens))
+    if args.json:  # the --baseline child
+        print(json.dumps(now))
+        return
+    before: dict[str, float] = {}
+    if args.baseline is not None:
+        child = subprocess.run([sys.executable, str(HERE), "--root", str(args.baseline),
+                                "--json", "--requests", str(args.requests),
+                                "--tokens", str(args.tokens)],
+                               cwd=args.baseline, capture_output=True, text=True, check=True)
+        before = json.loads(child.stdout.strip().splitlines()[-1])
+
+    print(f"{'per request / per event (CPU µs)':40s} {'before':>9s} {'now':>9s}")
+    for what, was, is_ in pieces(args.tokens):
+        print(f"{what:40s} {'' if was is None else f'{was:9.1f}':>9s} {is_:9.1f}")
+    k = args.tokens
+    print(f"\n{'whole streamed request, ASGI':40s} {'before':>9s} {'now':>9s}")
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        rows = {}
+        for source, values in (("before", before), ("now", now)):
+            if values:
+                one, many = values[f"{path} 1"], values[f"{path} {k}"]
+                per_event = (many - one) / (k - 1)
+                rows[source] = (one - per_event, per_event * 1e3, many)
+        print(path)
+        for i, label in enumerate(("  per request, without events (ms)", "  per event (µs)",
+                                   f"  request with {k} events (ms)")):
+            cells = [f"{rows[s][i]:9.3f}" if s in rows else "" for s in ("before", "now")]
+            print(f"{label:40s} {cells[0]:>9s} {cells[1]:>9s}")
+
+if __name__ == "__main__":
+    main()
