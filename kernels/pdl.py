@@ -9,9 +9,11 @@ the GEMVs also issue their first weight loads, since weights are never written),
 (`griddepcontrol.wait`: the previous grid has finished and its writes are visible) and at once
 lets the next kernel launch. CUDA graphs keep these edges when the launches are captured.
 
-Rule: every kernel launched with `pdl_args` calls `pdl_wait(USE_PDL)` before its first read of
-activations or write of any output. Then a kernel's completion implies its predecessors', so a
-dependence two kernels back is safe too.
+Rule: every kernel launched with `pdl_args` calls `pdl_wait(USE_PDL)` (or `pdl_wait_after`) in
+every program, before it reads anything a kernel may have written (activations, the KV cache;
+weights and the step's metadata, copied from the host before the graph runs, may be read
+earlier) and before it writes anything. Then a kernel's completion implies its predecessors',
+so a dependence two kernels back is safe too.
 
 `FLOTILLA_PDL` = auto (default: CUDA devices of compute capability 9.0+), 1 (same), 0 (off).
 Measured on an H100 (bench/quant_bench.py, B1 decode tok/s, same run): GPTQ 354 -> 377 with

@@ -54,10 +54,12 @@ def _same(gated: torch.Tensor, ungated: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("inter", INTER)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_bf16_gemv(inter: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
+def test_bf16_gemv(inter: int, dtype: torch.dtype, dot: bool) -> None:
+    """Both inner products (FMA tiles; tensor-core tiles with x padded to 16 rows), 2 x rows."""
     x = _x(2, 96, dtype, inter)
     w = (torch.randn(2 * inter, 96, generator=torch.Generator().manual_seed(1)) / 8).to(dtype)
-    config = _config(8, 64, False, 4)
+    config = _config(16, 64, True, 4, 2) if dot else _config(8, 64, False, 4)
     _same(gemv_triton(x, w.to(DEVICE), config=config, gated=True),
           gemv_triton(x, w.to(DEVICE), config=config))
 
