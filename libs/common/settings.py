@@ -108,8 +108,12 @@ class EngineSettings(CommonSettings):
     async_scheduling: bool | None = Field(
         None, description="Prepare step N+1 while the device runs step N; unset = on CUDA")
     admit_window_ms: float = Field(
-        2.0, ge=0, le=1000, description="When a request wakes an idle engine, wait this long for "
-        "more before the first step, so a burst of arrivals shares one prefill step; 0 = off")
+        2.0, ge=0, le=1000, description="When a request wakes an idle engine, wait for more "
+        "until this long passes without one (at most admit_window_max_ms), so a burst of "
+        "arrivals shares one prefill step; 0 = off")
+    admit_window_max_ms: float = Field(
+        50.0, ge=0, le=1000, description="Longest wait for a burst's arrivals after the first "
+        "woke an idle engine (see admit_window_ms)")
     tp: int | None = Field(
         None, ge=1, description="Tensor-parallel ranks of this pod; unset = one per device id "
         "(or torchrun's WORLD_SIZE), else 1")

@@ -1,4 +1,5 @@
-"""EngineLoop admission: a burst of requests reaching an idle engine shares its first step."""
+"""EngineLoop admission: a burst of requests reaching an idle engine shares its first step (a
+quiet window that slides with each arrival, capped from the first)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,54 @@ def test_without_a_window_the_first_request_does_not_wait() -> None:
     steps = _run_burst(window_s=0.0, gap_s=0.2)
     assert steps[0] == ["r0"]
     assert sum(steps, []) == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def _run_arrivals(window_s: float, cap_s: float, times: list[float]) -> list[list[str]]:
+    """Requests r0, r1, ... added at `times` (s after the first) to an idle loop; the steps."""
+    engine = StepRecorder()
+    loop = EngineLoop(engine, asyncio.new_event_loop(), lambda _: None, lambda exc: None,
+                      admit_window_s=window_s, admit_window_max_s=cap_s)
+    loop.start()
+    try:
+        t0 = time.monotonic()
+        for i, t in enumerate(times):
+            time.sleep(max(0.0, t0 + t - time.monotonic()))
+            loop.add(f"r{i}", [1], None)
+        deadline = time.monotonic() + 5
+        while sum(map(len, engine.steps)) < len(times) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    return engine.steps
+
+
+def test_a_burst_longer_than_the_window_shares_the_first_step_while_it_keeps_coming() -> None:
+    """Arrivals 0.2 s apart with a 0.4 s quiet window: the window slides, one step for all
+    (a fixed window would have stepped at 0.4 s with three)."""
+    steps = _run_arrivals(0.4, 5.0, [0.0, 0.2, 0.4, 0.6, 0.8])
+    assert steps[0] == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_the_wait_is_capped_from_the_first_arrival() -> None:
+    """The window keeps sliding, but the cap (0.7 s after r0) starts the step; later arrivals
+    take the next one."""
+    steps = _run_arrivals(0.4, 0.7, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    assert steps[0] == ["r0", "r1", "r2", "r3"]
+    assert sum(steps, []) == [f"r{i}" for i in range(6)]
+
+
+def test_a_lone_request_waits_the_window_not_the_cap() -> None:
+    engine = StepRecorder()
+    loop = EngineLoop(engine, asyncio.new_event_loop(), lambda _: None, lambda exc: None,
+                      admit_window_s=0.05, admit_window_max_s=30.0)
+    loop.start()
+    try:
+        t = time.monotonic()
+        loop.add("r0", [1], None)
+        assert engine.stepped.wait(5)
+        assert time.monotonic() - t < 2.0
+    finally:
+        loop.stop()
 
 
 def test_commands_queued_before_a_step_are_all_admitted() -> None:
