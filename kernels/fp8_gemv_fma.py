@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from kernels.code_floats import INTERPRET
-from kernels.gemv_rows import check_gated, gemv_grid, gemv_rows, gemv_store
-from kernels.pdl import pdl_args, pdl_wait_after
+from kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
+from kernels.pdl import pdl_wait_after
 from kernels.tuning import warmup_autotune
-from kernels.vector_loads import load_run, load_scalars, x8, x_words_ok
+from kernels.vector_loads import load_run, load_scalars, x8
 
 RUN = 32  # weights per (row, run) element: K and the group size must be multiples of it
 _E4M3X4_ASM = tl.constexpr("""
@@ -171,19 +171,9 @@ def fp8_gemv_fma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gr
     """x2 [M, K] (unit stride along K) @ dequant(weight, scale).T -> [M, N] in x2's dtype, or
     gated (rows [gate; up]) silu(gate) * up [M, N / 2] (arguments checked by kernels/fp8.py).
     On CUDA without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
-    m, k = x2.shape
-    n = weight.shape[0]
-    check_gated(n, gated)
-    out = torch.empty(m, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
-    args = (x2, weight, scale, out, n, k, x2.stride(0), weight.stride(0), scale.stride(0),
-            out.stride(0), group)
-    meta = dict(PER_CHANNEL=group == k, GATED=gated, USE_ASM=x2.is_cuda and not INTERPRET,
-                X_WORDS=x_words_ok(x2), **pdl_args(x2))
-    if x2.is_cuda and block_n is None:
-        _tuned[lambda a: (gemv_grid(n, a["BLOCK_N"], gated), m)](*args, **meta)
-    else:
-        bn = block_n or 8
-        _gemv_kernel[(gemv_grid(n, bn, gated), m)](
-            *args, **meta, EVEN=k % (128 * nsb) == 0, BLOCK_N=bn, NSB=nsb, PREFETCH=prefetch,
-            num_warps=num_warps)
-    return out
+    n, k = weight.shape
+    return lane_gemv(
+        _tuned, _gemv_kernel, x2, n, gated,
+        lambda out: (x2, weight, scale, out, n, k, x2.stride(0), weight.stride(0),
+                     scale.stride(0), out.stride(0), group),
+        dict(PER_CHANNEL=group == k), 128, block_n, nsb, prefetch, num_warps)

@@ -1,4 +1,5 @@
-"""Which weight rows a decode-GEMV program dots, and how it stores them: plainly, or gated.
+"""Which weight rows a decode-GEMV program dots, how it stores them (plainly, or gated), and the
+launch the lanes-along-K GEMVs share (`lane_gemv`).
 
 The lanes-along-K GEMVs (kernels/w4a16_gemv.py, gguf_kquant_gemv.py, fp8_gemv_fma.py) give each
 program BLOCK_N weight rows and sum them over all of K, so a program holds whole dot products at
@@ -12,10 +13,17 @@ unfused path's (kernels/activation.py `silu_mul`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 import triton
 import triton.language as tl
 
 from kernels.activation import silu_mul
+from kernels.code_floats import INTERPRET
+from kernels.pdl import pdl_args
+from kernels.vector_loads import x_words_ok
 
 
 @triton.jit
@@ -44,6 +52,30 @@ def gemv_store(out, out_row, pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexp
     else:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_row + cols, out.to(dtype), mask=cols < N)
+
+
+def lane_gemv(tuned: Any, fixed: Any, x2: torch.Tensor, n: int, gated: bool,
+              args: Callable[[torch.Tensor], tuple[Any, ...]], meta: dict[str, Any],
+              run: int, block_n: int | None, nsb: int, prefetch: bool,
+              num_warps: int) -> torch.Tensor:
+    """Launches one of the lanes-along-K GEMVs on x2 [M, K] with `n` weight rows; returns its
+    output [M, N] (gated: [M, N / 2]). `args(out)` gives the kernel's positional arguments,
+    `meta` its format's constexprs; K is walked in steps of `run` * NSB weights. On CUDA without
+    a pinned block_n the tile comes from `tuned` (autotuned before any CUDA-graph capture), else
+    `fixed` runs the pinned tile."""
+    check_gated(n, gated)
+    m, k = x2.shape
+    out = torch.empty(m, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
+    meta = dict(meta, GATED=gated, USE_ASM=x2.is_cuda and not INTERPRET,
+                X_WORDS=x_words_ok(x2), **pdl_args(x2))
+    if x2.is_cuda and block_n is None:
+        tuned[lambda a: (gemv_grid(n, a["BLOCK_N"], gated), m)](*args(out), **meta)
+    else:
+        bn = block_n or 8
+        fixed[(gemv_grid(n, bn, gated), m)](
+            *args(out), **meta, EVEN=k % (run * nsb) == 0, BLOCK_N=bn, NSB=nsb,
+            PREFETCH=prefetch, num_warps=num_warps)
+    return out
 
 
 def gemv_grid(n: int, block_n: int, gated: bool) -> int:

@@ -33,11 +33,11 @@ import triton
 import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
-from kernels.gemv_rows import check_gated, gemv_grid, gemv_rows, gemv_store
+from kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
-from kernels.pdl import pdl_args, pdl_wait_after
+from kernels.pdl import pdl_wait_after
 from kernels.tuning import warmup_autotune
-from kernels.vector_loads import f16_low, load16, x8, x_words_ok
+from kernels.vector_loads import f16_low, load16, x8
 
 _ROTL_ASM = tl.constexpr("shf.l.wrap.b32 $0, $1, $1, $2;")
 
@@ -240,19 +240,8 @@ def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     use_asm = x.is_cuda and not INTERPRET
     if use_asm and (qweight.stride(0) % 16 or qweight.data_ptr() % 16):
         raise ValueError("qweight rows must be 16-byte aligned (16-byte loads)")
-    check_gated(n, gated)
-    out = torch.empty(x.shape[0], n // 2 if gated else n, dtype=x.dtype, device=x.device)
-    args = (x, qweight, out, n, k, x.stride(0), qweight.stride(0), out.stride(0))
-    x_words = x_words_ok(x)
     five = int(qtype) == Q5_K
-    meta = dict(FIVE_BITS=five, TYPE_SIZE=t.type_size, GATED=gated, USE_ASM=use_asm,
-                X_WORDS=x_words, **pdl_args(x))
-    if x.is_cuda and block_n is None:
-        tuned = _tuned_q5 if five else _tuned_q4
-        tuned[lambda a: (gemv_grid(n, a["BLOCK_N"], gated), x.shape[0])](*args, **meta)
-    else:
-        bn = block_n or 8
-        _kquant_gemv_kernel[(gemv_grid(n, bn, gated), x.shape[0])](
-            *args, **meta, EVEN=k // 256 % nsb == 0, BLOCK_N=bn, NSB=nsb, PREFETCH=prefetch,
-            num_warps=num_warps)
-    return out
+    return lane_gemv(
+        _tuned_q5 if five else _tuned_q4, _kquant_gemv_kernel, x, n, gated,
+        lambda out: (x, qweight, out, n, k, x.stride(0), qweight.stride(0), out.stride(0)),
+        dict(FIVE_BITS=five, TYPE_SIZE=t.type_size), 256, block_n, nsb, prefetch, num_warps)

@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
-from kernels.gemv_rows import check_gated, gemv_grid, gemv_rows, gemv_store
-from kernels.pdl import pdl_args, pdl_wait_after
+from kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
+from kernels.pdl import pdl_wait_after
 from kernels.tuning import warmup_autotune
-from kernels.vector_loads import load16, load_run, load_scalars, x8, x_words_ok
+from kernels.vector_loads import load16, load_run, load_scalars, x8
 
 RUN = 64  # weights per (row, run) element: the group size must be a multiple of it
 
@@ -172,21 +172,10 @@ def w4a16_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """x2 [M, K] (a few rows: one program row each) -> [M, N] in x2's dtype, or gated (weight
     rows [gate; up]) silu(gate) * up [M, N / 2]; arguments checked by kernels/w4a16.py. On CUDA
     without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
-    m, k = x2.shape
     n = qweight.shape[0]
-    check_gated(n, gated)
-    out = torch.empty(m, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
-    use_asm = x2.is_cuda and not INTERPRET
-    args = (x2, qweight, scales, zeros, qweight if perm is None else perm, out, n, k,
-            x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size)
-    meta = dict(HAS_PERM=perm is not None, GATED=gated, USE_ASM=use_asm, X_WORDS=x_words_ok(x2),
-                **pdl_args(x2))
-    if x2.is_cuda and block_n is None:
-        kernel = _tuned if perm is None else _tuned_perm
-        kernel[lambda a: (gemv_grid(n, a["BLOCK_N"], gated), m)](*args, **meta)
-    else:
-        bn = block_n or 8
-        _gemv_kernel[(gemv_grid(n, bn, gated), m)](
-            *args, **meta, EVEN=k % (256 * nsb) == 0, BLOCK_N=bn, NSB=nsb, PREFETCH=prefetch,
-            num_warps=num_warps)
-    return out
+    return lane_gemv(
+        _tuned if perm is None else _tuned_perm, _gemv_kernel, x2, n, gated,
+        lambda out: (x2, qweight, scales, zeros, qweight if perm is None else perm, out, n,
+                     x2.shape[1], x2.stride(0), qweight.stride(0), scales.stride(0),
+                     out.stride(0), group_size),
+        dict(HAS_PERM=perm is not None), 256, block_n, nsb, prefetch, num_warps)
