@@ -250,8 +250,13 @@ def main() -> None:
     args = ap.parse_args()
     model = write_model_dir(args.layers, tiny=not args.full)
     rng = random.Random(0)
-    prompts = ["".join(rng.choice(string.ascii_letters) for _ in range(args.prompt))
-               for _ in range(args.streams)]
+
+    def fresh(n: int) -> list[str]:
+        """New random prompts: a burst that repeats earlier ones would hit the prefix cache
+        (the engine would skip their prefill and the probe would time something else)."""
+        return ["".join(rng.choice(string.ascii_letters) for _ in range(args.prompt))
+                for _ in range(n)]
+
     os.environ.update(FLOTILLA_OTEL_EXPORTER="console", OTEL_BSP_SCHEDULE_DELAY="500",
                       OTEL_BSP_MAX_QUEUE_SIZE="65536")
     os.environ.update(kv.split("=", 1) for kv in args.env)
@@ -263,8 +268,9 @@ def main() -> None:
         procs = start_services(model, nats.url, port, logs, args.device, None)
         try:
             asyncio.run(wait_ready(base, procs, timeout=300))
-            burst(base, prompts[:8], 2, 2)  # warm-up through every hop
+            burst(base, fresh(8), 2, 2)  # warm-up through every hop
             for i in range(args.repeat):
+                prompts = fresh(args.streams)
                 res = run_once(base, prompts, args.new, logs,
                                {name: p.pid for name, p in zip(SERVICES, procs, strict=True)},
                                args.clients)

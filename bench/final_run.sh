@@ -6,6 +6,9 @@
 #   bash bench/final_run.sh engine   # engine_bench (peers, B1-B4, prefix), the suite vs engine,
 #                                    # per-hop admission of a 64-stream burst
 #   bash bench/final_run.sh admit    # admission (16 client processes) + suite, 1 and 4 gateways
+#   bash bench/final_run.sh lab      # GPU tests of the prefill paths (TESTS overrides), then
+#                                    # bench/prefill_lab.py (B4 options A/B), once per
+#                                    # '|'-separated argument list in LAB_RUNS
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,6 +39,21 @@ elif [[ $part == quant ]]; then
   echo "=== quant bench ($(date +%T))"
   timeout 250 python3 bench/quant_bench.py --repeat 3 --out "$OUT/quant_bench.json" 2>&1 \
     | quiet | tail -8
+elif [[ $part == lab ]]; then
+  echo "=== GPU tests ($(date +%T))"
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/kernels/test_gated_gemm.py \
+    tests/kernels/test_dense_attention.py tests/engine/test_gpu_engine.py} 2>&1 \
+    | grep -E "passed|failed|^FAILED|^E " | head -30
+  IFS='|' read -ra runs <<< "${LAB_RUNS:-}"  # several runs: their arguments, '|' between
+  [[ ${#runs[@]} -eq 0 ]] && runs=("")
+  i=0
+  for r in "${runs[@]}"; do
+    i=$((i + 1))
+    echo "=== prefill lab $i: $r ($(date +%T))"
+    # shellcheck disable=SC2086
+    timeout 400 python3 bench/prefill_lab.py $r --out "$OUT/prefill_lab_$i.json" 2>&1 \
+      | quiet | grep -v "^ *[%#}{^]\|mlir\|^ *tt\.\|^ *scf\.\|^ *arith\." | tail -45
+  done
 elif [[ $part == admit ]]; then
   for w in 1 4; do
     echo "=== per-hop admission, 16 client processes, $w gateway worker(s) ($(date +%T))"

@@ -162,7 +162,7 @@ def _client(base: str, prompts: list[str], new: int, ready: Any, go: Any, start:
 
 
 def drive(base: str, prompts: list[str], new: int, clients: int = 1,
-          pids: dict[str, int] | None = None) -> dict:
+          pids: dict[str, int] | None = None, on_go: Any = None) -> dict:
     """All prompts streamed at once from `clients` client processes (prompts dealt round-robin;
     one Python client parsing ~7k SSE events/s nears a core by itself, which would measure the
     client). `pids`: processes whose CPU time over the burst is reported (cores busy)."""
@@ -177,6 +177,8 @@ def drive(base: str, prompts: list[str], new: int, clients: int = 1,
         if not ready.acquire(timeout=120):
             raise RuntimeError("a client process did not start")
     pids = pids or {}
+    if on_go is not None:
+        on_go()
     before = {n: cpu_seconds(pid) for n, pid in pids.items()}
     start.value = time.time()
     go.set()
@@ -191,6 +193,17 @@ def drive(base: str, prompts: list[str], new: int, clients: int = 1,
     return {"output_tok_s": tokens / total, "tokens": tokens, "total_s": total,
             "mean_ttft_s": sum(f for _, f in results) / len(results), "cpu_cores": cores,
             "clients": clients}
+
+
+def py_spy(pids: dict[str, int], out_dir: str, seconds: int = 4) -> list[subprocess.Popen[bytes]]:
+    """Sample each service with py-spy (collapsed stacks per thread, without pausing it) for
+    `seconds` from now: where each process spends its CPU during the burst."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "--rate", "250",
+                              "--duration", str(seconds), "--format", "raw", "-o",
+                              f"{out_dir}/{name}.txt", "--pid", str(pid)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in pids.items()]
 
 
 def engine_alone(model: Path, prompt_ids: list[list[int]], new: int, device: str) -> dict:
@@ -217,6 +230,8 @@ def main() -> None:
                          "(default: Python's 0.005)")
     ap.add_argument("--clients", type=int, default=16,
                     help="client processes sharing the streams (1: one Python client)")
+    ap.add_argument("--py-spy", default=None, metavar="DIR",
+                    help="record each service with py-spy during the run (collapsed stacks)")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/suite_bench.json")
     args = ap.parse_args()
     model = write_model_dir(args.layers, args.tiny)
@@ -245,7 +260,15 @@ def main() -> None:
                 # CPU time of each process over the run: a service near 1 core is the limit
                 pids = dict(zip(("engine", "tokenizer", "gateway"), (p.pid for p in procs),
                                 strict=True))
-                r = drive(base, prompts, args.new, args.clients, pids)
+                spies: list[subprocess.Popen[bytes]] = []
+                on_go = None
+                if args.py_spy:
+                    def on_go(pids: dict[str, int] = pids, spies: list = spies) -> None:
+                        spies.extend(py_spy(pids, args.py_spy))
+                        time.sleep(0.3)  # attached before the burst
+                r = drive(base, prompts, args.new, args.clients, pids, on_go)
+                for spy in spies:
+                    spy.wait(30)
                 res["suite"][str(interval or "default")] = dict(r, start_s=start_s)
             finally:
                 for p in procs:

@@ -91,7 +91,7 @@ class ModelRunner:
         """Fused-attention plans for every long-prompt length bucket (kernels/dense_attention.py),
         built now rather than on a user's first long prompt; PyTorch keeps them per thread, so a
         server calls this again on the thread that steps the engine (services/engine/loop.py).
-        Does nothing unless FLOTILLA_DENSE_PREFILL=1 on a GPU."""
+        Does nothing on CPU or where FLOTILLA_DENSE_PREFILL turns the path off."""
         layer = next((a for a in self.attention if type(a) is Attention), None)
         if layer is not None and self.device.type == "cuda":
             dense_attention.warm_up(layer.num_heads, layer.num_kv_heads, layer.head_dim,

@@ -124,7 +124,7 @@ def test_long_prompt_dense_attention_matches_paged_and_transformers(
     transformers' within bf16 tolerance."""
     from kernels import dense_attention
 
-    monkeypatch.setenv("FLOTILLA_DENSE_PREFILL", "1")  # opt-in: plans built at start-up
+    monkeypatch.setenv("FLOTILLA_DENSE_PREFILL", "1")  # on any GPU (auto: Hopper and later)
     hf = _save(tmp_path, torch.bfloat16, vocab_size=32000, hidden_size=2048,
                intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
                num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0,

@@ -11,8 +11,9 @@ Rules:
 - Batch layout, positions and slots come from `get_forward_context()` (see forward_context.py).
 - q/k/v arrive already projected and rotated, flattened as [T, heads * head_dim]; the output is
   [T, num_heads * head_dim].
-- With FLOTILLA_DENSE_PREFILL=1, one long prompt without a cached prefix attends through torch's
-  fused attention on its fresh K/V (kernels/dense_attention.py); all else reads the paged cache.
+- Where FLOTILLA_DENSE_PREFILL allows (default: Hopper and later GPUs), one long prompt without
+  a cached prefix attends through torch's fused (cuDNN) attention on its fresh K/V
+  (kernels/dense_attention.py); all else reads the paged cache.
 - `num_heads` / `num_kv_heads` are this rank's head counts.
 """
 
