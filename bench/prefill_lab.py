@@ -43,13 +43,13 @@ from bench.engine_bench import (  # noqa: E402
     matmul_tflops,
     model_dir,
     rand_prompts,
+    run,
 )
 from kernels import dense_attention  # noqa: E402
 from kernels.activation import silu_and_mul_triton  # noqa: E402
 from kernels.gated_gemm import CONFIGS, gated_gemm_triton  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.quant import base as quant_base  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 H, INTER, KV = 4096, 14336, 1024
 
@@ -105,19 +105,14 @@ def micro(res: dict[str, Any]) -> None:
     res["micro"] = out
 
 
-def ttft(engine: Engine, prompt: list[int]) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+def ttft(engine: Engine, prompt: list[int], start: torch.cuda.Event | None = None) -> float:
+    """add_request -> first token (s) of one prompt, with nothing cached and the GPU idle;
+    `start` is recorded just before the request."""
     engine.reset_prefix_cache()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    engine.add_request(f"p{t0}", prompt, params)
-    first = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.new_token_ids and first is None:
-                first = time.perf_counter() - t0
-    assert first is not None
-    return first
+    if start is not None:
+        start.record()
+    return float(run(engine, [prompt], 1)["mean_ttft_s"])
 
 
 VARIANTS = {  # name: (cuDNN attention for the long prompt, fused gate/up GEMM)
@@ -157,22 +152,13 @@ def timeline(engine: Engine, prompt: list[int]) -> dict[str, float]:
 
     h1 = model.model.embed_tokens.register_forward_pre_hook(mark("embed"))
     h2 = model.lm_head.register_forward_hook(mark("lm_head"))
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    engine.reset_prefix_cache()
-    torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    engine.add_request("timeline", prompt, params)
-    first = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.new_token_ids and first is None:
-                first = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    h1.remove()
-    h2.remove()
-    assert first is not None
+    try:
+        first = ttft(engine, prompt, start)
+        torch.cuda.synchronize()
+    finally:
+        h1.remove()
+        h2.remove()
     to_embed = start.elapsed_time(marks["embed"])
     span = marks["embed"].elapsed_time(marks["lm_head"])
     return {"ttft_ms": first * 1e3, "host_to_first_kernel_ms": to_embed,

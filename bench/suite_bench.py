@@ -162,10 +162,11 @@ def _client(base: str, prompts: list[str], new: int, ready: Any, go: Any, start:
 
 
 def drive(base: str, prompts: list[str], new: int, clients: int = 1,
-          pids: dict[str, int] | None = None, on_go: Any = None) -> dict:
+          pids: dict[str, int] | None = None, spy_dir: str | None = None) -> dict:
     """All prompts streamed at once from `clients` client processes (prompts dealt round-robin;
     one Python client parsing ~7k SSE events/s nears a core by itself, which would measure the
-    client). `pids`: processes whose CPU time over the burst is reported (cores busy)."""
+    client). `pids`: processes whose CPU time over the burst is reported (cores busy), and that
+    py-spy records into `spy_dir` when given."""
     ctx = multiprocessing.get_context("spawn")
     queue, ready, go, start = ctx.Queue(), ctx.Semaphore(0), ctx.Event(), ctx.Value("d", 0.0)
     procs = [ctx.Process(target=_client,
@@ -177,8 +178,9 @@ def drive(base: str, prompts: list[str], new: int, clients: int = 1,
         if not ready.acquire(timeout=120):
             raise RuntimeError("a client process did not start")
     pids = pids or {}
-    if on_go is not None:
-        on_go()
+    spies = py_spy(pids, spy_dir) if spy_dir else []
+    if spies:
+        time.sleep(0.3)  # attached before the burst
     before = {n: cpu_seconds(pid) for n, pid in pids.items()}
     start.value = time.time()
     go.set()
@@ -188,6 +190,8 @@ def drive(base: str, prompts: list[str], new: int, clients: int = 1,
     cores["clients"] = sum(cpu for _, _, cpu in parts) / total
     for p in procs:
         p.join(30)
+    for spy in spies:
+        spy.wait(30)
     results = [r for rs, _, _ in parts for r in rs]
     tokens = sum(n for n, _ in results)
     return {"output_tok_s": tokens / total, "tokens": tokens, "total_s": total,
@@ -260,15 +264,7 @@ def main() -> None:
                 # CPU time of each process over the run: a service near 1 core is the limit
                 pids = dict(zip(("engine", "tokenizer", "gateway"), (p.pid for p in procs),
                                 strict=True))
-                spies: list[subprocess.Popen[bytes]] = []
-                on_go = None
-                if args.py_spy:
-                    def on_go(pids: dict[str, int] = pids, spies: list = spies) -> None:
-                        spies.extend(py_spy(pids, args.py_spy))
-                        time.sleep(0.3)  # attached before the burst
-                r = drive(base, prompts, args.new, args.clients, pids, on_go)
-                for spy in spies:
-                    spy.wait(30)
+                r = drive(base, prompts, args.new, args.clients, pids, args.py_spy)
                 res["suite"][str(interval or "default")] = dict(r, start_s=start_s)
             finally:
                 for p in procs:

@@ -8,10 +8,10 @@ y and carries two accumulators, one over gate rows n.. and one over up rows I + 
 silu * up in registers and only y is written.
 
 Loads go through tensor descriptors (TMA on Hopper; the interpreter emulates them) and the
-programs are persistent: NUM_PROGRAMS programs stride over the tiles in GROUP_M-row bands (tiles
-that share x rows run together, so x stays in L2). Out-of-range reads are zero-filled by the
-descriptors; a gate tile that runs past I reads up rows, but those columns are past y's end and
-the store drops them.
+programs are persistent: up to NUM_PROGRAMS (the SM count) programs stride over the tiles in
+GROUP_M-row bands (tiles that share x rows run together, so x stays in L2). Out-of-range reads
+are zero-filled by the descriptors; a gate tile that runs past I reads up rows, but those
+columns are past y's end and the store drops them.
 
 Rounding matches the unfused path: gate and up are rounded to the output dtype before silu, and
 silu and the product are rounded as torch does on 16-bit tensors (kernels.activation.silu_mul).
@@ -89,16 +89,13 @@ def _gated_gemm_kernel(
         y_desc.store([off_m, off_n], silu_mul(acc_gate, acc_up, y_desc.dtype))
 
 
-_num_sms: dict[int, int] = {}
-
-
-def _programs(device: torch.device) -> int:
+def _stride(device: torch.device) -> int:
+    """Programs a persistent launch strides over (NUM_PROGRAMS): the SM count, a constant per
+    GPU, so that it never triggers a new build; the interpreter takes a few, each looping over
+    several tiles."""
     if device.type != "cuda":
-        return 4  # the interpreter: a few programs, each looping over several tiles
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _num_sms:
-        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _num_sms[index]
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gated_gemm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -136,8 +133,10 @@ def gated_gemm_triton(x: torch.Tensor, weight: torch.Tensor,
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
     y_desc = TensorDescriptor.from_tensor(y, [bm, bn])
-    programs = min(_programs(x.device), triton.cdiv(m, bm) * triton.cdiv(inter, bn))
-    _gated_gemm_kernel[(programs,)](x_desc, w_desc, y_desc, m, inter, k, NUM_PROGRAMS=programs,
+    # fewer tiles than the stride: one program a tile (program p takes tiles p, p + stride, ..)
+    stride = _stride(x.device)
+    programs = min(stride, triton.cdiv(m, bm) * triton.cdiv(inter, bn))
+    _gated_gemm_kernel[(programs,)](x_desc, w_desc, y_desc, m, inter, k, NUM_PROGRAMS=stride,
                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                                     WARP_SPEC=warp_spec, num_warps=warps, num_stages=stages)
     return y.reshape(*x.shape[:-1], inter)

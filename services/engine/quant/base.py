@@ -53,8 +53,9 @@ AUTO_GEMV_MAX_M = 1  # `auto`: where it beats cuBLAS (module rules)
 GATED_GEMM_MIN_ROWS = 1024  # below: cuBLAS + SiLU·mul (as fast or faster; decode graphs too)
 _gemv_backend: str | None = None
 _gated_gemm_mode: str | None = None
-_gated_gemm_built = False  # the fused gate/up GEMM compiled and ran once in this process
-_gated_gemm_failed = False  # ... or failed to build: the cuBLAS path from then on
+# the fused gate/up GEMM in this process: None not tried yet, True built and ran, False failed
+# to build (the cuBLAS path from then on)
+_gated_gemm_built: bool | None = None
 log = logging.getLogger(__name__)
 
 
@@ -115,28 +116,28 @@ def use_gated_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a gated projection runs kernels/gated_gemm.py (SiLU·mul in the GEMM's epilogue).
     FLOTILLA_GATED_GEMM (or `set_gated_gemm`): auto (default) for 16-bit inputs of at least
     GATED_GEMM_MIN_ROWS rows on Hopper or later GPUs; 1 for any CUDA input the kernel takes; 0
-    never. Off for the process once its kernel fails to build here (`_gated_gemm_failed`)."""
+    never. Off for the process once its kernel fails to build here (`_gated_gemm_built`)."""
     mode = gated_gemm_mode()
-    if mode == "0" or _gated_gemm_failed or not x.is_cuda or not gated_gemm_ok(x, weight):
+    if mode == "0" or _gated_gemm_built is False or not x.is_cuda:
         return False
-    if mode == "1":
-        return True
-    return (x.numel() // max(1, x.shape[-1]) >= GATED_GEMM_MIN_ROWS
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    if mode == "auto" and (x.numel() // max(1, x.shape[-1]) < GATED_GEMM_MIN_ROWS
+                           or torch.cuda.get_device_capability(x.device)[0] < 9):
+        return False  # decode-sized steps leave here, before the layout checks
+    return gated_gemm_ok(x, weight)
 
 
 def _gated_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """The fused gate/up GEMM, or None if its kernel cannot be built here (Triton's warp
     specialisation fails on some builds): logged once, then the cuBLAS path for good."""
-    global _gated_gemm_failed, _gated_gemm_built
-    if _gated_gemm_built:
+    global _gated_gemm_built
+    if _gated_gemm_built:  # later errors are real ones: raise them
         return gated_gemm_triton(x, weight)
     try:
         out = gated_gemm_triton(x, weight)
     except RuntimeError as exc:  # a compile failure (MLIR pass, ptxas), not a wrong answer
         log.warning("fused gate/up GEMM unavailable (%s); cuBLAS + SiLU·mul instead",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        _gated_gemm_failed = True
+        _gated_gemm_built = False
         return None
     _gated_gemm_built = True
     return out
