@@ -195,7 +195,7 @@ async def whole_requests(requests: int, tokens: int) -> dict[str, float]:
 
     settings = GatewaySettings(nats_url="nats://unused", redis_url=None, log_level="WARNING",
                                model_ttl_s=3600)  # type: ignore[call-arg]
-    telemetry.setup_tracing("gateway", settings)  # as run_forever: an SDK provider, no exporter
+    telemetry.setup_tracing("gateway", settings)  # as run_forever (no exporter: no provider)
     out: dict[str, float] = {}
     for path, body, opening in (("/v1/chat/completions", CHAT, 1),
                                 ("/v1/completions", COMPLETION, 0)):

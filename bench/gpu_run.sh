@@ -48,7 +48,7 @@ timeout 120 python3 bench/profile_decode.py --prefill 4096 2>&1 | head -18 | qui
 [[ $mode == perf ]] && exit 0
 {
 step "suite: gateway -> NATS -> tokenizer -> engine, 64 streams (engine GIL switch 5 / 0.5 ms)"
-if ! timeout 300 python3 bench/suite_bench.py --switch-interval 0.005 0.0005 \
+if ! timeout 300 python3 bench/suite_bench.py \
     --out "$OUT/suite_bench.json" 2>&1 | tail -4; then
   for f in "$OUT"/suite_logs/*.log; do echo "--- $f"; tail -30 "$f"; done
 fi

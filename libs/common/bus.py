@@ -13,18 +13,23 @@ Rules:
   reader if it waits; the timeout is one timer per wait. (nats-py's `next_msg(timeout)` costs a
   new task, two before Python 3.12, and a uuid per message: a large share of a streamed
   token's CPU in the gateway and the tokenizer.)
+- Requests and replies reach the socket as soon as they are published (`write_now`). nats-py
+  queues every publish and writes from a flusher task, which runs after every task that is
+  already ready: in a burst of 64 requests each service forwarded the first one only after it
+  had taken in all of them, so each hop delivered the burst late and all at once. Stream frames
+  keep nats-py's batching (many frames per write).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, Literal, TypeVar
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -44,6 +49,30 @@ D = TypeVar("D", bound=BaseModel)
 F = TypeVar("F", bound=BaseModel)
 
 
+_WRITE_NOW: contextvars.ContextVar[bool] = contextvars.ContextVar("flotilla_write_now",
+                                                                 default=False)
+
+
+class _Client(NATS):
+    """nats-py's client; a publish made while `_WRITE_NOW` is set (by `Bus.request` and by a
+    handler's reply) writes the outbound buffer to the socket before returning, instead of
+    leaving it to the flusher task. The buffer is written whole, so order is kept."""
+
+    write_now = True
+
+    async def _send_publish(self, *args: Any, **kwargs: Any) -> None:
+        await super()._send_publish(*args, **kwargs)
+        if self.write_now and _WRITE_NOW.get():
+            self.write_pending()
+
+    def write_pending(self) -> None:
+        transport = self._transport
+        if self._pending and transport is not None and self.is_connected:
+            transport.writelines(self._pending)
+            self._pending = []
+            self._pending_data_size = 0
+
+
 class Bus:
     """A NATS connection with typed helpers. One per service process."""
 
@@ -52,17 +81,21 @@ class Bus:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @classmethod
-    async def connect(cls, url: str, name: str) -> Bus:
+    async def connect(cls, url: str, name: str, write_now: bool = True) -> Bus:
+        """`write_now`: requests and replies go to the socket when published (see the module
+        notes); False leaves every write to nats-py's flusher."""
         async def on_error(exc: Exception) -> None:
             log.warning("nats: %s", exc)
 
-        nc = await nats.connect(
+        nc = _Client()
+        nc.write_now = write_now
+        await nc.connect(
             servers=[u.strip() for u in url.split(",")],
             name=name,
             connect_timeout=2,
             allow_reconnect=True,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]
             error_cb=on_error,
         )
         return cls(nc)
@@ -84,18 +117,21 @@ class Bus:
         return task
 
     async def publish(self, subject: str, msg: BaseModel) -> None:
-        await self.nc.publish(subject, encode(msg), headers=telemetry.inject_headers())
+        await self.nc.publish(subject, encode(msg), headers=telemetry.inject_headers() or None)
 
     async def request(self, subject: str, msg: BaseModel, reply_cls: type[Rep],
                       timeout: float) -> Rep:
         """Request/reply. No responder or no reply in time → FlotillaError 503."""
+        now = _WRITE_NOW.set(True)
         try:
             reply = await self.nc.request(subject, encode(msg), timeout=timeout,
-                                          headers=telemetry.inject_headers())
+                                          headers=telemetry.inject_headers() or None)
         except NoRespondersError as exc:
             raise unavailable(f"no service is serving {subject.split('.', 2)[-1]}") from exc
         except (TimeoutError, NatsTimeoutError) as exc:
             raise unavailable(f"no reply on {subject} within {timeout:.1f}s") from exc
+        finally:
+            _WRITE_NOW.reset(now)
         return decode(reply.data, reply_cls)
 
     async def serve(self, subject: str, req_cls: type[Req],
@@ -113,7 +149,11 @@ class Bus:
             finally:
                 telemetry.detach(token)
             if reply is not None and m.reply:
-                await self.nc.publish(m.reply, encode(reply))
+                now = _WRITE_NOW.set(True)
+                try:
+                    await self.nc.publish(m.reply, encode(reply))
+                finally:
+                    _WRITE_NOW.reset(now)
 
         async def cb(m: Msg) -> None:
             self.spawn(run(m))

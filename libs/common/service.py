@@ -8,6 +8,7 @@ in-process with the same classes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import uuid
@@ -86,9 +87,12 @@ def run_forever(name: str, settings: CommonSettings,
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        bus = await Bus.connect(settings.nats_url, name)
+        bus = await Bus.connect(settings.nats_url, name, settings.nats_write_now)
         service = build(bus)
         await service.start()
+        if settings.gc_freeze:  # start-up's objects (modules, weights' wrappers, ...) stay put
+            gc.collect()
+            gc.freeze()
         log.info("%s started", name)
         await stop.wait()
         log.info("%s stopping", name)

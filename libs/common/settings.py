@@ -22,6 +22,14 @@ class CommonSettings(BaseSettings):
 
     nats_url: str = Field("nats://127.0.0.1:4222",
                           description="NATS server URL(s), comma-separated")
+    nats_write_now: bool = Field(
+        True, description="Requests and replies go to the NATS socket when published; off = "
+        "nats-py's flusher task writes them, after every other ready task (a burst's requests "
+        "then leave each hop together, late)")
+    gc_freeze: bool = Field(
+        True, description="After start-up, move every object Python holds into the garbage "
+        "collector's permanent generation (gc.freeze), so full collections, which pause every "
+        "thread of the process, do not walk the libraries, the model and the caches each time")
     redis_url: str | None = Field(None, description="Redis URL; unset = in-process store")
     log_level: str = Field("INFO", description="Python logging level")
     otel_exporter: Literal["none", "console", "otlp"] = Field(
@@ -72,6 +80,10 @@ class TokenizerSettings(CommonSettings):
     chat_template: Path | None = Field(None, description="Jinja file overriding the model template")
     max_model_len: int | None = Field(None, ge=16, description="Context length cap in tokens")
     template_timeout_s: float = Field(2.0, gt=0, description="Chat template rendering budget")
+    inline_prepare_chars: int = Field(
+        2048, ge=0, description="Completion prompts up to this many characters (or token ids), "
+        "without a response format, are tokenized on the event loop instead of a worker "
+        "thread; 0 = always a thread")
 
 
 class EngineSettings(CommonSettings):
@@ -114,6 +126,9 @@ class EngineSettings(CommonSettings):
     admit_window_max_ms: float = Field(
         50.0, ge=0, le=1000, description="Longest wait for a burst's arrivals after the first "
         "woke an idle engine (see admit_window_ms)")
+    step_log: str | None = Field(
+        None, description="File to append one JSON line per engine step to (timing, tokens "
+        "scheduled, first tokens out); for looking at how bursts are admitted")
     tp: int | None = Field(
         None, ge=1, description="Tensor-parallel ranks of this pod; unset = one per device id "
         "(or torchrun's WORLD_SIZE), else 1")

@@ -19,6 +19,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from services.engine.scheduler import (
     ScheduledRequest,
     Scheduler,
     SchedulerConfig,
+    SchedulerOutput,
 )
 
 log = logging.getLogger(__name__)
@@ -202,6 +204,10 @@ class Engine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self._counts = _Counters()
+        # the latest step's plan and its phases (s): up to the launch (scheduling, or collecting
+        # the previous step first when it cannot overlap), the launch, collecting after it
+        self.last_scheduled: SchedulerOutput | None = None
+        self.last_phases = (0.0, 0.0, 0.0)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  path, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  config.block_size, self.max_model_len)
@@ -252,21 +258,25 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         if self._inflight is not None and not self._can_overlap():
             outputs.extend(self._postprocess())
-        scheduled = self.scheduler.schedule()
+        scheduled = self.last_scheduled = self.scheduler.schedule()
         inflight = None
+        t1 = time.perf_counter()
         if not scheduled.is_empty:
             prev = self._inflight.launched if self._inflight is not None else None
             launched = self.executor.launch(scheduled.requests, scheduled.is_decode_only, prev)
             inflight = _InFlight(launched, self._add_placeholders(scheduled.requests))
             self._counts.steps += 1
+        t2 = time.perf_counter()
         if self._inflight is not None:  # the device now runs `launched`: collect the step before
             outputs.extend(self._postprocess())
         self._inflight = inflight
         if inflight is not None and not self.async_scheduling:
             outputs.extend(self._postprocess())
+        self.last_phases = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outputs
 
     def _can_overlap(self) -> bool:

@@ -86,7 +86,8 @@ class EngineService:
         self.loop = EngineLoop(self._engine, asyncio.get_running_loop(), self._on_outputs,
                                self._on_crash,
                                admit_window_s=self.settings.admit_window_ms / 1000,
-                               admit_window_max_s=self.settings.admit_window_max_ms / 1000)
+                               admit_window_max_s=self.settings.admit_window_max_ms / 1000,
+                               step_log=self.settings.step_log)
         self.loop.start()
         self._sender = self.bus.spawn(self._drain_outbox())
         executor = getattr(self._engine, "executor", None)

@@ -135,8 +135,15 @@ class TokenizerService:
     # ------------------------------------------------------------------ handlers
 
     async def _prepare(self, req: TextRequest) -> PreparedPrompt:
-        """Render and tokenize off the event loop (templates may take up to their budget)."""
+        """Render and tokenize off the event loop (templates may take up to their budget).
+        A short completion prompt without a response format (no template, no grammar: tens of
+        us) is tokenized inline: a thread hop costs more, and in a burst each worker thread
+        waits for the GIL while the event loop takes in the other requests."""
         assert self.builder is not None
+        limit = self.settings.inline_prepare_chars
+        if (req.kind == "completion" and req.response_format is None
+                and isinstance(req.prompt, str | list) and 0 < len(req.prompt) <= limit):
+            return self.builder.prepare(req)
         budget = self.settings.template_timeout_s + 1.0
         try:
             return await asyncio.wait_for(asyncio.to_thread(self.builder.prepare, req), budget)

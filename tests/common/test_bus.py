@@ -107,3 +107,37 @@ async def test_gap_is_detected(bus: Bus) -> None:
     await bus.nc.publish(subject, frame.model_dump_json().encode())
     with pytest.raises(FlotillaError, match="lost"):
         await reader.next()
+
+
+@pytest.mark.parametrize("write_now", [True, False])
+async def test_a_request_reaches_the_socket_before_other_ready_tasks_run(write_now: bool) -> None:
+    """With write_now, a request's PUB is written as it is published, not when nats-py's
+    flusher task gets its turn (after every task already ready; in a burst, after the whole
+    burst was taken in). Stream frames (plain publishes) keep the flusher's batching."""
+    b = await Bus.connect(NATS_URL, "test-write-now", write_now=write_now)
+    try:
+        transport = b.nc._transport
+        assert transport is not None
+        written: list[bytes] = []
+        write = transport.writelines
+
+        def spy(data: list[bytes]) -> None:
+            written.append(b"".join(data))
+            write(data)
+
+        transport.writelines = spy  # type: ignore[method-assign]
+        subject = _subject()
+        req = TokenRequest(request_id="r", model="m", prompt_token_ids=[1],
+                           sampling=SamplingOptions(), stream_subject="x")
+        pending = asyncio.ensure_future(b.request(subject, req, Admission, timeout=1))
+        await asyncio.sleep(0)  # the request runs up to its wait for the reply; we run next
+        sent = any(subject.encode() in chunk for chunk in written)
+        assert sent is write_now
+        frame = TokenFrame(request_id="r", seq=0, kind="data", data=TokenDelta(token_ids=[1]))
+        await b.publish(subject + ".frames", frame)
+        assert not any(b".frames" in chunk for chunk in written)  # batched: the flusher's
+        with pytest.raises(FlotillaError):  # no responders
+            await pending
+        assert any(b".frames" in chunk for chunk in written)
+    finally:
+        await b.close()

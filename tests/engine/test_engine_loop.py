@@ -4,8 +4,11 @@ quiet window that slides with each arrival, capped from the first)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from services.engine.loop import EngineLoop
@@ -161,3 +164,47 @@ def test_per_thread_warm_up_runs_on_the_loop_thread_before_the_first_step() -> N
     finally:
         loop.stop()
     assert seen == [("engine-loop", 0)]
+
+
+def test_step_log_has_a_line_per_step(tmp_path: Any) -> None:
+    @dataclass
+    class Out:
+        request_id: str
+        new_token_ids: list[int]
+        num_output_tokens: int
+
+    @dataclass
+    class Plan:
+        requests: list[Any]
+        num_batched_tokens: int
+
+    @dataclass
+    class Sched:
+        is_prefill: bool
+
+    class Engine(StepRecorder):
+        def step(self) -> list[Any]:
+            ids = self.pending
+            gc.collect()  # a pause the log must show
+            super().step()
+            self.last_scheduled = Plan([Sched(True) for _ in ids], 16 * len(ids))
+            return [Out(i, [7], 1) for i in ids]
+
+    path = tmp_path / "steps.jsonl"
+    engine = Engine()
+    loop = EngineLoop(engine, asyncio.new_event_loop(), lambda _: None, lambda exc: None,
+                      admit_window_s=0.05, step_log=str(path))
+    loop.start()
+    try:
+        loop.add("a", [1], None)
+        loop.add("b", [1], None)
+        assert engine.stepped.wait(5)
+    finally:
+        loop.stop()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == 1
+    row = lines[0]
+    assert (row["added"], row["tokens"], row["seqs"], row["prefills"], row["outputs"],
+            row["first_tokens"]) == (2, 32, 2, 2, 2, 2)
+    assert row["step_ms"] >= 0 and abs(row["t"] - time.time()) < 60
+    assert row["gc_ms"] > 0 and len(row["arrivals"]) == 2

@@ -312,3 +312,38 @@ async def test_tool_calls_stream_back_with_their_finish_reason(
     assert "".join(c.arguments for c in calls) == '{"city": "Oslo"}'
     assert out.text == "Checking."
     assert out.frames[-1].final.finish_reason == "tool_calls"
+
+
+async def test_short_completion_prompts_are_tokenized_on_the_event_loop(
+        bus: Bus, service: TokenizerService, engine: FakeEngine, smollm2: Tokenizer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short completion prompt skips the worker thread (a hop that costs more than the
+    tokenization); chat templates, long prompts and response formats still take it; the
+    tokens and the errors are the same either way."""
+    hops: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def counting(func: Any, req: TextRequest) -> Any:
+        hops.append(req.kind)
+        return await to_thread(func, req)
+
+    monkeypatch.setattr(asyncio, "to_thread", counting)
+    short = "Once upon a time"
+    out = await gateway(bus, service.model, request("completion", prompt=short,
+                                                    sampling=SamplingOptions(max_tokens=2)))
+    assert out.admission.accepted and hops == []
+    assert engine.requests[-1].prompt_token_ids == smollm2.encode(short, add_special_tokens=True)
+    ids = await gateway(bus, service.model, request("completion", prompt=[1, 2, 3]))
+    assert ids.admission.accepted and hops == []
+    empty = await gateway(bus, service.model, request("completion", prompt=""))
+    assert empty.admission.error is not None and empty.admission.error.status == 400
+    bad = await gateway(bus, service.model, request("completion", prompt=[10 ** 9]))
+    assert bad.admission.error is not None and bad.admission.error.status == 400
+    assert hops == ["completion"]  # the empty prompt: not inline (0 < len)
+    long = "x " * service.settings.inline_prepare_chars
+    await gateway(bus, service.model, request("completion", prompt=long,
+                                              sampling=SamplingOptions(max_tokens=2)))
+    await gateway(bus, service.model, request("completion", prompt=short,
+                                              response_format={"type": "json_object"}))
+    await gateway(bus, service.model, request("chat"))
+    assert hops == ["completion", "completion", "completion", "chat"]
