@@ -6,6 +6,9 @@
 #   bash bench/final_run.sh engine   # engine_bench (peers, B1-B4, prefix), the suite vs engine,
 #                                    # per-hop admission of a 64-stream burst
 #   bash bench/final_run.sh admit    # admission (16 client processes) + suite, 1 and 4 gateways
+#   bash bench/final_run.sh suite    # suite vs engine A/B (VARIANTS: suite_bench --variant
+#                                    # values, default the current path against FLOTILLA_NATS_
+#                                    # WRITE_NOW=0; ROUNDS x REPEAT bursts each, step logs kept)
 #   bash bench/final_run.sh lab      # GPU tests of the prefill paths (TESTS overrides), then
 #                                    # bench/prefill_lab.py (B4 options A/B), once per
 #                                    # '|'-separated argument list in LAB_RUNS
@@ -54,6 +57,13 @@ elif [[ $part == lab ]]; then
     timeout 400 python3 bench/prefill_lab.py $r --out "$OUT/prefill_lab_$i.json" 2>&1 \
       | quiet | grep -v "^ *[%#}{^]\|mlir\|^ *tt\.\|^ *scf\.\|^ *arith\." | tail -45
   done
+elif [[ $part == suite ]]; then
+  args=()
+  for v in ${VARIANTS:-now base:FLOTILLA_NATS_WRITE_NOW=0}; do args+=(--variant "$v"); done
+  echo "=== suite vs engine, 64 streams: ${args[*]} ($(date +%T))"
+  timeout 560 python3 bench/suite_bench.py "${args[@]}" --rounds "${ROUNDS:-2}" \
+    --repeat "${REPEAT:-3}" --out "$OUT/suite_ab.json" 2>&1 | grep -v Warning | tail -30
+  rm -f "$OUT"/suite_logs/*.log
 elif [[ $part == admit ]]; then
   for w in 1 4; do
     echo "=== per-hop admission, 16 client processes, $w gateway worker(s) ($(date +%T))"
