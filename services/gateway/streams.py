@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple, NoReturn
 
 from libs.common import subjects
@@ -39,6 +39,16 @@ log = logging.getLogger(__name__)
 class ChoiceEvent(NamedTuple):
     choice: int  # the choice's index in the response
     frame: TextFrame
+
+
+async def _outcome(work: Awaitable[None]) -> BaseException | None:
+    """`work`'s exception as a value, as gather(return_exceptions=True) gives it (a
+    cancellation of the awaiting task still propagates)."""
+    try:
+        await work
+    except Exception as exc:
+        return exc
+    return None
 
 
 class ChoiceStreams:
@@ -69,8 +79,11 @@ class ChoiceStreams:
 
     async def start(self) -> None:
         try:
-            results = await asyncio.gather(*(self._admit(i) for i in range(len(self.requests))),
-                                           return_exceptions=True)
+            if len(self.requests) == 1:  # one choice: admitted in this task, no task hop (in a
+                results = [await _outcome(self._admit(0))]  # burst each waits for every other)
+            else:
+                results = await asyncio.gather(
+                    *(self._admit(i) for i in range(len(self.requests))), return_exceptions=True)
         except BaseException:  # cancelled while admitting (the client went away)
             self.cancel("client_disconnect")
             self.close()
