@@ -2,7 +2,7 @@
 
     python bench/gateway_overhead.py [--requests 200] [--tokens 64] [--baseline PATH]
 
-Two tables:
+Three tables:
 
 - pieces: the work of one request (body parse, schema validation, plan, the `gateway.request`
   span) and of one token event (frame decode, stream read, chunk building, SSE encoding), each
@@ -15,6 +15,9 @@ Two tables:
   (uvicorn/httptools) is not included. CPU per request with 1 and with --tokens tokens gives
   the cost per request and per event. `--baseline PATH` runs the same measurement on another
   checkout (e.g. `git archive HEAD | tar -x -C /tmp/base`) in a subprocess, for a before column.
+- a burst: 64 /v1/completions started together through the same app; when the first, the
+  median and the last reach the bus (a request that reaches it late reaches the tokenizer and
+  the engine late).
 
 Needs no GPU, NATS or network; runs in well under a minute.
 """
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import functools
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -217,6 +221,64 @@ async def whole_requests(requests: int, tokens: int) -> dict[str, float]:
     return out
 
 
+class BurstNC(FakeNC):
+    """FakeNC that notes when each generate request reaches the bus and refuses it (503), so
+    a request ends there."""
+
+    def __init__(self) -> None:
+        from libs.common.messages import Admission, ErrorInfo, encode
+
+        super().__init__([], Progress(), 0)
+        self.times: list[float] = []
+        self.refused = encode(Admission(request_id="bench", accepted=False, error=ErrorInfo(
+            status=503, type="server_error", message="bench")))
+
+    async def request(self, subject: str, payload: bytes = b"", timeout: float = 1.0,
+                      headers: Any = None, **_: Any) -> Any:
+        from nats.aio.msg import Msg
+
+        if subject.endswith(".generate"):
+            self.times.append(time.perf_counter())
+            return Msg(self, subject="_INBOX.x", data=self.refused)  # type: ignore[arg-type]
+        return Msg(self, subject="_INBOX.x", data=self.no_tools)  # type: ignore[arg-type]
+
+
+async def burst(n: int = 64, bursts: int = 30) -> dict[str, float]:
+    """`n` /v1/completions started together (tasks created at once, as uvicorn does for
+    connections whose bytes arrive in one loop turn): ms from the start until the first, the
+    median and the last reach the bus, medians over `bursts` (5 more warm up)."""
+    from libs.common.bus import Bus
+    from libs.common.messages import Announcement
+    from libs.common.settings import GatewaySettings
+    from libs.common.store import MemoryStore
+    from services.gateway.app import create_app
+
+    settings = GatewaySettings(nats_url="nats://unused", redis_url=None, log_level="WARNING",
+                               model_ttl_s=3600)  # type: ignore[call-arg]
+    nc = BurstNC()
+    app = create_app(settings, Bus(nc), MemoryStore())  # type: ignore[arg-type]
+    await app.state.gateway.registry.record(Announcement(
+        service="tokenizer", instance="bench", model=MODEL, max_model_len=4096))
+    raw = json.dumps(COMPLETION).encode()
+
+    async def one() -> None:
+        try:
+            await one_request(app, "/v1/completions", raw, Progress())
+        except RuntimeError:  # the 503 by design
+            pass
+
+    rows = []
+    for b in range(bursts + 5):
+        nc.times = []
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        ts = sorted((t - t0) * 1e3 for t in nc.times)
+        if b >= 5:
+            rows.append((ts[0], ts[len(ts) // 2], ts[-1]))
+    return {f"burst {k}": statistics.median(r[i] for r in rows)
+            for i, k in enumerate(("first", "p50", "last"))}
+
+
 # ------------------------------------------------------------------ pieces
 
 
@@ -349,6 +411,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(args.root.resolve()))
     now = run(whole_requests(args.requests, args.tokens))
+    now.update(run(burst()))
     if args.json:  # the --baseline child
         print(json.dumps(now))
         return
@@ -377,6 +440,11 @@ def main() -> None:
                                    f"  request with {k} events (ms)")):
             cells = [f"{rows[s][i]:9.3f}" if s in rows else "" for s in ("before", "now")]
             print(f"{label:40s} {cells[0]:>9s} {cells[1]:>9s}")
+    print(f"\n{'64 /v1/completions at once: reach the bus':40s} {'before':>9s} {'now':>9s}")
+    for k in ("first", "p50", "last"):
+        was = before.get(f"burst {k}")
+        print(f"{'  ' + k + ' (ms after the start)':40s} "
+              f"{'' if was is None else f'{was:9.2f}':>9s} {now[f'burst {k}']:9.2f}")
 
 if __name__ == "__main__":
     main()

@@ -65,21 +65,34 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T], streams: ChoiceStreams) -> T:
-    """Await `work`; if the client disconnects first, cancel the choices and raise ClientGone."""
-    task = asyncio.ensure_future(work)
+    """Await `work` in this task; if the client disconnects first, cancel it and the choices and
+    raise ClientGone. (In this task, not a new one: a new task goes to the back of the event
+    loop's ready queue, so in a burst every request would reach the bus only after all of them
+    had been parsed and validated.)"""
+    task = asyncio.current_task()
+    assert task is not None
+    watching = True
+
+    def on_disconnect(watcher: asyncio.Task[None]) -> None:
+        if not watcher.cancelled():
+            watcher.exception()  # retrieved: a failed receive counts as the client gone
+            if watching:
+                task.cancel()
+
     watcher = asyncio.ensure_future(_until_disconnect(request))
+    watcher.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not watcher.done() or watcher.cancelled():
+            raise  # cancelled from elsewhere (shutdown)
+        task.uncancel()  # our own cancellation, turned into ClientGone
+        streams.cancel("client_disconnect")
+        streams.close()
+        raise ClientGone() from None
     finally:
+        watching = False
         watcher.cancel()
-        gone = not task.done()
-        if gone:
-            task.cancel()
-            streams.cancel("client_disconnect")
-            streams.close()
-    if gone:
-        raise ClientGone()
-    return task.result()
 
 
 async def generate(request: Request, plan: Plan) -> Response:
