@@ -141,3 +141,27 @@ async def test_a_request_reaches_the_socket_before_other_ready_tasks_run(write_n
         assert any(b".frames" in chunk for chunk in written)
     finally:
         await b.close()
+
+
+async def test_write_now_falls_back_to_the_flusher_if_nats_internals_move() -> None:
+    """A nats-py without the outbound buffer this relies on still delivers everything."""
+    b = await Bus.connect(NATS_URL, "test-write-now-fallback")
+    try:
+        subject = _subject()
+
+        async def handler(req: TokenRequest) -> Admission:
+            return Admission(request_id=req.request_id, accepted=True)
+
+        await b.serve(subject, TokenRequest, handler)
+
+        def moved() -> None:
+            raise AttributeError("_pending")
+
+        b.nc.write_pending = moved  # type: ignore[attr-defined]
+        req = TokenRequest(request_id="r", model="m", prompt_token_ids=[1],
+                           sampling=SamplingOptions(), stream_subject="x")
+        reply = await b.request(subject, req, Admission, timeout=2)
+        assert reply.accepted
+        assert b.nc.write_now is False  # type: ignore[attr-defined]
+    finally:
+        await b.close()
