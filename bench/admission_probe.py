@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.suite_bench import (  # noqa: E402
     MODEL_NAME,
+    cpu_seconds,
     start_services,
     wait_ready,
     write_model_dir,
@@ -181,21 +182,6 @@ def analyse(spans: dict[str, list[dict[str, Any]]], t0: float, n: int) -> dict[s
         if engine_starts else None,
         "prefill_steps": len(set(firsts)),
     }
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of `pid` and its live descendants, from /proc (Linux), s."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, IndexError, ValueError):  # exited meanwhile
-            continue
-    return total
 
 
 def run_once(base: str, prompts: list[str], new: int, logs: Path,

@@ -139,9 +139,19 @@ async def one_stream(http: httpx.AsyncClient, prompt: str, new: int, t0: float
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc), its exited children excluded."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of `pid` and its live descendants (an engine's core process, a
+    gateway's workers), from /proc (Linux), s."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):  # exited meanwhile
+            continue
+    return total
 
 
 async def _burst(base: str, prompts: list[str], new: int, ready: Any, go: Any, start: Any
@@ -206,7 +216,8 @@ def py_spy(pids: dict[str, int], out_dir: str, seconds: int = 4) -> list[subproc
     """Sample each service with py-spy (collapsed stacks per thread, without pausing it) for
     `seconds` from now: where each process spends its CPU during the burst."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return [subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "--rate", "250",
+    return [subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "--subprocesses",
+                              "--rate", "250",
                               "--duration", str(seconds), "--format", "raw", "-o",
                               f"{out_dir}/{name}.txt", "--pid", str(pid)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

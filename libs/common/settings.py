@@ -126,6 +126,9 @@ class EngineSettings(CommonSettings):
     admit_window_max_ms: float = Field(
         50.0, ge=0, le=1000, description="Longest wait for a burst's arrivals after the first "
         "woke an idle engine (see admit_window_ms)")
+    core_process: bool = Field(
+        False, description="Run the engine and its step loop in a child process, so the NATS "
+        "event loop never holds the GIL the step launches need")
     step_log: str | None = Field(
         None, description="File to append one JSON line per engine step to (timing, tokens "
         "scheduled, first tokens out); for looking at how bursts are admitted")

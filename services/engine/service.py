@@ -36,6 +36,7 @@ from libs.common.messages import (
 from libs.common.model_cache import resolve_model, served_name
 from libs.common.service import Announcer, instance_id
 from libs.common.settings import EngineSettings
+from services.engine.core_process import CoreProcess
 from services.engine.factory import build_engine, to_sampling_params
 from services.engine.loop import EngineLoop
 
@@ -70,7 +71,8 @@ class EngineService:
         self._outbox: asyncio.Queue[Coroutine[Any, Any, None]] = asyncio.Queue()
         self._sender: asyncio.Task[Any] | None = None
         self.model_name = settings.served_model_name or ""
-        self.loop: EngineLoop | None = None
+        self.loop: EngineLoop | CoreProcess | None = None
+        self._core: CoreProcess | None = None  # FLOTILLA_CORE_PROCESS: engine + loop elsewhere
         self.announcer: Announcer | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -80,15 +82,23 @@ class EngineService:
             path = await asyncio.to_thread(resolve_model, self.settings.model)
             self.model_name = self.settings.served_model_name or served_name(self.settings.model,
                                                                              path)
-            self._engine = await asyncio.to_thread(build_engine, self.settings, path)
+            if self.settings.core_process:  # the engine and its loop live in a child process
+                core = CoreProcess(self.settings, path, asyncio.get_running_loop(),
+                                   self._on_outputs, self._on_crash, self._on_refused)
+                await core.start()
+                self._engine = self.loop = self._core = core
+            else:
+                self._engine = await asyncio.to_thread(build_engine, self.settings, path)
         elif not self.model_name:
             raise ValueError("an injected engine needs settings.served_model_name")
-        self.loop = EngineLoop(self._engine, asyncio.get_running_loop(), self._on_outputs,
-                               self._on_crash,
-                               admit_window_s=self.settings.admit_window_ms / 1000,
-                               admit_window_max_s=self.settings.admit_window_max_ms / 1000,
-                               step_log=self.settings.step_log)
-        self.loop.start()
+        if self._core is None:
+            stepper = EngineLoop(self._engine, asyncio.get_running_loop(), self._on_outputs,
+                                 self._on_crash,
+                                 admit_window_s=self.settings.admit_window_ms / 1000,
+                                 admit_window_max_s=self.settings.admit_window_max_ms / 1000,
+                                 step_log=self.settings.step_log)
+            stepper.start()
+            self.loop = stepper
         self._sender = self.bus.spawn(self._drain_outbox())
         executor = getattr(self._engine, "executor", None)
         if executor is not None:  # a dead tensor-parallel rank fails the pod at once
@@ -131,9 +141,15 @@ class EngineService:
             return self._refuse(req, 400, f"prompt token ids must be in [0, {vocab})")
         if req.request_id in self._live:
             return self._refuse(req, 400, f"request id {req.request_id} is already running")
+        params: Any
         try:
-            params = to_sampling_params(req.sampling, len(req.prompt_token_ids),
-                                        self._engine.max_model_len, self._engine)
+            if self._core is not None:  # checked here, converted (a grammar compiled) there
+                to_sampling_params(req.sampling.model_copy(update={"guided": None}),
+                                   len(req.prompt_token_ids), self._engine.max_model_len)
+                params = req.sampling
+            else:
+                params = to_sampling_params(req.sampling, len(req.prompt_token_ids),
+                                            self._engine.max_model_len, self._engine)
         except ValueError as exc:
             return self._refuse(req, 400, str(exc))
         span = _tracer.start_span("engine.request", attributes={
@@ -145,6 +161,11 @@ class EngineService:
         self.loop.add(req.request_id, req.prompt_token_ids, params)
         return Admission(request_id=req.request_id, accepted=True, instance=self.instance,
                          prompt_tokens=len(req.prompt_token_ids))
+
+    def _on_refused(self, request_id: str, message: str) -> None:
+        """The core process could not take an admitted request (its grammar did not compile)."""
+        self.bus.spawn(self._fail(request_id, ErrorInfo(
+            status=400, type="invalid_request_error", message=message)))
 
     def _refuse(self, req: TokenRequest, status: int, message: str) -> Admission:
         kind = "invalid_request_error" if status == 400 else "server_error"
