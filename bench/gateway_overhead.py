@@ -4,11 +4,11 @@
 
 Three tables:
 
-- pieces: the work of one request (body parse, schema validation, plan, the `gateway.request`
-  span) and of one token event (frame decode, stream read, chunk building, SSE encoding), each
-  timed in a loop. Where this tree replaced a piece, the replaced way is timed beside it
-  ("before": pure-Python jsonschema for validation, json.dumps for SSE, nats-py's
-  `next_msg(timeout)` for reading a stream).
+- pieces (bench/gateway_pieces.py): the work of one request (body parse, schema validation,
+  plan, a recording `gateway.request` span) and of one token event (frame decode, stream read,
+  chunk building, SSE encoding), each timed in a loop. Where this tree replaced a piece, the
+  replaced way is timed beside it ("before": pure-Python jsonschema for validation, json.dumps
+  for SSE, nats-py's `next_msg(timeout)` for reading a stream).
 - whole requests: streaming /v1/chat/completions and /v1/completions driven through the real ASGI
   app, `Bus` and nats-py `Subscription` objects, with only the NATS connection faked (replies
   and frames come from memory, one frame after the previous event was written). HTTP parsing
@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +42,6 @@ CHAT = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True
                      {"role": "user", "content": "Tell me a long story about a dragon. " * 8}]}
 COMPLETION = {"model": MODEL, "prompt": "hello " * 128, "max_tokens": 64, "temperature": 0.0,
               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-
-def cpu_us(fn: Callable[[], Any], n: int, repeat: int = 3) -> float:
-    """CPU microseconds per call of `fn` (best of `repeat` loops of `n`)."""
-    for _ in range(min(n, 50)):
-        fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.process_time()
-        for _ in range(n):
-            fn()
-        best = min(best, time.process_time() - t0)
-    return best / n * 1e6
 
 
 # ------------------------------------------------------------------ a NATS connection in memory
@@ -282,112 +267,6 @@ async def burst(n: int = 64, bursts: int = 30) -> dict[str, float]:
 # ------------------------------------------------------------------ pieces
 
 
-def pieces(tokens: int) -> list[tuple[str, float | None, float]]:
-    """(what, before µs or None when unchanged, now µs)."""
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-
-    from libs.common.messages import TextDelta, TextFrame, decode, encode
-    from services.gateway.chunks import chunk_builder
-    from services.gateway.plan import chat_plan
-    from services.gateway.spec import Spec
-    from services.gateway.sse import sse
-    from services.gateway.tracing import TracingMiddleware
-
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-    spec, reference = Spec.load(), Spec.load(compiled=False)
-    chat, completion = json.loads(json.dumps(CHAT)), json.loads(json.dumps(COMPLETION))
-    raw = json.dumps(chat).encode()
-    rows: list[tuple[str, float | None, float]] = []
-    for op, body in (("createChatCompletion", chat), ("createCompletion", completion)):
-        rows.append((f"validate {op}", cpu_us(functools.partial(reference.validate, op, body), 300),
-                     cpu_us(functools.partial(spec.validate, op, body), 3000)))
-    rows.append(("parse body (json.loads)", None, cpu_us(lambda: json.loads(raw), 5000)))
-    rows.append(("chat_plan + encode TextRequest", None,
-                 cpu_us(lambda: encode(chat_plan(chat, None, 8).requests[0]), 2000)))
-
-    async def noop_app(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-
-    async def nothing(_: Any) -> None:
-        pass
-
-    async def receive_nothing() -> dict[str, Any]:
-        return {"type": "http.disconnect"}
-
-    middleware = TracingMiddleware(noop_app)
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "scheme": "http",
-             "http_version": "1.1", "headers": [(b"host", b"x"), (b"user-agent", b"bench")]}
-
-    async def spans(n: int) -> float:
-        t0 = time.process_time()
-        for _ in range(n):
-            await middleware(scope, receive_nothing, nothing)
-        return (time.process_time() - t0) / n * 1e6
-
-    run(spans(200))
-    rows.append(("gateway.request span (middleware)", None, min(run(spans(2000))
-                                                             for _ in range(3))))
-
-    frame = encode(TextFrame(request_id="bench-0", seq=0, kind="data",
-                             data=TextDelta(text=" dragon")))
-    rows.append(("decode TextFrame", None, cpu_us(lambda: decode(frame, TextFrame), 20000)))
-    plan = chat_plan(chat, None, 8)
-    chunks = chunk_builder(plan, int(time.time()))
-    delta = TextDelta(text=" dragon")
-    rows.append(("chunk build (ChatChunks.delta)", None,
-                 cpu_us(lambda: chunks.delta(0, delta), 20000)))
-    chunk = chunks.delta(0, delta)
-    assert chunk is not None and json.loads(sse(chunk)[6:]) == chunk
-    rows.append(("SSE encode", cpu_us(
-        lambda: b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n", 20000),
-        cpu_us(lambda: sse(chunk), 20000)))
-    rows.append(("stream read + decode, per frame", run(_read_cost(False, tokens)),
-                 run(_read_cost(True, tokens))))
-    return rows
-
-
-async def _read_cost(callback: bool, frames: int, rounds: int = 30) -> float:
-    """CPU µs per frame to hand `frames` frames, one at a time, to a waiting reader that decodes
-    them: nats-py's next_msg(timeout) (before) or this tree's StreamReader (callback)."""
-    from nats.aio.msg import Msg
-
-    from libs.common.bus import StreamReader
-    from libs.common.messages import TextDelta, TextFrame, decode, encode
-
-    nc = FakeNC([], Progress(), 0)
-    data = [encode(TextFrame(request_id="r", seq=i, kind="data", data=TextDelta(text="x")))
-            for i in range(frames)]
-    async def consume(receive: Callable[[], Any], got: Progress) -> None:
-        for _ in range(frames):
-            await receive()
-            got.bump()
-
-    total = 0.0
-    for _ in range(rounds):
-        got = Progress()
-        if callback:
-            reader: StreamReader[Any, Any] = StreamReader(TextFrame, 3.0)
-            sub = await nc.subscribe("s.stream.x", cb=reader.deliver)
-            receive: Callable[[], Any] = reader.next
-        else:
-            sub = await nc.subscribe("s.stream.x")
-
-            async def receive(sub: Any = sub) -> Any:
-                return decode((await sub.next_msg(timeout=3.0)).data, TextFrame)
-        t0 = time.process_time()
-        task = asyncio.ensure_future(consume(receive, got))
-        for i, d in enumerate(data):
-            sub._pending_size += len(d)
-            sub._pending_queue.put_nowait(Msg(nc, subject="s", data=d))  # type: ignore[arg-type]
-            await got.past(i)
-        await task
-        total += time.process_time() - t0
-        await sub.unsubscribe()
-    return total / (rounds * frames) * 1e6
-
-
 # ------------------------------------------------------------------ report
 
 
@@ -422,6 +301,8 @@ def main() -> None:
                                 "--tokens", str(args.tokens)],
                                cwd=args.baseline, capture_output=True, text=True, check=True)
         before = json.loads(child.stdout.strip().splitlines()[-1])
+
+    from bench.gateway_pieces import pieces
 
     print(f"{'per request / per event (CPU µs)':40s} {'before':>9s} {'now':>9s}")
     for what, was, is_ in pieces(args.tokens):

@@ -83,14 +83,16 @@ def write_model_dir(layers: int, tiny: bool) -> Path:
 
 
 def start_services(model: Path, nats_url: str, port: int, log_dir: Path, device: str,
-                   extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+                   extra_env: dict[str, str] | None = None,
+                   names: tuple[str, ...] = ("engine", "tokenizer", "gateway"),
+                   ) -> list[subprocess.Popen[bytes]]:
     dtype = "bfloat16" if device == "cuda" else "float32"
     env = dict(os.environ, FLOTILLA_NATS_URL=nats_url, FLOTILLA_MODEL=str(model),
                FLOTILLA_SERVED_MODEL_NAME=MODEL_NAME, FLOTILLA_LOAD_FORMAT="dummy",
                FLOTILLA_DTYPE=dtype, FLOTILLA_DEVICE=device, FLOTILLA_PORT=str(port),
                FLOTILLA_LOG_LEVEL="WARNING", FLOTILLA_QUANTIZATION="none", **(extra_env or {}))
     procs = []
-    for name in ("engine", "tokenizer", "gateway"):
+    for name in names:
         log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115  (kept open by the child)
         procs.append(subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=env,
                                       stdout=log, stderr=subprocess.STDOUT,

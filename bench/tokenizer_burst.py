@@ -21,7 +21,6 @@ import os
 import random
 import statistics
 import string
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from bench.suite_bench import (  # noqa: E402
     cpu_seconds,
     parse_variant,
     quantiles,
+    start_services,
     write_model_dir,
 )
 from libs.common import subjects  # noqa: E402
@@ -50,12 +50,8 @@ from services.launcher.nats_server import NatsServer  # noqa: E402
 
 
 async def run_variant(nats_url: str, model: Path, env: dict[str, str], args: argparse.Namespace,
-                      log: Path) -> dict:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tokenizer"], cwd=Path(__file__).resolve().parents[1],
-        env=dict(os.environ, FLOTILLA_NATS_URL=nats_url, FLOTILLA_MODEL=str(model),
-                 FLOTILLA_SERVED_MODEL_NAME=MODEL_NAME, FLOTILLA_LOG_LEVEL="WARNING", **env),
-        stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+                      log_dir: Path) -> dict:
+    [proc] = start_services(model, nats_url, 0, log_dir, "cpu", env, names=("tokenizer",))
     bus = await Bus.connect(nats_url, "tokenizer-burst")
     arrived: dict[str, float] = {}
 
@@ -126,7 +122,7 @@ def main() -> None:
     with NatsServer(log_path=logs / "nats.log") as nats:
         for rnd in range(args.rounds):
             for name, env in variants:
-                r = asyncio.run(run_variant(nats.url, model, env, args, logs / "tokenizer.log"))
+                r = asyncio.run(run_variant(nats.url, model, env, args, logs))
                 res["runs"].append(dict(r, variant=name, round=rnd))
                 m = r["median"]
                 print(f"{name} round {rnd}: send -> engine, medians over {args.bursts} bursts "

@@ -76,6 +76,14 @@ class Service(Protocol):
     async def stop(self) -> None: ...
 
 
+def freeze_heap(settings: CommonSettings) -> None:
+    """After start-up (FLOTILLA_GC_FREEZE): what start-up made (modules, the model's wrappers,
+    caches) goes to the collector's permanent generation, out of every later full collection."""
+    if settings.gc_freeze:
+        gc.collect()
+        gc.freeze()
+
+
 def run_forever(name: str, settings: CommonSettings,
                 build: Callable[[Bus], Service]) -> None:
     """Connect to NATS, start the service, and stop it cleanly on SIGINT/SIGTERM."""
@@ -90,9 +98,7 @@ def run_forever(name: str, settings: CommonSettings,
         bus = await Bus.connect(settings.nats_url, name, settings.nats_write_now)
         service = build(bus)
         await service.start()
-        if settings.gc_freeze:  # start-up's objects (modules, weights' wrappers, ...) stay put
-            gc.collect()
-            gc.freeze()
+        freeze_heap(settings)
         log.info("%s started", name)
         await stop.wait()
         log.info("%s stopping", name)

@@ -25,7 +25,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import multiprocessing
 import queue
@@ -36,6 +35,7 @@ from typing import Any
 
 from libs.common import telemetry
 from libs.common.messages import SamplingOptions
+from libs.common.service import freeze_heap
 from libs.common.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -73,17 +73,12 @@ def _core_main(settings_json: str, path: str, conn: Any) -> None:
         log.exception("the engine core could not start")
         crashed(exc)
         return
-    loop = EngineLoop(engine, _Direct(),  # type: ignore[arg-type]
-                      lambda outputs: send(("out", outputs)), crashed,
-                      admit_window_s=settings.admit_window_ms / 1000,
-                      admit_window_max_s=settings.admit_window_max_ms / 1000,
-                      step_log=settings.step_log)
+    loop = EngineLoop.for_service(engine, _Direct(),  # type: ignore[arg-type]
+                                  lambda outputs: send(("out", outputs)), crashed, settings)
     executor = getattr(engine, "executor", None)
     if executor is not None:
         executor.on_failure(crashed)
-    if settings.gc_freeze:
-        gc.collect()
-        gc.freeze()
+    freeze_heap(settings)
     loop.start()
     send(("ready", {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len}))
     done = threading.Event()

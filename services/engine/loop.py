@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from libs.common.settings import EngineSettings
+
 log = logging.getLogger(__name__)
 
 
@@ -73,6 +75,17 @@ class EngineLoop:
         self._gc_ms = 0.0  # garbage collection time (any thread) since the last step
         self._gc_start = 0.0
 
+    @classmethod
+    def for_service(cls, engine: Any, loop: asyncio.AbstractEventLoop,
+                    on_outputs: Callable[[list[Any]], None],
+                    on_crash: Callable[[BaseException], None],
+                    settings: EngineSettings) -> EngineLoop:
+        """The loop an engine service runs (in its process or in its core process)."""
+        return cls(engine, loop, on_outputs, on_crash,
+                   admit_window_s=settings.admit_window_ms / 1000,
+                   admit_window_max_s=settings.admit_window_max_ms / 1000,
+                   step_log=settings.step_log)
+
     def start(self) -> None:
         self._thread.start()
 
@@ -93,8 +106,6 @@ class EngineLoop:
 
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
-        if self._held:  # admitted, not yet handed to the engine: waiting all the same
-            stats["waiting"] = stats.get("waiting", 0) + len(self._held)
         with self._stats_lock:
             self._stats = stats
 
@@ -123,11 +134,10 @@ class EngineLoop:
         return min(self._last_arrival + self.admit_window_s,
                    self._held_since + self.admit_window_max_s)
 
-    def _release(self) -> bool:
+    def _release(self) -> None:
         held, self._held = self._held, []
         for cmd in held:
             self._add(cmd)
-        return True
 
     def _add(self, cmd: _Add) -> None:
         self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
@@ -148,8 +158,9 @@ class EngineLoop:
                 cmd = (self._commands.get() if timeout is None
                        else self._commands.get(timeout=timeout) if timeout > 0
                        else self._commands.get_nowait())
-            except queue.Empty:
-                return self._release()  # busy, or the window closed
+            except queue.Empty:  # busy, or the window closed
+                self._release()
+                return True
             if cmd is None:
                 return False
             self._take(cmd, time.monotonic())

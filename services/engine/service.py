@@ -92,11 +92,8 @@ class EngineService:
         elif not self.model_name:
             raise ValueError("an injected engine needs settings.served_model_name")
         if self._core is None:
-            stepper = EngineLoop(self._engine, asyncio.get_running_loop(), self._on_outputs,
-                                 self._on_crash,
-                                 admit_window_s=self.settings.admit_window_ms / 1000,
-                                 admit_window_max_s=self.settings.admit_window_max_ms / 1000,
-                                 step_log=self.settings.step_log)
+            stepper = EngineLoop.for_service(self._engine, asyncio.get_running_loop(),
+                                             self._on_outputs, self._on_crash, self.settings)
             stepper.start()
             self.loop = stepper
         self._sender = self.bus.spawn(self._drain_outbox())
