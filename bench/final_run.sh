@@ -9,6 +9,9 @@
 #   bash bench/final_run.sh suite    # suite vs engine A/B (VARIANTS: suite_bench --variant
 #                                    # values, default the in-process engine against
 #                                    # FLOTILLA_CORE_PROCESS=1; ROUNDS x REPEAT bursts each)
+#   bash bench/final_run.sh pad      # GPU engine tests, bench/shape_probe.py with and without
+#                                    # bucketed eager steps, then the suite A/B of the same
+#                                    # (cold and warm client connections)
 #   bash bench/final_run.sh lab      # GPU tests of the prefill paths (TESTS overrides), then
 #                                    # bench/prefill_lab.py (B4 options A/B), once per
 #                                    # '|'-separated argument list in LAB_RUNS
@@ -63,6 +66,21 @@ elif [[ $part == suite ]]; then
   echo "=== suite vs engine, 64 streams: ${args[*]} ($(date +%T))"
   timeout 560 python3 bench/suite_bench.py "${args[@]}" --rounds "${ROUNDS:-2}" \
     --repeat "${REPEAT:-3}" --out "$OUT/suite_ab.json" 2>&1 | grep -v Warning | tail -30
+  rm -f "$OUT"/suite_logs/*.log
+elif [[ $part == pad ]]; then
+  echo "=== GPU tests ($(date +%T))"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/engine/test_gpu_engine.py} \
+    2>&1 | grep -E "passed|failed|^FAILED|^E " | head -20
+  for p in 1 0; do
+    echo "=== prefill launch per shape, pad_eager_steps=$p ($(date +%T))"
+    timeout 120 python3 bench/shape_probe.py --pad $p --profile 0 --idle 0.5 \
+      --shapes 4x128,11x128,18x128,53x128,7x100,3x700 --out "$OUT/shape_probe_pad$p.json" 2>&1 \
+      | quiet | grep -v "USDT\|_warn_once" | tail -8
+  done
+  echo "=== suite vs engine, 64 streams, padded / not ($(date +%T))"
+  timeout 400 python3 bench/suite_bench.py --variant pad --variant nopad:FLOTILLA_PAD_EAGER_STEPS=0 \
+    --rounds "${ROUNDS:-2}" --repeat "${REPEAT:-2}" --out "$OUT/suite_pad.json" 2>&1 \
+    | grep -v Warning | tail -30
   rm -f "$OUT"/suite_logs/*.log
 elif [[ $part == admit ]]; then
   for w in 1 4; do

@@ -156,12 +156,16 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-async def _burst(base: str, prompts: list[str], new: int, ready: Any, go: Any, start: Any
-                 ) -> tuple[list[tuple[int, float]], float, float]:
+async def _burst(base: str, prompts: list[str], new: int, ready: Any, go: Any, start: Any,
+                 warm: bool) -> tuple[list[tuple[int, float]], float, float]:
     """One client's streams, started when the parent sets `go` (after every client set
-    `ready`): (per-stream results, end time, CPU seconds this process spent on them)."""
+    `ready`): (per-stream results, end time, CPU seconds this process spent on them). `warm`:
+    open one keep-alive connection per stream first (as a long-lived SDK client holds them),
+    so the burst measures requests rather than TCP connects."""
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as http:
+        if warm:
+            await asyncio.gather(*(http.get("/health") for _ in prompts))
         ready.release()
         await asyncio.to_thread(go.wait)
         cpu = time.process_time()
@@ -171,12 +175,13 @@ async def _burst(base: str, prompts: list[str], new: int, ready: Any, go: Any, s
 
 
 def _client(base: str, prompts: list[str], new: int, ready: Any, go: Any, start: Any,
-            out: Any) -> None:
-    out.put(asyncio.run(_burst(base, prompts, new, ready, go, start)))
+            out: Any, warm: bool) -> None:
+    out.put(asyncio.run(_burst(base, prompts, new, ready, go, start, warm)))
 
 
 def drive(base: str, prompts: list[str], new: int, clients: int = 1,
-          pids: dict[str, int] | None = None, spy_dir: str | None = None) -> dict:
+          pids: dict[str, int] | None = None, spy_dir: str | None = None,
+          warm: bool = False) -> dict:
     """All prompts streamed at once from `clients` client processes (prompts dealt round-robin;
     one Python client parsing ~7k SSE events/s nears a core by itself, which would measure the
     client). `pids`: processes whose CPU time over the burst is reported (cores busy), and that
@@ -184,7 +189,7 @@ def drive(base: str, prompts: list[str], new: int, clients: int = 1,
     ctx = multiprocessing.get_context("spawn")
     queue, ready, go, start = ctx.Queue(), ctx.Semaphore(0), ctx.Event(), ctx.Value("d", 0.0)
     procs = [ctx.Process(target=_client,
-                         args=(base, prompts[i::clients], new, ready, go, start, queue))
+                         args=(base, prompts[i::clients], new, ready, go, start, queue, warm))
              for i in range(clients)]
     for p in procs:
         p.start()
@@ -313,6 +318,9 @@ def main() -> None:
                     help="measured bursts per start, each with fresh prompts")
     ap.add_argument("--clients", type=int, default=16,
                     help="client processes sharing the streams (1: one Python client)")
+    ap.add_argument("--connections", choices=("cold", "warm", "both"), default="both",
+                    help="clients open their connections during the burst (cold), before it "
+                         "(warm: keep-alive, as a long-lived SDK client), or both in turn")
     ap.add_argument("--py-spy", default=None, metavar="DIR",
                     help="record each service with py-spy during the first burst")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/suite_bench.json")
@@ -352,16 +360,22 @@ def main() -> None:
                     # CPU time of each process over the run: a service near 1 core is the limit
                     pids = dict(zip(("engine", "tokenizer", "gateway"), (p.pid for p in procs),
                                     strict=True))
-                    for i in range(args.repeat):
+                    modes = ["cold", "warm"] if args.connections == "both" else [
+                        args.connections]
+                    bursts = [(i, m) for i in range(args.repeat)  # alternate the first mode
+                              for m in modes[i % 2:] + modes[:i % 2]]
+                    for i, mode in bursts:
                         spy = args.py_spy if rnd == i == 0 else None
-                        r = drive(base, fresh()[0], args.new, args.clients, pids, spy)
+                        r = drive(base, fresh()[0], args.new, args.clients, pids, spy,
+                                  warm=mode == "warm")
                         time.sleep(0.5)  # the step log is flushed when the engine idles
                         r["engine_steps"] = burst_steps(steps, r["t0"], r["t0"] + r["total_s"])
-                        res["suite"].append(dict(r, variant=name, round=rnd, burst=i,
-                                                 start_s=start_s))
+                        label = f"{name}/{mode}" if len(modes) > 1 else name
+                        res["suite"].append(dict(r, variant=label, round=rnd, burst=i,
+                                                 start_s=start_s, connections=mode))
                         a, q = r["engine_steps"]["arrivals_ms"], r["ttft_ms"]
                         h = r["engine_steps"]["decode"]
-                        print(f"{name} round {rnd} burst {i}: {r['output_tok_s']:8.1f} out "
+                        print(f"{label} round {rnd} burst {i}: {r['output_tok_s']:8.1f} out "
                               f"tok/s; engine arrivals {a.get('min')} / {a.get('p50')} / "
                               f"{a.get('max')} ms; last first token out of the engine "
                               f"{r['engine_steps']['last_first_token_ms']} ms; client TTFT "
@@ -382,7 +396,7 @@ def main() -> None:
           f"{e['output_tok_s']:8.1f} out tok/s (median of {e['runs']}; TTFT "
           f"{e['mean_ttft_s'] * 1e3:.0f} ms)")
     summary = res["summary"] = {}
-    for name, _ in variants:
+    for name in dict.fromkeys(s["variant"] for s in res["suite"]):
         mine = [s for s in res["suite"] if s["variant"] == name]
         for s in mine:
             s["ratio"] = s["output_tok_s"] / e["output_tok_s"]

@@ -105,6 +105,10 @@ class EngineSettings(CommonSettings):
         "(at most the attention split rule's short bound, checked by EngineConfig), replay CUDA "
         "graphs whose attention splits the KV for short contexts (fewer splits; at 16 rows of 8 "
         "KV heads one split and no reduce kernel); 0 = off")
+    pad_eager_steps: bool | None = Field(
+        None, description="Run prefill and mixed steps at bucketed row counts whose GEMMs are "
+        "warmed at start-up (cuBLAS picks a kernel on the host, 2.5-6 ms, for every new shape); "
+        "unset = on CUDA")
     quantization: str = Field(
         "auto", description="Weights: auto (CPU: int4 for Q4_1 GGUF, else int8; GPU: GGUF blocks "
         "kept) | none | int8 | int4 "

@@ -28,6 +28,12 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 44
 # already 1-2 (kernels/paged_attention.py) and a second graph would gain little.
 SHORT_GRAPH_MAX_BATCH = 16
 
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """The batch sizes that get a graph: BUCKETS below max_batch, then max_batch."""
+    return [b for b in BUCKETS if b < max_batch] + [max_batch]
+
+
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positions) -> logits
 
 
@@ -38,7 +44,7 @@ class DecodeGraphs:
     ) -> None:
         """short_context: the longest sequence a short-context graph serves (0: none)."""
         self.forward = forward
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.buckets = graph_buckets(max_batch)
         self.max_model_len = max_model_len
         # A bound at or above max_model_len would capture the long graphs again.
         self.short_context = short_context if 0 < short_context < max_model_len else 0

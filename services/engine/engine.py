@@ -72,6 +72,9 @@ class EngineConfig:
     # (services/engine/cuda_graphs.py); 0 = off
     decode_short_context: int = 512
     num_kv_blocks: int | None = None
+    # eager steps run bucketed row counts, their GEMMs warmed at start-up
+    # (services/engine/row_buckets.py); None: on CUDA
+    pad_eager_steps: bool | None = None
     # weight quantization by name (services/engine/quant); "auto": weight-only on CPU (batch-1
     # decode there is bound by weight bytes: int4 for a Q4_1 GGUF, else int8), none on GPU
     quantization: str | None = None

@@ -29,6 +29,7 @@ def engine_config(settings: EngineSettings, path: Path) -> EngineConfig:
         enable_prefix_caching=settings.enable_prefix_caching,
         enforce_eager=settings.enforce_eager,
         decode_short_context=settings.decode_short_context,
+        pad_eager_steps=settings.pad_eager_steps,
         quantization=None if settings.quantization == "none" else settings.quantization,
         isq=settings.isq,
         num_threads=settings.num_threads,

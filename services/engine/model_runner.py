@@ -14,7 +14,8 @@ Rules:
   device, host copies on their way); `execute` also waits for them (the step's one sync).
 - A decode input may be PLACEHOLDER_TOKEN: the token that `prev` (the step launched just before)
   sampled for that request; the runner takes it from prev's device tokens.
-- Decode-only steps replay CUDA graphs on CUDA (unless enforce_eager); everything else is eager.
+- Decode-only steps replay CUDA graphs on CUDA (unless enforce_eager); everything else is eager,
+  on CUDA at bucketed row counts whose GEMMs were warmed at start-up (row_buckets.py).
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import torch
 
 from kernels import dense_attention
 from kernels.kv_quant import FP8_KV_DTYPE, KVScales
-from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from services.engine.distributed import tp_min
 from services.engine.forward_context import forward_context
 from services.engine.layers.attention import Attention
 from services.engine.loader import load_model
 from services.engine.quant.base import set_gemv_backend
+from services.engine.row_buckets import token_buckets, warm_up_gemms
 from services.engine.sampler import Sampler, SamplingBatch
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
@@ -67,6 +69,9 @@ class ModelRunner:
         if self.kv_fp8:
             _check_fp8_kv_support(self.attention)
         self.sampler = Sampler()
+        pad = config.pad_eager_steps
+        self.pad_eager_steps = self.device.type == "cuda" if pad is None else pad
+        self._gemms_warm = not (self.pad_eager_steps and self.device.type == "cuda")
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.num_blocks = tp_min(self._num_kv_blocks(config))  # one count for every TP rank
@@ -77,7 +82,8 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.inputs = StepInputBuilder(self.max_num_tokens, self.max_num_seqs,
-                                       self.max_blocks_per_seq, self.block_size, self.device)
+                                       self.max_blocks_per_seq, self.block_size, self.device,
+                                       pad=self.pad_eager_steps)
         self.warm_up_dense_attention()
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -86,6 +92,16 @@ class ModelRunner:
                                        config.decode_short_context)
             with torch.inference_mode():
                 self.graphs.capture()
+        if not self._gemms_warm:  # the KV cache size was given: not warmed while profiling
+            self._warm_up_gemms()
+            torch.cuda.empty_cache()
+
+    def _warm_up_gemms(self) -> None:
+        """Every GEMM shape an eager step can run (row_buckets.py), met once now."""
+        warm_up_gemms(self.model, self.model_config.hidden_size,
+                      token_buckets(self.max_num_tokens), graph_buckets(self.max_num_seqs),
+                      self.dtype, self.device)
+        self._gemms_warm = True
 
     def warm_up_dense_attention(self) -> None:
         """Fused-attention plans for every long-prompt length bucket (kernels/dense_attention.py),
@@ -180,6 +196,8 @@ class ModelRunner:
             layer.bind_kv_cache(torch.empty(0, 1, *k_shape, device=self.device),
                                 torch.empty(0, 1, *v_shape, device=self.device))
         self.kv_cache = []
+        if not self._gemms_warm:  # its activations count in the peak too
+            self._warm_up_gemms()
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -202,7 +220,7 @@ class ModelRunner:
             return self.graphs.replay(input_ids, inputs.positions, inputs.meta)
         with forward_context(inputs.meta):
             hidden = self.model(input_ids, inputs.positions)
-        return self.model.compute_logits(hidden[inputs.logits_rows])
+        return self.model.compute_logits(hidden[inputs.logits_rows])[: inputs.num_logits]
 
     def _input_ids(self, inputs: StepInputs, requests: list[ScheduledRequest],
                    prev: LaunchedStep | None) -> torch.Tensor:
@@ -262,7 +280,7 @@ class ModelRunner:
         inputs = self.inputs.build([request])
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        return self.model.compute_logits(hidden).float().cpu()
+        return self.model.compute_logits(hidden[: inputs.num_tokens]).float().cpu()
 
 
 def _dummy_request(request_id: str, num_tokens: int, block_ids: list[int]) -> ScheduledRequest:

@@ -6,6 +6,9 @@ Rules:
 - Row order follows `SchedulerOutput.requests`; sequence i owns rows
   query_start_loc[i]:query_start_loc[i+1], and `logits_rows` lists, in order, the last row of
   every sequence that samples this step.
+- With `pad` (CUDA), a step that is not decode-only runs a bucketed row count and a bucketed
+  sampled-row count (services/engine/row_buckets.py); `num_tokens` / `num_logits` are the real
+  counts, the tensors may be longer.
 - Two sets of host buffers alternate between steps: a step's (non-blocking) host-to-device copies
   may still be pending while the next step is built (async scheduling), never two steps later.
   Consumers copy what they keep (on CPU the tensors alias the buffers).
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 
 from services.engine.forward_context import AttentionMetadata
+from services.engine.row_buckets import logits_bucket, token_bucket
 from services.engine.scheduler import ScheduledRequest
 
 _num_computed = attrgetter("num_computed_tokens")
@@ -32,17 +36,20 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # int64 [S], rows whose logits are sampled
-    num_tokens: int
+    logits_rows: torch.Tensor  # int64 [S'], rows whose logits are sampled (then padding)
+    num_tokens: int  # real rows (input_ids may hold padding rows after them)
+    num_logits: int  # real sampled rows S
 
 
 class StepInputBuilder:
     def __init__(
         self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-        device: torch.device,
+        device: torch.device, pad: bool = False,
     ) -> None:
         self.block_size = block_size
         self.device = device
+        self.pad = pad
+        self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         sizes = (max_num_tokens, max_num_seqs, max_blocks_per_seq)
         self._buffers = [_HostBuffers(*sizes, pin=device.type == "cuda") for _ in range(2)]
         self._step = 0
@@ -89,8 +96,17 @@ class StepInputBuilder:
         slots += positions % bs
         samples = np.fromiter(map(_samples, requests), np.bool_, n)
         num_logits = int(samples.sum())
-        rows = b.logits_rows[:num_logits]
-        np.subtract(qsl[1:][samples], 1, out=rows, casting="unsafe")
+        np.subtract(qsl[1:][samples], 1, out=b.logits_rows[:num_logits], casting="unsafe")
+        max_query_len = int(num_new.max())
+        rows_t, rows_s = t, num_logits
+        if self.pad and max_query_len > 1:
+            rows_t = token_bucket(t, self.max_num_tokens)
+            b.input_ids[t:rows_t] = 0
+            b.positions[t:rows_t] = 0
+            b.slot_mapping[t:rows_t] = -1  # never written
+            if num_logits:
+                rows_s = logits_bucket(num_logits, self.max_num_seqs)
+                b.logits_rows[num_logits:rows_s] = b.logits_rows[num_logits - 1]
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -99,18 +115,19 @@ class StepInputBuilder:
             query_start_loc=dev(qsl),
             seq_lens=dev(seq_lens),
             block_tables=dev(table),
-            slot_mapping=dev(slots),
-            max_query_len=int(num_new.max()),
+            slot_mapping=dev(b.slot_mapping[:rows_t]),
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
         return StepInputs(
-            input_ids=dev(b.input_ids[:t]),
-            positions=dev(positions),
+            input_ids=dev(b.input_ids[:rows_t]),
+            positions=dev(b.positions[:rows_t]),
             meta=meta,
-            logits_rows=dev(rows),
+            logits_rows=dev(b.logits_rows[:rows_s]),
             num_tokens=t,
+            num_logits=num_logits,
         )
 
 
