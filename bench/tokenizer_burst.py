@@ -28,11 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.step_log import quantiles  # noqa: E402
 from bench.suite_bench import (  # noqa: E402
     MODEL_NAME,
     cpu_seconds,
     parse_variant,
-    quantiles,
     start_services,
     write_model_dir,
 )

@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
-from kernels.paged_attention import SHORT_SPLIT_KEYS
 from libs.common.model_cache import resolve_model
+from services.engine.config import EngineConfig
 from services.engine.executor import make_executor
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.loader import CPU_DEFAULT
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import LaunchedStep
 from services.engine.request import Request, RequestStatus, TokenLogprobs
@@ -43,106 +42,6 @@ from services.engine.scheduler import (
 )
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class EngineConfig:
-    """model: path, hub id or "default". dtype/device "auto": bfloat16 on CUDA, float32 on CPU.
-
-    KV cache size: num_kv_blocks, else kvcache_mem_mib, else (CUDA) gpu_memory_utilization of the
-    GPU after weights and a profiling forward, else (CPU) 512 MiB. max_model_len (None: the
-    model's) is lowered to what the KV cache can hold.
-    """
-
-    model: str = "default"
-    dtype: torch.dtype | str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    kvcache_mem_mib: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    prefill_chunk_size: int = 8192
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    # decode steps of <= 16 sequences, each <= this many tokens, replay short-context CUDA graphs
-    # (services/engine/cuda_graphs.py); 0 = off
-    decode_short_context: int = 512
-    num_kv_blocks: int | None = None
-    # eager steps run bucketed row counts, their GEMMs warmed at start-up
-    # (services/engine/row_buckets.py); None: on CUDA
-    pad_eager_steps: bool | None = None
-    # weight quantization by name (services/engine/quant); "auto": weight-only on CPU (batch-1
-    # decode there is bound by weight bytes: int4 for a Q4_1 GGUF, else int8), none on GPU
-    quantization: str | None = None
-    # in-situ quantization of a float checkpoint while loading (services/engine/quant/isq.py):
-    # q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k fp8; takes precedence over `quantization`
-    isq: str | None = None
-    load_format: str = "auto"  # "dummy": config.json only, random weights (benchmarks)
-    # KV cache storage: "auto" (the model dtype) | "fp8" (e4m3 with one fp32 scale per token and
-    # KV head, ~1.94x the tokens of bf16 at head_dim 128; kernels/kv_quant.py)
-    kv_cache_dtype: str = "auto"
-    async_scheduling: bool | None = None  # overlap host work with the device (None: on CUDA)
-    # unquantized decode GEMVs on CUDA: auto | cublas | triton (None: FLOTILLA_GEMV, else auto;
-    # services/engine/quant/base.py)
-    gemv: str | None = None
-    num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
-    seed: int | None = None  # seeds the shared RNG of unseeded requests
-    # tensor parallelism (services/engine/executor.py): tp ranks (None: one per device id, or
-    # torchrun's WORLD_SIZE, else 1); rank r on GPU device_ids[r] (None: GPU r)
-    tp: int | None = None
-    device_ids: tuple[int, ...] | None = None
-    # how NCCL pods sum small tensors: auto | nccl | one_shot | two_shot
-    # (services/engine/symm_all_reduce.py)
-    tp_all_reduce: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not 0 <= self.decode_short_context <= SHORT_SPLIT_KEYS:
-            raise ValueError(f"decode_short_context must be in [0, {SHORT_SPLIT_KEYS}] (0 disables "
-                             "short graphs; longer contexts take the long graphs' split rule)")
-        if self.prefill_chunk_size < 0:
-            raise ValueError("prefill_chunk_size must be >= 0 (0 disables chunking)")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype}")
-        if self.gemv not in (None, "auto", "cublas", "triton"):
-            raise ValueError(f"gemv must be auto, cublas or triton, got {self.gemv!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.tp_all_reduce not in ("auto", "nccl", "one_shot", "two_shot"):
-            raise ValueError("tp_all_reduce must be auto, nccl, one_shot or two_shot, got "
-                             f"{self.tp_all_reduce!r}")
-        if self.tp is not None and self.tp < 1:
-            raise ValueError(f"tp must be >= 1, got {self.tp}")
-
-    @property
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    @property
-    def resolved_quantization(self) -> str | None:
-        if self.isq:
-            return self.isq
-        if self.quantization != "auto":
-            return self.quantization
-        return None if self.resolved_device.startswith("cuda") else CPU_DEFAULT
-
-    @property
-    def resolved_dtype(self) -> torch.dtype:
-        if isinstance(self.dtype, torch.dtype):
-            return self.dtype
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.resolved_device.startswith("cuda") else torch.float32
-        return _DTYPES[self.dtype]
-
 
 @dataclass
 class RequestOutput:

@@ -42,7 +42,7 @@ from services.engine.step_inputs import StepInputBuilder, StepInputs
 from services.engine.step_output import LaunchedStep, RunnerOutput
 
 if TYPE_CHECKING:
-    from services.engine.engine import EngineConfig
+    from services.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,9 @@ class ModelRunner:
         if self.kv_fp8:
             _check_fp8_kv_support(self.attention)
         self.sampler = Sampler()
-        pad = config.pad_eager_steps
-        self.pad_eager_steps = self.device.type == "cuda" if pad is None else pad
-        self._gemms_warm = not (self.pad_eager_steps and self.device.type == "cuda")
+        self.pad_eager_steps = config.resolved_pad_eager_steps
+        # the GEMMs at every bucket, run in the KV-cache profile when there is one, else below
+        self._gemms_to_warm = self.pad_eager_steps and self.device.type == "cuda"
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.num_blocks = tp_min(self._num_kv_blocks(config))  # one count for every TP rank
@@ -92,7 +92,7 @@ class ModelRunner:
                                        config.decode_short_context)
             with torch.inference_mode():
                 self.graphs.capture()
-        if not self._gemms_warm:  # the KV cache size was given: not warmed while profiling
+        if self._gemms_to_warm:  # the KV cache size was given: no profile ran
             self._warm_up_gemms()
             torch.cuda.empty_cache()
 
@@ -101,7 +101,7 @@ class ModelRunner:
         warm_up_gemms(self.model, self.model_config.hidden_size,
                       token_buckets(self.max_num_tokens), graph_buckets(self.max_num_seqs),
                       self.dtype, self.device)
-        self._gemms_warm = True
+        self._gemms_to_warm = False
 
     def warm_up_dense_attention(self) -> None:
         """Fused-attention plans for every long-prompt length bucket (kernels/dense_attention.py),
@@ -196,7 +196,7 @@ class ModelRunner:
             layer.bind_kv_cache(torch.empty(0, 1, *k_shape, device=self.device),
                                 torch.empty(0, 1, *v_shape, device=self.device))
         self.kv_cache = []
-        if not self._gemms_warm:  # its activations count in the peak too
+        if self._gemms_to_warm:  # its activations count in the peak too
             self._warm_up_gemms()
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()

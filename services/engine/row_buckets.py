@@ -44,9 +44,8 @@ def token_bucket(rows: int, limit: int) -> int:
 
 
 def token_buckets(limit: int) -> list[int]:
-    fine = range(FINE_STEP, min(FINE_ROWS, limit) + 1, FINE_STEP)
-    coarse = range(FINE_ROWS + COARSE_STEP, limit + 1, COARSE_STEP)
-    return sorted({*fine, *coarse, limit})
+    """Every row count token_bucket gives for a step of at most `limit` tokens."""
+    return sorted({token_bucket(n, limit) for n in range(1, limit + 1)})
 
 
 def logits_bucket(rows: int, max_seqs: int) -> int:
