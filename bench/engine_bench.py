@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="async scheduling off (A/B)")
     ap.add_argument("--decode-short-context", type=int, default=512,
                     help="EngineConfig.decode_short_context (0: no short-context graphs, A/B)")
+    ap.add_argument("--step-graph-tokens", type=int, default=None,
+                    help="EngineConfig.step_graph_tokens (0: prefill steps eager, A/B)")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/engine_bench.json")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -155,8 +157,10 @@ def main() -> None:
                                  enforce_eager=args.enforce_eager, max_num_seqs=256,
                                  max_num_batched_tokens=8192,
                                  async_scheduling=not args.sync,
-                                 decode_short_context=args.decode_short_context))
+                                 decode_short_context=args.decode_short_context,
+                                 step_graph_tokens=args.step_graph_tokens))
     res["decode_short_context"] = args.decode_short_context
+    res["step_graph_tokens"] = engine.config.resolved_step_graph_tokens
     res["startup_s"] = time.perf_counter() - t
     res["kv_capacity_tokens"] = engine.runner.num_blocks * engine.config.block_size
     vocab = cfg["vocab_size"]
@@ -168,7 +172,8 @@ def main() -> None:
         res["B1"] = dict(r, limit_tok_s=limit)
         rows.append(("B1 batch 1, 128 in/256 out", r["decode_tok_s"], "tok/s decode",
                      f"{r['decode_tok_s'] / limit:.0%} of BW limit {limit:.0f}; "
-                     f"{r['decode_tok_s'] / 145.7:.2f}x gpt-fast(ref)"))
+                     f"{r['decode_tok_s'] / 145.7:.2f}x gpt-fast(ref); "
+                     f"TTFT {r['mean_ttft_s'] * 1e3:.1f} ms"))
     if "B2" in only:
         r = run(engine, rand_prompts(16, 128, vocab, 2), 256)
         res["B2"] = r

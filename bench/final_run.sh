@@ -12,6 +12,11 @@
 #   bash bench/final_run.sh pad      # GPU engine tests, bench/shape_probe.py with and without
 #                                    # bucketed eager steps, then the suite A/B of the same
 #                                    # (cold and warm client connections)
+#   bash bench/final_run.sh graphs   # GPU tests of whole-step graphs, bench/shape_probe.py with
+#                                    # and without them, engine_bench (peers, B1-B3, prefix) with
+#                                    # them and B1 + prefix without (NOGRAPHS=0 skips it), the
+#                                    # TTFT A/B in one process (SUITE=1: the suite A/B too;
+#                                    # GRAPH_TOKENS= skips the shape probes, ONLY= the B list)
 #   bash bench/final_run.sh lab      # GPU tests of the prefill paths (TESTS overrides), then
 #                                    # bench/prefill_lab.py (B4 options A/B), once per
 #                                    # '|'-separated argument list in LAB_RUNS
@@ -82,6 +87,34 @@ elif [[ $part == pad ]]; then
     --rounds "${ROUNDS:-2}" --repeat "${REPEAT:-2}" --out "$OUT/suite_pad.json" 2>&1 \
     | grep -v Warning | tail -30
   rm -f "$OUT"/suite_logs/*.log
+elif [[ $part == graphs ]]; then
+  echo "=== GPU tests ($(date +%T))"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/engine/test_step_graphs.py \
+    tests/kernels/test_prefill_attention.py tests/engine/test_cuda_graphs.py \
+    tests/engine/test_gpu_engine.py} 2>&1 | grep -E "passed|failed|^FAILED|^E " | head -20
+  for g in ${GRAPH_TOKENS-512 0}; do
+    echo "=== prefill step per shape, step_graph_tokens=$g ($(date +%T))"
+    timeout 150 python3 bench/shape_probe.py --step-graphs "$g" --profile 0 --idle 0.5 \
+      --shapes ${SHAPES:-1x16,1x128,1x500,2x200,4x128,11x128,3x700} \
+      --out "$OUT/shape_probe_graphs$g.json" 2>&1 | quiet | grep -v "USDT\|_warn_once" | tail -10
+  done
+  echo "=== TTFT of one prompt, step graphs on / off in one process ($(date +%T))"
+  timeout 150 python3 bench/ttft_probe.py --out "$OUT/ttft_probe.json" 2>&1 | quiet | tail -6
+  echo "=== engine benchmarks, step graphs on ($(date +%T))"
+  timeout 240 python3 bench/engine_bench.py --only ${ONLY:-peers,B1,B2,B3,prefix} \
+    --out "$OUT/engine_bench_graphs.json" 2>&1 | quiet | tail -8
+  if [[ ${NOGRAPHS:-1} != 0 ]]; then
+    echo "=== engine benchmarks, step graphs off ($(date +%T))"
+    timeout 150 python3 bench/engine_bench.py --only B1,prefix --step-graph-tokens 0 \
+      --out "$OUT/engine_bench_nographs.json" 2>&1 | quiet | tail -5
+  fi
+  if [[ -n ${SUITE:-} ]]; then
+    echo "=== suite vs engine, 64 streams, step graphs on / off ($(date +%T))"
+    timeout 300 python3 bench/suite_bench.py --variant graphs \
+      --variant nographs:FLOTILLA_STEP_GRAPH_TOKENS=0 --rounds 1 --repeat "${REPEAT:-2}" \
+      --out "$OUT/suite_graphs.json" 2>&1 | grep -v Warning | tail -20
+    rm -f "$OUT"/suite_logs/*.log
+  fi
 elif [[ $part == admit ]]; then
   for w in 1 4; do
     echo "=== per-hop admission, 16 client processes, $w gateway worker(s) ($(date +%T))"

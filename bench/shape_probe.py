@@ -1,7 +1,8 @@
 """Why is a burst's first prefill step slow? Times a prefill step's host launch per batch shape,
 the first time the engine sees a shape and again with fresh prompts, each after the GPU idled.
 
-    python bench/shape_probe.py [--layers 32] [--idle 1.0] [--profile 2]
+    python bench/shape_probe.py [--layers 32] [--idle 1.0] [--profile 2] [--pad 0|1]
+                                [--step-graphs N] [--shapes 1x128,4x128,...]
 
 For each (sequences x prompt tokens) it adds fresh prompts (max_tokens 2), then times the step
 that launches their prefill: the host launch (Engine.last_phases) and the step until its tokens
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--pad", choices=("auto", "0", "1"), default="auto",
                     help="EngineConfig.pad_eager_steps (auto: on CUDA)")
+    ap.add_argument("--step-graphs", type=int, default=None,
+                    help="EngineConfig.step_graph_tokens (default: auto, 512 on CUDA; 0: off)")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
                     help="sequences x prompt tokens, comma-separated")
     ap.add_argument("--torch-profile", action="store_true",
@@ -77,10 +80,12 @@ def main() -> None:
     engine = Engine(EngineConfig(model=model_dir(args.layers), load_format="dummy",
                                  device=args.device, quantization=None,
                                  pad_eager_steps=None if args.pad == "auto" else args.pad == "1",
+                                 step_graph_tokens=args.step_graphs,
                                  dtype="bfloat16" if args.device == "cuda" else "float32"))
     prefill_step(engine, 2, 64, 0, 0.0)  # a first request through every path
     rows, seed = [], 1
-    print(f"pad_eager_steps={engine.runner.pad_eager_steps}")
+    print(f"pad_eager_steps={engine.runner.pad_eager_steps} "
+          f"step_graph_tokens={engine.config.resolved_step_graph_tokens}")
     print(f"{'seqs x len':>11} {'tokens':>7} {'1st launch':>11} {'1st step':>9} "
           f"{'2nd launch':>11} {'2nd step':>9}   (ms)")
     for seqs, length in (map(int, x.split("x")) for x in args.shapes.split(",")):

@@ -84,6 +84,8 @@ def dense_prefill_ok(q: torch.Tensor, meta: AttentionMetadata, kv_scales: KVScal
     """One sequence whose new tokens are all of its context (no cached prefix), long enough,
     16-bit, on CUDA, with a bf16/fp16 cache and plain causal attention."""
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    if meta.bounds_only:  # a CUDA-graph capture: no host values to choose by
+        return False
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv_scales is None
             and sliding_window is None and logit_softcap is None and len(seq_lens) == 1
             and qsl[-1] == seq_lens[0] >= DENSE_MIN_TOKENS and q.shape[-1] <= 256):

@@ -102,6 +102,8 @@ def paged_attention_ref(
     kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Torch reference: decode rows batched, prefill/extend rows one sequence at a time."""
+    if meta.bounds_only:
+        meta = meta.read_back()
     qsl = meta.query_start_loc_cpu
     q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
     decode = [i for i, n in enumerate(q_lens) if n == 1]

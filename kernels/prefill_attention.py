@@ -118,7 +118,9 @@ if _TILE_OVERRIDE and len(_TILE_OVERRIDE) != 4:
 FP8_MAXNREG: int | None = 128  # register cap of 8-warp fp8-cache launches (None: ptxas's choice)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # see kernels/paged_attention.py
+# stride_bt: see kernels/paged_attention.py; num_seqs would otherwise compile a variant for 1
+# and for multiples of 16 mid-serving
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D] new tokens' queries (token/head strides free, last dim contiguous)
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
@@ -133,6 +135,7 @@ def _prefill_kernel(
     stride_bt,  # block-table row stride
     stride_ot, stride_oh,
     num_kv_heads,  # Hk: the scales' stride per slot
+    num_seqs,  # B (FLAT: sequences past the real ones have no new tokens)
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,  # Hq // Hk
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (power of two)
@@ -144,6 +147,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), else "tf32" (ignored)
     LONGEST_FIRST: tl.constexpr,  # grid (Hq, query blocks, B), last query block first
     KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, head) scales
+    FLAT: tl.constexpr = False,  # grid (Hq, T // BLOCK_M + B): no host int of the step sizes it
 ):
     # One program: BLOCK_M new tokens of one sequence and one query head; an
     # online softmax over the keys they may see, gathered from the paged cache. Keys before the
@@ -151,13 +155,29 @@ def _prefill_kernel(
     # the sliding-window edge are masked.
     # LONGEST_FIRST: the heads vary fastest and the query blocks run last-first, so the blocks
     # with the most keys start first and the short ones fill the tail of the launch.
-    if LONGEST_FIRST:
+    # FLAT: query block b of sequence s is program qsl[s] // BLOCK_M + s + b (a sequence of L new
+    # tokens spans at most cdiv(L, BLOCK_M) <= the gap to the next one's first program); each
+    # program finds its sequence by a binary search over query_start_loc.
+    if FLAT:
+        head = tl.program_id(0)
+        pid = tl.program_id(1)
+        lo = pid * 0  # int32 tensors: the loop carries them
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            first = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+            lo = tl.where(first <= pid, mid, lo)
+            hi = tl.where(first <= pid, hi, mid)
+        seq = lo
+        m_block = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_M + seq)
+    elif LONGEST_FIRST:
         head = tl.program_id(0)
         m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+        seq = tl.program_id(2)
     else:
         m_block = tl.program_id(0)
         head = tl.program_id(1)
-    seq = tl.program_id(2)
+        seq = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
@@ -175,7 +195,7 @@ def _prefill_kernel(
         q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
         mask=m_mask[:, None] & d_mask[None, :], other=0.0,
     )
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    table_ptr = block_tables_ptr + tl.cast(seq, tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
     ks_base = k_scale_ptr + kv_head
@@ -242,7 +262,10 @@ def check_attention_args(
 
 
 def new_output(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Output buffer; rows past the last sequence (padding) are zeroed, the rest get written."""
+    """Output buffer; rows past the last sequence (padding) are zeroed, the rest get written
+    (under `bounds_only` the host does not know where the padding starts: all zeroed)."""
+    if meta.bounds_only:
+        return torch.zeros_like(q)
     out = torch.empty_like(q)
     if meta.query_start_loc_cpu[-1] < q.shape[0]:
         out[meta.query_start_loc_cpu[-1] :].zero_()
@@ -275,7 +298,11 @@ def prefill_attention_triton(
     An fp8 cache (`kv_scales`) keeps the tiles; with 8 warps it is capped at 128 registers
     (uncapped, ptxas takes ~170 at head_dim 128: one program per SM; capped, two as with bf16,
     and no spills).
-    FLOTILLA_PREFILL_TILE="m,n,warps,stages" overrides the defaults (benchmark sweeps)."""
+    FLOTILLA_PREFILL_TILE="m,n,warps,stages" overrides the defaults (benchmark sweeps).
+
+    With `meta.bounds_only` (a CUDA-graph capture of a whole step, services/engine/step_graphs.py)
+    the launch reads no host value of the step: max_query_len is taken to be the row count T, and
+    the grid is (Hq, T // BLOCK_M + B) with each program finding its sequence on the device."""
     check_attention_args(q, k_cache, v_cache, meta, kv_scales)
     num_seqs = meta.seq_lens.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -286,13 +313,20 @@ def prefill_attention_triton(
     fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles
     if _TILE_OVERRIDE and not fp32:
         block_m, block_n, num_warps, num_stages = _TILE_OVERRIDE
-    block_m = block_m or (64 if fp32 or meta.max_query_len <= 128 else 128)
+    # bounds_only: max_query_len is only the row count, and a graph step is short (mostly
+    # decode rows and short prompts): the small tile
+    block_m = block_m or (64 if fp32 or meta.bounds_only or meta.max_query_len <= 128 else 128)
     block_m = max(16, min(block_m, triton.next_power_of_2(meta.max_query_len)))
     block_n = block_n or (16 if fp32 else 64 if block_d <= 64 else 32)
     num_warps = num_warps or (8 if block_m >= 128 or fp32 else 4)
     fp8_cap = kv_scales is not None and not fp32 and num_warps == 8
     m_blocks = triton.cdiv(meta.max_query_len, block_m)
-    grid = (q.shape[1], m_blocks, num_seqs) if longest_first else (m_blocks, q.shape[1], num_seqs)
+    if meta.bounds_only:
+        grid: tuple[int, ...] = (q.shape[1], q.shape[0] // block_m + num_seqs)
+    elif longest_first:
+        grid = (q.shape[1], m_blocks, num_seqs)
+    else:
+        grid = (m_blocks, q.shape[1], num_seqs)
     k_scale, v_scale = kv_scales if kv_scales is not None else (k_cache, v_cache)
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, out, meta.block_tables, meta.seq_lens,
@@ -300,7 +334,7 @@ def prefill_attention_triton(
         scale, logit_softcap or 1.0, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        meta.block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads,
+        meta.block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads, num_seqs,
         HEAD_DIM=head_dim,
         GROUP=q.shape[1] // num_kv_heads,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
@@ -309,6 +343,7 @@ def prefill_attention_triton(
         DOT_PRECISION="ieee" if fp32 else "tf32",
         LONGEST_FIRST=longest_first,
         KV_FP8=kv_scales is not None,
+        FLAT=meta.bounds_only,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=FP8_MAXNREG if fp8_cap else None,

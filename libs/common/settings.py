@@ -109,6 +109,10 @@ class EngineSettings(CommonSettings):
         None, description="Run prefill and mixed steps at bucketed row counts whose GEMMs are "
         "warmed at start-up (cuBLAS picks a kernel on the host, 2.5-6 ms, for every new shape); "
         "unset = on CUDA")
+    step_graph_tokens: int | None = Field(
+        None, ge=0, description="Prefill and mixed steps of up to this many tokens (bucketed) "
+        "replay CUDA graphs of the whole step instead of launching ~10 kernels a layer from "
+        "Python; unset = 512 on CUDA, 0 = off")
     quantization: str = Field(
         "auto", description="Weights: auto (CPU: int4 for Q4_1 GGUF, else int8; GPU: GGUF blocks "
         "kept) | none | int8 | int4 "

@@ -10,6 +10,9 @@ import torch
 from kernels.paged_attention import SHORT_SPLIT_KEYS
 from services.engine.loader import CPU_DEFAULT
 
+# Steps up to here are host-bound on an H100 host with a Llama-3-8B (bench/shape_probe.py); past
+# it the GPU's share grows and each graph costs capture time.
+DEFAULT_STEP_GRAPH_TOKENS = 512
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,6 +44,9 @@ class EngineConfig:
     # eager steps run bucketed row counts, their GEMMs warmed at start-up
     # (services/engine/row_buckets.py); None: on CUDA
     pad_eager_steps: bool | None = None
+    # prefill and mixed steps of up to this many (bucketed) tokens replay CUDA graphs of the
+    # whole step (services/engine/step_graphs.py); None: 512 on CUDA with padded steps, 0 = off
+    step_graph_tokens: int | None = None
     # weight quantization by name (services/engine/quant); "auto": weight-only on CPU (batch-1
     # decode there is bound by weight bytes: int4 for a Q4_1 GGUF, else int8), none on GPU
     quantization: str | None = None
@@ -84,6 +90,8 @@ class EngineConfig:
         if self.tp_all_reduce not in ("auto", "nccl", "one_shot", "two_shot"):
             raise ValueError("tp_all_reduce must be auto, nccl, one_shot or two_shot, got "
                              f"{self.tp_all_reduce!r}")
+        if self.step_graph_tokens is not None and self.step_graph_tokens < 0:
+            raise ValueError(f"step_graph_tokens must be >= 0, got {self.step_graph_tokens}")
         if self.tp is not None and self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
 
@@ -106,6 +114,17 @@ class EngineConfig:
         if self.pad_eager_steps is not None:
             return self.pad_eager_steps
         return self.resolved_device.startswith("cuda")
+
+    @property
+    def resolved_step_graph_tokens(self) -> int:
+        """0 without CUDA graphs or padded steps (an unpadded step's row count is rarely a
+        bucket), else the setting (None: DEFAULT_STEP_GRAPH_TOKENS)."""
+        if (self.enforce_eager or not self.resolved_device.startswith("cuda")
+                or not self.resolved_pad_eager_steps):
+            return 0
+        if self.step_graph_tokens is None:
+            return DEFAULT_STEP_GRAPH_TOKENS
+        return self.step_graph_tokens
 
     @property
     def resolved_dtype(self) -> torch.dtype:

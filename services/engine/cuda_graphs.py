@@ -18,6 +18,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -78,7 +79,8 @@ class DecodeGraphs:
             seq_lens_cpu=[1] * bs,
         )
 
-    def capture(self) -> None:
+    def capture(self) -> Any:
+        """Capture every graph; returns their memory pool (step_graphs.py shares it)."""
         pool = None
         short_buckets = set(self.short_buckets)
         for bs in reversed(self.buckets):
@@ -93,6 +95,7 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[bs, short] = (graph, logits)
         torch.cuda.synchronize()
+        return pool
 
     def bucket_for(self, batch: int) -> int | None:
         for b in self.buckets:

@@ -30,6 +30,7 @@ def engine_config(settings: EngineSettings, path: Path) -> EngineConfig:
         enforce_eager=settings.enforce_eager,
         decode_short_context=settings.decode_short_context,
         pad_eager_steps=settings.pad_eager_steps,
+        step_graph_tokens=settings.step_graph_tokens,
         quantization=None if settings.quantization == "none" else settings.quantization,
         isq=settings.isq,
         num_threads=settings.num_threads,

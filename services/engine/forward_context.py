@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +30,10 @@ class AttentionMetadata:
         -1 marks padding rows whose K/V must not be written (CUDA-graph padding).
     max_query_len / max_seq_len: host ints, the largest entries of the two tensors above.
     query_start_loc_cpu / seq_lens_cpu: host copies for the CPU reference path.
+    bounds_only: the metadata of a CUDA-graph capture of a whole step (step_graphs.py): the
+        tensors change between replays, so the kernels must not size or branch on the step's host
+        values; max_query_len / max_seq_len are only bounds, the host lists are empty, and
+        sequences past the real ones have no new tokens and seq_len 0.
     """
 
     query_start_loc: torch.Tensor
@@ -40,6 +44,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    bounds_only: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -48,6 +53,12 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def read_back(self) -> AttentionMetadata:
+        """A bounds_only metadata with its host lists read from the tensors (the torch reference
+        path runs a graph step's metadata this way; a sync on CUDA)."""
+        return replace(self, query_start_loc_cpu=self.query_start_loc.tolist(),
+                       seq_lens_cpu=self.seq_lens.tolist(), bounds_only=False)
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -14,22 +14,25 @@ Rules:
   device, host copies on their way); `execute` also waits for them (the step's one sync).
 - A decode input may be PLACEHOLDER_TOKEN: the token that `prev` (the step launched just before)
   sampled for that request; the runner takes it from prev's device tokens.
-- Decode-only steps replay CUDA graphs on CUDA (unless enforce_eager); everything else is eager,
-  on CUDA at bucketed row counts whose GEMMs were warmed at start-up (row_buckets.py).
+- Decode-only steps replay CUDA graphs on CUDA (unless enforce_eager), and so do prefill and
+  mixed steps of up to step_graph_tokens bucketed rows (step_graphs.py); everything else is
+  eager, on CUDA at bucketed row counts whose GEMMs were warmed at start-up (row_buckets.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kernels import dense_attention
 from kernels.kv_quant import FP8_KV_DTYPE, KVScales
+from services.engine import step_graphs
 from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
-from services.engine.distributed import tp_min
+from services.engine.distributed import get_tp_size, tp_min
 from services.engine.forward_context import forward_context
 from services.engine.layers.attention import Attention
 from services.engine.loader import load_model
@@ -38,6 +41,7 @@ from services.engine.row_buckets import token_buckets, warm_up_gemms
 from services.engine.sampler import Sampler, SamplingBatch
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
+from services.engine.step_graphs import StepGraphs
 from services.engine.step_inputs import StepInputBuilder, StepInputs
 from services.engine.step_output import LaunchedStep, RunnerOutput
 
@@ -86,15 +90,38 @@ class ModelRunner:
                                        pad=self.pad_eager_steps)
         self.warm_up_dense_attention()
         self.graphs: DecodeGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self._logits_all_rows, self.max_num_seqs,
                                        self.max_blocks_per_seq, self.max_model_len, self.device,
                                        config.decode_short_context)
             with torch.inference_mode():
-                self.graphs.capture()
+                pool = self.graphs.capture()
+                self.step_graphs = self._capture_step_graphs(config.resolved_step_graph_tokens,
+                                                             pool)
         if self._gemms_to_warm:  # the KV cache size was given: no profile ran
             self._warm_up_gemms()
             torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            self.warm_up_eager_steps()
+
+    def new_step_graphs(self, max_tokens: int) -> StepGraphs | None:
+        """Whole-step graphs for the token buckets up to max_tokens (not captured yet), or None
+        where this model cannot be captured whole (step_graphs.py `supported`)."""
+        buckets = [t for t in token_buckets(self.max_num_tokens) if t <= max_tokens]
+        if not buckets or not step_graphs.supported(self.attention, get_tp_size()):
+            return None
+        return StepGraphs(self._sampled_hidden, buckets, self.max_num_seqs,
+                          self.max_blocks_per_seq, self.max_model_len, self.device)
+
+    def _capture_step_graphs(self, max_tokens: int, pool: Any) -> StepGraphs | None:
+        graphs = self.new_step_graphs(max_tokens)
+        if graphs is not None:
+            t0 = time.perf_counter()
+            graphs.capture(pool)
+            log.info("step graphs captured at %d token buckets (up to %d) in %.1f s",
+                     len(graphs.buckets), graphs.buckets[-1], time.perf_counter() - t0)
+        return graphs
 
     def _warm_up_gemms(self) -> None:
         """Every GEMM shape an eager step can run (row_buckets.py), met once now."""
@@ -102,6 +129,28 @@ class ModelRunner:
                       token_buckets(self.max_num_tokens), graph_buckets(self.max_num_seqs),
                       self.dtype, self.device)
         self._gemms_to_warm = False
+
+    @torch.inference_mode()
+    def warm_up_eager_steps(self) -> None:
+        """One eager step per kernel variant an eager step can launch, run now rather than in
+        a user's first step of that kind: Triton compiles per tile size, and the prefill
+        attention's tile follows the step's longest prompt (16 / 32 / 64 / 128 rows; 0.4-0.8 s
+        each on a fresh H100 host). With whole-step graphs no short step runs eagerly at
+        start-up otherwise. Single prompts of 16, 32, 128 and 256 tokens, and one long enough
+        for the fused long-prompt attention; their K/V land in free blocks, overwritten before
+        any sequence reads them."""
+        lengths = [n for n in (16, 32, 128, 256, 2 * dense_attention.DENSE_MIN_TOKENS)
+                   if n <= min(self.max_num_tokens, self.max_model_len)]
+        for n in lengths:
+            blocks = list(range(-(-n // self.block_size)))
+            if len(blocks) > self.num_blocks:
+                break
+            inputs = self.inputs.build([_dummy_request("warm-up", n, blocks)])
+            with forward_context(inputs.meta):
+                hidden = self.model(inputs.input_ids, inputs.positions)
+            self.model.compute_logits(hidden[inputs.logits_rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def warm_up_dense_attention(self) -> None:
         """Fused-attention plans for every long-prompt length bucket (kernels/dense_attention.py),
@@ -212,12 +261,19 @@ class ModelRunner:
     def _logits_all_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions))
 
+    def _sampled_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        rows: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)[rows]
+
     def _logits(self, input_ids: torch.Tensor, inputs: StepInputs, decode_only: bool
                 ) -> torch.Tensor:
         """Logits of the sampling rows of the step, [S, vocab] float32."""
         if decode_only and self.graphs is not None:
             # Every row of a decode-only step samples, in order: no row gather needed.
             return self.graphs.replay(input_ids, inputs.positions, inputs.meta)
+        if self.step_graphs is not None and self.step_graphs.covers(inputs):
+            hidden = self.step_graphs.replay(input_ids, inputs)
+            return self.model.compute_logits(hidden)[: inputs.num_logits]
         with forward_context(inputs.meta):
             hidden = self.model(input_ids, inputs.positions)
         return self.model.compute_logits(hidden[inputs.logits_rows])[: inputs.num_logits]

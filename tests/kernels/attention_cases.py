@@ -60,3 +60,20 @@ def make_case(
         v_cache=torch.randn(shape, dtype=dtype, device=DEVICE),
         meta=meta,
     )
+
+
+def bounds_only(meta: AttentionMetadata, extra_seqs: int) -> AttentionMetadata:
+    """`meta` as a whole-step CUDA graph sees it (services/engine/step_graphs.py): `extra_seqs`
+    empty sequences after the real ones, no host lists, and max_query_len only the row count."""
+    total = int(meta.query_start_loc[-1])
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        tail = torch.full((extra_seqs, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+        return torch.cat([t, tail])
+
+    return AttentionMetadata(
+        query_start_loc=pad(meta.query_start_loc, total), seq_lens=pad(meta.seq_lens, 0),
+        block_tables=pad(meta.block_tables, 7), slot_mapping=meta.slot_mapping,
+        max_query_len=meta.slot_mapping.shape[0], max_seq_len=meta.max_seq_len,
+        query_start_loc_cpu=[], seq_lens_cpu=[], bounds_only=True,
+    )

@@ -14,7 +14,7 @@ from kernels.paged_attention import decode_attention_triton, paged_attention_ref
 from kernels.prefill_attention import prefill_attention_triton
 from kernels.rotary import rotary_embedding_ref
 from kernels.rotary_kv import rotary_write_kv_cache_triton
-from tests.kernels.attention_cases import AttentionCase, make_case
+from tests.kernels.attention_cases import AttentionCase, bounds_only, make_case
 from tests.kernels.conftest import DEVICE, tolerance
 from tests.kernels.test_rotary import cos_sin_cache
 
@@ -137,18 +137,26 @@ def test_decode_fp8_window_softcap(window: int | None, softcap: float | None) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, 3.0)])
 @pytest.mark.parametrize("q_len,block_m", [(20, 16), (70, 64)])
+@pytest.mark.parametrize("graph", [False, True])
 def test_prefill_fp8_ragged_matches_reference(
-    dtype: torch.dtype, window: int | None, softcap: float | None, q_len: int, block_m: int
+    dtype: torch.dtype, window: int | None, softcap: float | None, q_len: int, block_m: int,
+    graph: bool,
 ) -> None:
     # Ragged batch: a whole prompt, extends across block boundaries, a decode row, an idle one.
     # block_m 16 scales the scores and p per key; 64 (wgmma tiles) scales the K / V rows.
+    # graph: the bounds-only metadata of a whole-step CUDA graph (flat grid, empty sequences).
     case = make_case([q_len, 5, 1, 0, 9], [q_len, 21, 33, 4, 40], 4, 2, 32, 8, dtype,
                      pad_rows=2)
     k8, v8, scales = fp8_cache(case)
-    out = prefill_attention_triton(case.q, k8, v8, case.meta, 0.25, window, softcap,
+    meta = bounds_only(case.meta, 3) if graph else case.meta
+    out = prefill_attention_triton(case.q, k8, v8, meta, 0.25, window, softcap,
                                    block_m=block_m, block_n=16, kv_scales=scales)
     ref = paged_attention_ref(case.q, k8, v8, case.meta, 0.25, window, softcap, kv_scales=scales)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
+    if graph:  # the reference reads a bounds-only metadata's host values back
+        torch.testing.assert_close(
+            paged_attention_ref(case.q, k8, v8, meta, 0.25, window, softcap, kv_scales=scales),
+            ref, atol=0, rtol=0)
 
 
 def test_fp8_reference_stays_near_unquantized_attention() -> None:

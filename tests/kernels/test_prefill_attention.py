@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
-from tests.kernels.attention_cases import make_case
+from tests.kernels.attention_cases import bounds_only, make_case
 from tests.kernels.conftest import DEVICE, tolerance
 
 # (q_lens, seq_lens, block_size): chunked prefill on a cached prefix, a whole prompt, a decode
@@ -42,6 +42,27 @@ def test_prefill_window_and_softcap(window: int | None, softcap: float | None) -
     ref = prefill_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.125, window,
                                 softcap)
     torch.testing.assert_close(out, ref, **tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens,seq_lens,block_m", [
+    ([5, 1, 16, 17], [21, 16, 16, 17], 16),  # blocks start mid-tile: 5 + 1 -> the 16s straddle
+    ([1, 1, 40, 1], [9, 33, 40, 70], 16),  # decode rows around a prompt of 3 tiles
+    ([33, 2], [33, 50], 32),
+    ([64], [64], 64),  # exactly one tile
+])
+@pytest.mark.parametrize("extra_seqs", [0, 5])
+def test_prefill_bounds_only_grid(dtype: torch.dtype, q_lens: list[int], seq_lens: list[int],
+                                  block_m: int, extra_seqs: int) -> None:
+    """The graph-safe launch (no host value of the step): every real row as the reference,
+    padding rows and empty sequences harmless, padding rows zero."""
+    case = make_case(q_lens, seq_lens, 4, 2, 32, 8, dtype, pad_rows=11)
+    meta = bounds_only(case.meta, extra_seqs)
+    out = prefill_attention_triton(case.q, case.k_cache, case.v_cache, meta, 0.3,
+                                   block_m=block_m, block_n=16)
+    ref = prefill_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.3)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    assert not out[sum(q_lens):].any()
 
 
 def test_prefill_default_tiles_head_dim_128() -> None:
