@@ -32,7 +32,7 @@ from kernels import dense_attention
 from kernels.kv_quant import FP8_KV_DTYPE, KVScales
 from services.engine import step_graphs
 from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
-from services.engine.distributed import get_tp_size, tp_min
+from services.engine.distributed import tp_min
 from services.engine.forward_context import forward_context
 from services.engine.layers.attention import Attention
 from services.engine.loader import load_model
@@ -105,11 +105,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up_eager_steps()
 
+    def release_graphs(self) -> None:
+        """Drop every captured graph (before a tensor-parallel communicator goes: graphs
+        holding its NCCL kernels block its teardown)."""
+        self.graphs = None
+        self.step_graphs = None
+
     def new_step_graphs(self, max_tokens: int) -> StepGraphs | None:
         """Whole-step graphs for the token buckets up to max_tokens (not captured yet), or None
         where this model cannot be captured whole (step_graphs.py `supported`)."""
         buckets = [t for t in token_buckets(self.max_num_tokens) if t <= max_tokens]
-        if not buckets or not step_graphs.supported(self.attention, get_tp_size()):
+        if not buckets or not step_graphs.supported(self.attention):
             return None
         return StepGraphs(self._sampled_hidden, buckets, self.max_num_seqs,
                           self.max_blocks_per_seq, self.max_model_len, self.device)

@@ -286,7 +286,7 @@ class MultiProcExecutor(Executor):
             self._server.close()
         runner = getattr(self, "runner", None)
         if runner is not None:
-            runner.graphs = None  # captured NCCL kernels go before the communicator does
+            runner.release_graphs()  # captured NCCL kernels go before the communicator does
         destroy_distributed()
         torch.set_num_threads(self._threads_before)
 

@@ -19,7 +19,8 @@ Rules:
 - The attention metadata is `bounds_only` (forward_context.py): no kernel sizes its launch on a
   host value of the step (kernels/prefill_attention.py's FLAT grid), and the fused long-prompt
   path is off. `supported` names what may be captured: `Attention` layers only (MLA reads host
-  lists), one tensor-parallel rank.
+  lists). Under tensor parallelism every rank captures the same buckets, the all-reduces inside
+  (as the decode graphs' are, at the same message sizes).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from services.engine.step_inputs import StepInputs
 HiddenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def supported(attention: list[Attention], tp_size: int) -> bool:
+def supported(attention: list[Attention]) -> bool:
     """Whether a model's steps may be captured whole."""
-    return tp_size == 1 and all(type(a) is Attention for a in attention)
+    return all(type(a) is Attention for a in attention)
 
 
 class StepGraphs:
