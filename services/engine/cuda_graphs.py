@@ -38,6 +38,20 @@ def graph_buckets(max_batch: int) -> list[int]:
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positions) -> logits
 
 
+def capture_graph(pool: Any, fn: Callable[..., torch.Tensor], *args: Any
+                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Call fn(*args) twice outside the capture (Triton compiles and autotunes there), then
+    capture one call into the memory pool `pool` (None: a new one); returns the graph and its
+    output."""
+    for _ in range(2):
+        fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(*args)
+    return graph, out
+
+
 class DecodeGraphs:
     def __init__(
         self, forward: ForwardFn, max_batch: int, max_blocks_per_seq: int, max_model_len: int,
@@ -86,12 +100,8 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):
             for short in (False, True) if bs in short_buckets else (False,):
                 with forward_context(self._meta(bs, short)):
-                    for _ in range(2):  # compile / autotune outside the capture
-                        self.forward(self.input_ids[:bs], self.positions[:bs])
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        logits = self.forward(self.input_ids[:bs], self.positions[:bs])
+                    graph, logits = capture_graph(pool, self.forward, self.input_ids[:bs],
+                                                  self.positions[:bs])
                 pool = graph.pool()
                 self.graphs[bs, short] = (graph, logits)
         torch.cuda.synchronize()

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from services.engine.cuda_graphs import capture_graph
 from services.engine.forward_context import AttentionMetadata, forward_context
 from services.engine.layers.attention import Attention
 from services.engine.row_buckets import logits_bucket
@@ -90,12 +91,7 @@ class StepGraphs:
         """Capture every bucket (the buffers hold no sequence: nothing is attended or
         written); returns the memory pool, shared with the caller's other graphs."""
         for tokens in reversed(self.buckets):
-            for _ in range(2):  # compile / autotune outside the capture
-                self._run(tokens)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self._run(tokens)
+            graph, hidden = capture_graph(pool, self._run, tokens)
             pool = graph.pool()
             self.graphs[tokens] = (graph, hidden)
         torch.cuda.synchronize()

@@ -11,16 +11,10 @@ import torch
 
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
 from services.engine.step_graphs import StepGraphs
 from services.engine.step_inputs import StepInputBuilder
 from tests.engine.test_engine import GREEDY, make_engine, prompts, run, tiny, tokens  # noqa: F401
-
-
-def _sr(tokens: list[int], start: int, blocks: list[int], samples: bool) -> ScheduledRequest:
-    return ScheduledRequest("r", tokens, start, blocks, len(tokens) > 1, samples,
-                            SamplingParams(), None, 1, tokens)
+from tests.engine.test_row_buckets import _sr
 
 
 def _unused(ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -48,7 +42,8 @@ def test_load_pads_sequences_and_sampled_rows() -> None:
     meta = graphs.meta(16)
     assert meta.bounds_only and meta.max_query_len == 16 and meta.seq_lens_cpu == []
     # a later, smaller step leaves nothing of this one behind in the sequence tensors
-    graphs.load(*(lambda i: (i.input_ids, i))(builder.build([_sr([5, 6], 0, [1], True)])))
+    small = builder.build([_sr([5, 6], 0, [1], True)])
+    graphs.load(small.input_ids, small)
     assert graphs.query_start_loc.tolist() == [0, 2, 2, 2, 2, 2, 2]
     assert graphs.seq_lens.tolist() == [2, 0, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="no graph"):
@@ -132,13 +127,12 @@ def test_settings_reach_the_config() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_step_graphs_match_eager_steps(tmp_path: Path) -> None:
     """On CUDA: the captured graphs give the eager path's greedy tokens on a random tiny llama
     (fp32, no TF32), through bursts, decode mixes and chunked prefill."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -149,12 +143,12 @@ def test_gpu_step_graphs_match_eager_steps(tmp_path: Path) -> None:
     arrivals |= {3 * i + 1: [(f"m{i}", p, GREEDY)] for i, p in enumerate(ps[6:])}
     common = dict(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256,
                   max_num_seqs=8)
-    out = {}
+    out: list[dict[str, list[int]]] = []
     for kw in ({"step_graph_tokens": 0}, {"step_graph_tokens": 512},
                {"step_graph_tokens": 512, "prefill_chunk_size": 48,
                 "max_num_batched_tokens": 64}):
         engine = Engine(EngineConfig(**common, **kw))  # type: ignore[arg-type]
         graphs = engine.runner.step_graphs
         assert (graphs is None) == (kw["step_graph_tokens"] == 0)
-        out[len(out)] = tokens(run(engine, arrivals))
+        out.append(tokens(run(engine, arrivals)))
     assert out[0] == out[1] == out[2]
