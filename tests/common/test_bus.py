@@ -18,8 +18,7 @@ from libs.common.messages import (
     TokenFrame,
     TokenRequest,
 )
-
-NATS_URL = "nats://127.0.0.1:4222"
+from tests.endpoints import NATS_URL
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """One suite start-up for all end-to-end tests: `flotilla up` as a user runs it.
 
 The launcher is started as a subprocess with the embedded default model (SmolLM2-135M-Instruct),
-the real NATS on 127.0.0.1:4222, Redis for shared state, and an mcp.json pointing at the test MCP
+the real NATS (tests/endpoints.py; 127.0.0.1:4222 by default), Redis for shared state, and an mcp.json pointing at the test MCP
 server. The fixture is package-scoped so the suite is gone before other test packages run.
 """
 
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.endpoints import NATS_URL, REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900
@@ -60,12 +62,12 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteHandle]:
     mcp.write_text(json.dumps({"mcpServers": {"test": {
         "command": sys.executable, "args": [str(ROOT / "tests" / "mcp_server.py")], "env": {}}}}))
     state_file = tmp / "state.json"
-    env = dict(os.environ, FLOTILLA_REDIS_URL="redis://127.0.0.1:6379/0", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, FLOTILLA_REDIS_URL=REDIS_URL, PYTHONUNBUFFERED="1",
                FLOTILLA_RUN_DIR=str(tmp))
     # The console script a user runs (installed by `pip install -e .`); the module otherwise.
     exe = shutil.which("flotilla")
     launcher = [exe] if exe else [sys.executable, "-m", "services.launcher"]
-    cmd = [*launcher, "up", "--port", "0",
+    cmd = [*launcher, "up", "--port", "0", "--nats-url", NATS_URL,
            "--state-file", str(state_file), "--mcp-config", str(mcp)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

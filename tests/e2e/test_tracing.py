@@ -18,9 +18,10 @@ from libs.common.settings import EngineSettings, GatewaySettings, TokenizerSetti
 from services.engine.service import EngineService
 from services.gateway.service import GatewayService
 from services.tokenizer.service import TokenizerService
+from tests.endpoints import NATS_URL
 from tests.tracing import memory_exporter
 
-NATS = "nats://127.0.0.1:4222"
+NATS = NATS_URL
 
 
 

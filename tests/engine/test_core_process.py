@@ -24,8 +24,9 @@ from services.engine.core_process import CoreProcess
 from services.engine.service import EngineService
 from services.gateway.service import GatewayService
 from services.tokenizer.service import TokenizerService
+from tests.endpoints import NATS_URL
 
-NATS = "nats://127.0.0.1:4222"
+NATS = NATS_URL
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 
 

@@ -22,6 +22,7 @@ from services.engine.pod import pod_layout
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledRequest
 from services.engine.step_plan import DecodedStep, PlanDecoder, PlanEncoder
+from tests.endpoints import NATS_URL
 from tests.engine.conftest import rel_error, save_tiny_llama
 from tests.engine.test_moe_models import save_tiny
 
@@ -138,7 +139,7 @@ async def test_service_errors_requests_and_gives_up_when_a_rank_dies(llama: Path
 
     engine = await asyncio.to_thread(Engine, EngineConfig(model=str(llama), tp=2, **LONG_RUN))
     model = f"tp-{uuid.uuid4().hex[:8]}"
-    bus = await Bus.connect("nats://127.0.0.1:4222", "tp-test")
+    bus = await Bus.connect(NATS_URL, "tp-test")
     fatal = asyncio.Event()
     service = EngineService(EngineSettings(served_model_name=model), bus, engine,
                             on_fatal=fatal.set)

@@ -15,9 +15,9 @@ import pytest
 from libs.common.bus import Bus
 from libs.common.settings import GatewaySettings
 from services.gateway.service import GatewayService
+from tests.endpoints import NATS_URL
 from tests.gateway.fakes import FakeTokenizer
 
-NATS_URL = "nats://127.0.0.1:4222"
 HEARTBEAT_TIMEOUT_S = 1.0
 
 

@@ -14,10 +14,9 @@ from libs.common.messages import Announcement
 from libs.common.store import MemoryStore, RedisStore
 from services.gateway.app import create_app
 from services.gateway.registry import ModelRegistry
+from tests.endpoints import REDIS_URL
 from tests.gateway.conftest import gateway_settings
 from tests.gateway.schemas import validate_openai
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def _ann(service: str, model: str, instance: str | None = None) -> Announcement:

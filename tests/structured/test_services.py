@@ -21,8 +21,9 @@ from libs.common.settings import EngineSettings, GatewaySettings, TokenizerSetti
 from services.engine.service import EngineService
 from services.gateway.service import GatewayService
 from services.tokenizer.service import TokenizerService
+from tests.endpoints import NATS_URL
 
-NATS = "nats://127.0.0.1:4222"
+NATS = NATS_URL
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},

@@ -16,8 +16,8 @@ import pytest
 
 from libs.common.bus import Bus
 from libs.common.model_cache import cache_dir
+from tests.endpoints import NATS_URL
 
-NATS_URL = "nats://127.0.0.1:4222"
 LLAMA_CPP_SDIST = "llama-cpp-python"
 _VOCAB_DIR = "vendor/llama.cpp/models/"
 _TEMPLATES_DIR = "vendor/llama.cpp/models/templates/"
