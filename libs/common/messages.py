@@ -40,6 +40,8 @@ class ErrorInfo(BaseModel):
     message: str
     param: str | None = None
     code: str | None = None
+    # overload (429/503): when the client may try again; the gateway sends it as `Retry-After`
+    retry_after_s: float | None = None
 
 
 # ---------------------------------------------------------------- sampling
@@ -49,7 +51,8 @@ class GuidedDecoding(BaseModel):
     """A constraint on what the engine may generate, compiled by xgrammar in the engine.
 
     `value` is JSON text for json_schema (a JSON Schema) and structural_tag (xgrammar's
-    structural tag: tool calls, reasoning before JSON), EBNF for grammar, unused for json_object.
+    structural tag: tool calls, reasoning before JSON), EBNF for grammar, a regular expression
+    for regex, unused for json_object.
     `special_tokens`: texts of control tokens the grammar writes (e.g. `[TOOL_CALLS]`); every
     other special token is never allowed under a constraint. The tokenizer service validates the
     spec before admission (400 on a bad one); an engine that still fails to compile it ends the
@@ -57,13 +60,20 @@ class GuidedDecoding(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["json_schema", "json_object", "structural_tag", "grammar"]
+    kind: Literal["json_schema", "json_object", "structural_tag", "grammar", "regex"]
     value: str | None = None
     special_tokens: list[str] = Field(default_factory=list)
 
 
 class SamplingOptions(BaseModel):
-    """What the engine needs to pick tokens. temperature 0 = greedy."""
+    """What the engine needs to pick tokens. temperature 0 = greedy.
+
+    `logit_bias`: token id → value added to its logit before sampling (OpenAI's ±100 bans or
+    forces). `min_tokens`: EOS and `stop_token_ids` are held back until this many tokens were
+    generated. `prompt_logprobs`: None = off; k >= 0 = the logprob of every prompt token after
+    the first, with the k most likely alternatives (vLLM's `prompt_logprobs`, and what
+    `/v1/completions` `echo` + `logprobs` reports).
+    """
 
     model_config = ConfigDict(extra="forbid")
     temperature: float = 1.0
@@ -79,13 +89,28 @@ class SamplingOptions(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = None
     guided: GuidedDecoding | None = None
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
 
 # ---------------------------------------------------------------- gateway → tokenizer
 
 
 class TextRequest(Message):
-    """One choice of one OpenAI request, already validated by the gateway."""
+    """One choice of one OpenAI request, already validated by the gateway.
+
+    `response_format` is the one internal spelling of every structured-output form clients send
+    (OpenAI `response_format`, vLLM `structured_outputs` / `guided_*`, llama.cpp `grammar` /
+    `json_schema`), normalised by the gateway to one of:
+    `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"schema": {...}, ...}}`,
+    `{"type": "regex", "regex": str}`, `{"type": "choice", "choice": [str, ...]}`,
+    `{"type": "grammar", "grammar": str}` (GBNF / xgrammar EBNF) and
+    `{"type": "structural_tag", "structural_tag": {...}}`.
+    `priority`: lower is served first (vLLM's convention), FCFS within a level. `deadline`:
+    Unix time (seconds) after which every hop aborts the request with a terminal error.
+    `reasoning_effort`: none | minimal | low | medium | high (none = thinking off).
+    """
 
     request_id: str
     model: str
@@ -102,6 +127,13 @@ class TextRequest(Message):
     response_format: dict[str, Any] | None = None
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     stream_subject: str
+    priority: int = 0
+    deadline: float | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    continue_final_message: bool = False
+    suffix: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class Admission(Message):
@@ -132,6 +164,8 @@ class TokenRequest(Message):
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     stream_subject: str
+    priority: int = 0  # lower first, FCFS within a level
+    deadline: float | None = None  # Unix time; past it the engine aborts with an error frame
 
 
 # ---------------------------------------------------------------- stream frames
@@ -161,6 +195,8 @@ class TokenLogprob(BaseModel):
 class TokenDelta(BaseModel):
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    # first delta only, with `sampling.prompt_logprobs`: one entry per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class TokenFinal(BaseModel):
@@ -192,6 +228,7 @@ class TextDelta(BaseModel):
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = Field(default_factory=list)
     logprobs: list[TextLogprob] | None = None
+    prompt_logprobs: list[TextLogprob | None] | None = None  # as TokenDelta's, detokenized
 
 
 class Usage(BaseModel):
