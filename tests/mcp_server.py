@@ -2,7 +2,8 @@
 
 Tools: `add(a, b)`, `echo(text)`, `fail(message)` (always errors), `sleep(seconds)` (for
 timeouts) and `record(text)` (appends a line to the file named by `MCP_TEST_RECORD`: a side
-effect a test can see). Written with the official `mcp` SDK (FastMCP in 1.x, renamed MCPServer in 2.x).
+effect a test can see). Written with the official `mcp` SDK (FastMCP in 1.x, renamed
+MCPServer in 2.x).
 Run: `python tests/mcp_server.py [server-name]`.
 """
 
