@@ -184,3 +184,33 @@ async def test_unknown_server_label(client: httpx.AsyncClient, tools: ToolsServi
                                                  "tools": [{"type": "mcp",
                                                             "server_label": "nope"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].server_label"
+
+
+async def test_chat_without_tools_gets_the_answer_not_tool_calls(
+        client: httpx.AsyncClient, tools: ToolsService, gateway: GatewayService,
+        scripted: ScriptedTokenizer) -> None:
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0,
+                           timeout=30) as oai:
+        r = await oai.chat.completions.create(
+            model=scripted.model, messages=[{"role": "user", "content": "add"}])
+        message = r.choices[0].message
+        assert message.content == "The tool said: 42" and not message.tool_calls
+        assert r.choices[0].finish_reason == "stop"
+        assert message.model_extra is not None
+        assert message.model_extra["mcp_calls"] == [
+            {"name": "test_add", "arguments": '{"a": 2, "b": 40}', "output": "42"}]
+        validate_openai("CreateChatCompletionResponse", r.model_dump(exclude_unset=True))
+        stream = await oai.chat.completions.create(
+            model=scripted.model, messages=[{"role": "user", "content": "add"}], stream=True,
+            stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "The tool said: 42"
+    assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].delta.model_extra["mcp_calls"][0]["output"] == "42"
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 20
+    for c in chunks:
+        validate_openai("CreateChatCompletionStreamResponse", c.model_dump(exclude_unset=True))

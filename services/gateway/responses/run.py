@@ -91,7 +91,10 @@ class ResponseRun:
                     1, self.req.max_output_tokens - self.usage.completion_tokens)
             if last and tools:
                 body["tool_choice"] = "none"
-            turn = new_turn(self.gw, body, tools, f"{self.req.rid}-t{number}", self.req.extra)
+            elif number > 0 and body.get("tool_choice") not in (None, "auto", "none"):
+                body["tool_choice"] = "auto"  # a forced call applies to the first turn only
+            rid = self.req.rid if number == 0 else f"{self.req.rid}-t{number}"
+            turn = new_turn(self.gw, body, tools, rid, self.req.extra)
             self._turn = turn
             try:
                 await turn.start()
