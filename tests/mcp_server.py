@@ -1,13 +1,16 @@
 """A tiny real MCP server over stdio, for tests of the tools service.
 
-Tools: `add(a, b)`, `echo(text)`, `fail(message)` (always errors) and `sleep(seconds)` (for
-timeouts). Written with the official `mcp` SDK (FastMCP in 1.x, renamed MCPServer in 2.x).
+Tools: `add(a, b)`, `echo(text)`, `fail(message)` (always errors), `sleep(seconds)` (for
+timeouts) and `record(text)` (appends a line to the file named by `MCP_TEST_RECORD`: a side
+effect a test can see). Written with the official `mcp` SDK (FastMCP in 1.x, renamed
+MCPServer in 2.x).
 Run: `python tests/mcp_server.py [server-name]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 try:
@@ -41,6 +44,14 @@ async def sleep(seconds: float) -> str:
     """Sleep, then say so."""
     await asyncio.sleep(seconds)
     return f"slept {seconds}"
+
+
+@server.tool()
+def record(text: str) -> str:
+    """Append the text as a line to the record file."""
+    with open(os.environ["MCP_TEST_RECORD"], "a") as f:
+        f.write(text + "\n")
+    return f"recorded {text}"
 
 
 if __name__ == "__main__":

@@ -68,6 +68,17 @@ class GatewaySettings(CommonSettings):
     reasoning_field: Literal["reasoning_content", "reasoning", "both"] = Field(
         "reasoning_content",
         description="Name of the reasoning text in chat messages and deltas (both: send both)")
+    mcp_call_timeout_s: float = Field(
+        35.0, gt=0, description="How long the gateway waits for one MCP tool call it runs (the "
+        "tools service's own per-call timeout, FLOTILLA_TOOL_CALL_TIMEOUT_S, should be shorter: "
+        "the model then gets its timeout error as the call's result)")
+    mcp_max_iterations: int = Field(
+        8, ge=1, le=64, description="Model turns that may call MCP tools in one answer of the "
+        "agent loop (/v1/responses, chat with injected tools); the turn after the last one "
+        "runs without tools, so the model answers with what it has")
+    responses_ttl_s: float = Field(
+        7 * 24 * 3600.0, gt=0, description="How long stored responses (/v1/responses with "
+        "store, the default) are kept; in Redis when FLOTILLA_REDIS_URL is set")
     gateway_workers: int = Field(
         1, ge=1, le=64, description="Gateway processes sharing the HTTP port, each with its own "
         "event loop and NATS connection (>1 spreads a burst's HTTP, validation and SSE work over "
@@ -157,6 +168,9 @@ class EngineSettings(CommonSettings):
 class ToolsSettings(CommonSettings):
     mcp_config: Path | None = Field(None, description="mcp.json (Claude Desktop shape)")
     tool_call_timeout_s: float = Field(30.0, gt=0, description="Timeout of one MCP tool call")
+    tool_result_max_chars: int = Field(
+        65536, ge=256, description="A tool result longer than this is cut (with a note saying "
+        "so), so one tool cannot flood the model's context or the bus")
 
 
 class LauncherSettings(CommonSettings):

@@ -20,10 +20,20 @@ class Store(Protocol):
 
 
 class MemoryStore:
-    """A dict with per-key expiry; the embedded default for a single gateway."""
+    """A dict with per-key expiry; the embedded default for a single gateway. Expired keys are
+    dropped when read and, every `purge_every` writes, all at once: keys written once and never
+    read again (stored responses) must not stay in memory past their TTL."""
+
+    purge_every = 256
 
     def __init__(self) -> None:
         self._data: dict[str, tuple[str, float | None]] = {}
+        self._writes = 0
+
+    def _purge(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (_, exp) in self._data.items() if exp is not None and exp < now]:
+            del self._data[key]
 
     def _live(self, key: str) -> str | None:
         item = self._data.get(key)
@@ -37,6 +47,9 @@ class MemoryStore:
 
     async def set(self, key: str, value: str, ttl_s: float | None = None) -> None:
         self._data[key] = (value, time.monotonic() + ttl_s if ttl_s else None)
+        self._writes += 1
+        if self._writes % self.purge_every == 0:
+            self._purge()
 
     async def get(self, key: str) -> str | None:
         return self._live(key)

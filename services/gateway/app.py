@@ -21,7 +21,9 @@ from libs.common.errors import model_not_found, unavailable
 from libs.common.settings import GatewaySettings
 from libs.common.store import Store
 from services.gateway import http_errors
+from services.gateway.anthropic.routes import router as anthropic_router
 from services.gateway.registry import ModelInfo, ModelRegistry
+from services.gateway.responses.routes import install as install_responses
 from services.gateway.routes import router
 from services.gateway.spec import Spec
 from services.gateway.tools import ToolsCache
@@ -66,5 +68,7 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
         ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s))
     http_errors.install(app)
     app.include_router(router)
+    app.include_router(anthropic_router)
+    install_responses(app)
     app.add_middleware(TracingMiddleware)
     return app

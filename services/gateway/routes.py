@@ -127,6 +127,10 @@ async def create_chat_completion(request: Request) -> Response:
     gw.spec.validate("createChatCompletion", body)
     await gw.require_model(body["model"])
     tools = await gw.tools.tools_for(body)
+    if body.get("tools") is None and tools:  # injected MCP tools: the server runs their calls
+        from services.gateway.mcp_chat import complete_with_mcp  # it imports this module
+
+        return await complete_with_mcp(request, body)
     return await generate(request, chat_plan(body, tools, gw.settings.max_n,
                                              reasoning_field=gw.settings.reasoning_field))
 

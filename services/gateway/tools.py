@@ -25,20 +25,25 @@ from libs.common.messages import Announcement, ToolsListReply, ToolsListRequest
 log = logging.getLogger(__name__)
 
 
-async def mcp_tools(bus: Bus, timeout_s: float) -> list[dict[str, Any]]:
-    """The tools service's function tools, or [] when none answers within `timeout_s`."""
+async def mcp_listing(bus: Bus, timeout_s: float) -> ToolsListReply:
+    """The tools service's listing, or an empty one when none answers within `timeout_s`."""
     try:
         reply = await bus.request(subjects.TOOLS_LIST, ToolsListRequest(), ToolsListReply,
                                   timeout=timeout_s)
     except FlotillaError as exc:
         log.debug("no MCP tools: %s", exc)
-        return []
+        return ToolsListReply(tools=[])
     except Exception as exc:  # a malformed reply must not fail the user's request
         log.warning("tools service reply unusable: %s", exc)
-        return []
+        return ToolsListReply(tools=[])
     for server, error in reply.errors.items():
         log.info("MCP server %s unavailable: %s", server, error)
-    return list(reply.tools)
+    return reply
+
+
+async def mcp_tools(bus: Bus, timeout_s: float) -> list[dict[str, Any]]:
+    """The tools service's injected function tools, or [] when none answers in `timeout_s`."""
+    return list((await mcp_listing(bus, timeout_s)).tools)
 
 
 async def tools_for(body: dict[str, Any], bus: Bus,
@@ -55,9 +60,9 @@ class ToolsCache:
 
     def __init__(self, bus: Bus, timeout_s: float, ttl_s: float):
         self.bus, self.timeout_s, self.ttl_s = bus, timeout_s, ttl_s
-        self._tools: list[dict[str, Any]] = []
+        self._listing = ToolsListReply(tools=[])
         self._expires = 0.0
-        self._fetch: asyncio.Future[list[dict[str, Any]]] | None = None
+        self._fetch: asyncio.Future[ToolsListReply] | None = None
         self._instances: set[str] = set()
         self._sub: Any = None
 
@@ -79,20 +84,25 @@ class ToolsCache:
         self._expires = 0.0
         self._fetch = None  # a fetch in flight may predate the new instance
 
-    async def tools(self) -> list[dict[str, Any]]:
+    async def listing(self) -> ToolsListReply:
+        """The whole listing (injected tools, catalog, routes); do not mutate it."""
         if self.ttl_s > 0 and time.monotonic() < self._expires:
-            return list(self._tools)
+            return self._listing
         if self._fetch is None:
             self._fetch = asyncio.ensure_future(self._refresh())
-        return list(await asyncio.shield(self._fetch))
+        return await asyncio.shield(self._fetch)
 
-    async def _refresh(self) -> list[dict[str, Any]]:
+    async def tools(self) -> list[dict[str, Any]]:
+        """The tools injected into chat requests without `tools`."""
+        return list((await self.listing()).tools)
+
+    async def _refresh(self) -> ToolsListReply:
         me = self._fetch
-        tools = await mcp_tools(self.bus, self.timeout_s)
+        listing = await mcp_listing(self.bus, self.timeout_s)
         if self._fetch is me:  # not invalidated meanwhile
-            self._tools, self._expires = tools, time.monotonic() + self.ttl_s
+            self._listing, self._expires = listing, time.monotonic() + self.ttl_s
             self._fetch = None
-        return tools
+        return listing
 
     async def tools_for(self, body: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The tools to send with a chat request (None = no tools), as `tools_for`."""

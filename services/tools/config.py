@@ -3,7 +3,9 @@
 ```json
 {"mcpServers": {"weather": {"command": "uvx", "args": ["mcp-weather"], "env": {"KEY": "..."}}}}
 ```
-Every entry is a stdio server: `command` is required, `args` and `env` are optional. A missing or
+Every entry is a stdio server: `command` is required, `args` and `env` are optional; flotilla's
+own keys `inject` (false: not offered to chat requests without `tools`) and `allowedTools`
+(expose only these tools) narrow what a server offers. A missing or
 malformed file is a start-up error naming the file and the problem; a valid file with no servers
 (or no file configured at all) means the service serves an empty tool list.
 """
@@ -21,12 +23,18 @@ class ToolsConfigError(ValueError):
 
 
 class McpServerConfig(BaseModel):
-    """One stdio MCP server: the process to start and its extra environment."""
+    """One stdio MCP server: the process to start and its extra environment.
 
-    model_config = ConfigDict(extra="ignore")  # Claude Desktop files may carry more keys
+    `inject` (flotilla's key, default true): offer this server's tools to chat requests that
+    send no `tools`; false keeps them for requests that name the server (Responses `mcp`
+    tools). `allowedTools`: only these tools of the server are exposed at all."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)  # Claude Desktop keys
     command: str = Field(min_length=1)
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    inject: bool = True
+    allowed_tools: list[str] | None = Field(None, alias="allowedTools")
 
 
 class McpConfig(BaseModel):

@@ -6,6 +6,10 @@ Rules:
   exposed name routes to exactly one (server, tool).
 - A server that fails to start is reported in `errors` by server name; the others still serve.
 - The registry owns its connections: `close()` ends every session and server process.
+- `catalog` lists every exposed tool; `tools` only those of servers that `inject` (offered to
+  chat requests without `tools`). A call may carry an allowlist of servers; a tool of any
+  other server is refused before its server is contacted. Results are cut at
+  `result_max_chars`.
 No NATS here: the service adapts this to the bus, tests drive it directly.
 """
 
@@ -62,11 +66,13 @@ class ToolRegistry:
     """Every configured MCP server, started together and listed once at start-up."""
 
     def __init__(self, servers: dict[str, McpServerConfig], start_timeout_s: float,
-                 call_timeout_s: float):
+                 call_timeout_s: float, result_max_chars: int = 65536):
         self.configs = servers
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+        self.result_max_chars = result_max_chars
         self.connections: dict[str, McpConnection] = {}
-        self.tools: list[dict[str, Any]] = []
+        self.catalog: list[dict[str, Any]] = []  # every exposed tool
+        self.tools: list[dict[str, Any]] = []  # those of servers that inject (chat requests)
         self.errors: dict[str, str] = {}
         self._routes: dict[str, Route] = {}
 
@@ -77,10 +83,16 @@ class ToolRegistry:
         for name, tools in zip(names, results, strict=True):
             if tools is None:
                 continue
+            config = self.configs[name]
             for mcp_tool in tools:
+                if config.allowed_tools is not None and mcp_tool["name"] not in \
+                        config.allowed_tools:
+                    continue
                 exposed = exposed_name(name, mcp_tool["name"], set(self._routes))
                 self._routes[exposed] = Route(name, mcp_tool["name"])
-                self.tools.append(openai_tool(exposed, mcp_tool))
+                self.catalog.append(openai_tool(exposed, mcp_tool))
+                if config.inject:
+                    self.tools.append(self.catalog[-1])
         log.info("MCP: %d tools from %d servers (%d failed)", len(self.tools),
                  len(self.connections), len(self.errors))
 
@@ -105,15 +117,29 @@ class ToolRegistry:
                 errors[name] = f"stopped: {conn.failure or 'unknown reason'}"
         return errors
 
-    async def call(self, name: str, arguments: dict[str, Any]) -> CallResult:
+    @property
+    def routes(self) -> dict[str, Route]:
+        """Exposed name → (server, tool), for every exposed tool."""
+        return dict(self._routes)
+
+    async def call(self, name: str, arguments: dict[str, Any],
+                   servers: list[str] | None = None) -> CallResult:
+        """Run tool `name`. `servers` (an allowlist; None = any): a tool of another server is
+        refused without contacting it. A result longer than `result_max_chars` is cut."""
         route = self._routes.get(name)
         if route is None:
             return CallResult(ok=False, error=f"unknown tool {name!r}")
+        if servers is not None and route.server not in servers:
+            return CallResult(ok=False, error=f"tool {name!r} belongs to MCP server "
+                              f"{route.server!r}, which this request may not use")
         try:
             text = await self.connections[route.server].call_tool(route.tool, arguments,
                                                                   self.call_timeout_s)
         except McpToolError as exc:
             return CallResult(ok=False, error=str(exc))
+        if len(text) > self.result_max_chars:
+            cut = len(text) - self.result_max_chars
+            text = text[:self.result_max_chars] + f"\n[... {cut} more characters cut]"
         return CallResult(ok=True, content=text)
 
     async def close(self) -> None:

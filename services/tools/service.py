@@ -13,6 +13,7 @@ from libs.common import subjects
 from libs.common.bus import Bus
 from libs.common.messages import (
     Announcement,
+    McpToolRoute,
     ToolCallReply,
     ToolCallRequest,
     ToolsListReply,
@@ -36,6 +37,7 @@ class ToolsService:
             load_mcp_config(settings.mcp_config),
             start_timeout_s=max(settings.tool_call_timeout_s, settings.request_timeout_s),
             call_timeout_s=settings.tool_call_timeout_s,
+            result_max_chars=settings.tool_result_max_chars,
         )
         self.announcer = Announcer(bus, "tools", self.instance, settings.discovery_interval_s,
                                    self._announcement, self._health)
@@ -55,11 +57,14 @@ class ToolsService:
         await self.registry.close()
 
     async def _list(self, _: ToolsListRequest) -> ToolsListReply:
-        return ToolsListReply(tools=self.registry.tools, errors=self.registry.current_errors())
+        routes = {name: McpToolRoute(server=r.server, tool=r.tool)
+                  for name, r in self.registry.routes.items()}
+        return ToolsListReply(tools=self.registry.tools, errors=self.registry.current_errors(),
+                              catalog=self.registry.catalog, routes=routes)
 
     async def _call(self, req: ToolCallRequest) -> ToolCallReply:
         try:
-            result = await self.registry.call(req.name, req.arguments)
+            result = await self.registry.call(req.name, req.arguments, req.servers)
         except Exception as exc:  # a reply, never silence: the caller would wait for nothing
             log.exception("tool call %s crashed", req.name)
             return ToolCallReply(ok=False, error=f"tool {req.name!r} crashed: {exc}")
