@@ -24,6 +24,7 @@ from services.gateway import http_errors
 from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.routes import router
 from services.gateway.spec import Spec
+from services.gateway.token_routes import router as token_router
 from services.gateway.tools import ToolsCache
 from services.gateway.tracing import TracingMiddleware
 
@@ -66,5 +67,6 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
         ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s))
     http_errors.install(app)
     app.include_router(router)
+    app.include_router(token_router)
     app.add_middleware(TracingMiddleware)
     return app
