@@ -176,7 +176,7 @@ def generation_prompt(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def reasoning_effort(body: dict[str, Any]) -> Any:
     effort = body.get("reasoning_effort")
-    return _EFFORT.get(effort, effort)
+    return effort if effort is None else _EFFORT.get(effort, effort)
 
 
 def chat_plan(body: dict[str, Any], tools: list[dict[str, Any]] | None, max_n: int,

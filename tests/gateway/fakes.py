@@ -7,6 +7,7 @@ tools service. The tokenizer's behaviour is chosen by the last message (or the p
 - "error"       → one word, then an error frame (503)
 - "tools"       → a tool call (streamed in two pieces), finish_reason tool_calls
 - "think"       → reasoning text, then content
+- "json"        → `{"a": 1}`, stop
 - anything else → "Hello world !" in three deltas (interleaving with sibling choices), stop;
   with `echo` or `sampling.prompt_logprobs` a first delta carries the prompt (echo) and its
   prompt logprobs (one per character: id = code point, logprob = -position/10, the first None)
@@ -161,6 +162,10 @@ class FakeTokenizer:
             await writer.data(TextDelta(tool_calls=[ToolCallDelta(index=0,
                                                                    arguments='"Paris"}')]))
             await writer.final(TextFinal(finish_reason="tool_calls", usage=usage))
+            return
+        if scenario == "json":
+            await writer.data(TextDelta(text='{"a": 1}'))
+            await writer.final(TextFinal(finish_reason="stop", usage=usage))
             return
         if scenario == "think":
             await writer.data(TextDelta(reasoning="Let me think."))

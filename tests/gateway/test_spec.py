@@ -13,8 +13,8 @@ import yaml
 from libs.common.errors import FlotillaError
 from services.gateway import spec as spec_module
 from services.gateway.routes import router
-from services.gateway.token_routes import router as token_router
 from services.gateway.spec import Spec, find_spec
+from services.gateway.token_routes import router as token_router
 from tests.gateway.schemas import OFFICIAL_SPEC, validate_openai
 
 VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_template_kwargs",
@@ -146,3 +146,20 @@ def test_spec_file_is_yaml_not_a_copy_of_openai(spec: Spec) -> None:
     for name in ours:
         if name in theirs:
             assert ours[name] != theirs[name], name
+
+
+def test_spec_file_has_no_duplicate_keys() -> None:
+    """YAML keeps the last of two equal keys silently: a second schema of the same name would
+    replace the first everywhere it is referenced."""
+
+    class Strict(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: Strict, node: yaml.MappingNode) -> dict[Any, Any]:
+        keys = [loader.construct_object(k) for k, _ in node.value]
+        duplicates = {k for k in keys if keys.count(k) > 1}
+        assert not duplicates, f"duplicate keys {duplicates} at line {node.start_mark.line + 1}"
+        return dict(loader.construct_pairs(node))
+
+    Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    yaml.load(find_spec().read_text(), Loader=Strict)  # noqa: S506 - a SafeLoader subclass
