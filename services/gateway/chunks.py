@@ -79,7 +79,7 @@ class ChatChunks(ChunkBuilder):
             body["content"] = delta.text
         body.update(self.plan.reasoning(delta.reasoning))
         if delta.tool_calls and self.plan.legacy_functions:
-            body["function_call"] = function_call_delta(delta.tool_calls[0])
+            body["function_call"] = function_call_delta(delta.tool_calls)
         elif delta.tool_calls:
             body["tool_calls"] = [tool_call_chunk(c) for c in delta.tool_calls]
         logprobs = chat_logprobs(delta.logprobs) if self.plan.logprobs and delta.logprobs else None

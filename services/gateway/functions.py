@@ -72,9 +72,11 @@ def function_call(calls: list[dict[str, Any]]) -> dict[str, Any]:
     return {"name": function["name"], "arguments": function["arguments"]}
 
 
-def function_call_delta(call: ToolCallDelta) -> dict[str, Any]:
-    """A streamed legacy call piece: the name first, then argument fragments."""
-    out: dict[str, Any] = {"arguments": call.arguments}
-    if call.name is not None:
-        out["name"] = call.name
+def function_call_delta(calls: list[ToolCallDelta]) -> dict[str, Any]:
+    """A streamed legacy call piece (the name first, then argument fragments) from a delta's
+    pieces of its one call."""
+    out: dict[str, Any] = {"arguments": "".join(c.arguments for c in calls)}
+    name = next((c.name for c in calls if c.name is not None), None)
+    if name is not None:
+        out["name"] = name
     return out

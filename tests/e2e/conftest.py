@@ -1,8 +1,9 @@
 """One suite start-up for all end-to-end tests: `flotilla up` as a user runs it.
 
 The launcher is started as a subprocess with the embedded default model (SmolLM2-135M-Instruct),
-the real NATS (tests/endpoints.py; 127.0.0.1:4222 by default), Redis for shared state, and an mcp.json pointing at the test MCP
-server. The fixture is package-scoped so the suite is gone before other test packages run.
+the real NATS (tests/endpoints.py; 127.0.0.1:4222 by default), Redis for shared state, and an
+mcp.json pointing at the test MCP server. The fixture is package-scoped so the suite is gone
+before other test packages run.
 """
 
 from __future__ import annotations

@@ -44,6 +44,41 @@ GOOD_CHAT: list[dict[str, Any]] = [
                                                  "parameters": {"type": "object"}}}],
      "tool_choice": {"type": "function", "function": {"name": "w"}},
      "parallel_tool_calls": False, "response_format": {"type": "text"}},
+    # OpenAI's fields that do not change the output
+    {"model": "m", "messages": [{"role": "user", "content": "q"}],
+     "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "p",
+     "safety_identifier": "s", "user": "u", "logit_bias": {"50256": -100},
+     "reasoning_effort": "low", "verbosity": "medium", "modalities": ["text"],
+     "prediction": {"type": "content", "content": "x"},
+     "prompt_cache_retention": "in_memory", "max_completion_tokens": 5},
+    # legacy function calling
+    {"model": "m", "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "function_call": {"name": "w",
+                                                                  "arguments": "{}"}},
+        {"role": "function", "name": "w", "content": "sunny"}],
+     "functions": [{"name": "w", "parameters": {"type": "object"}}],
+     "function_call": {"name": "w"}},
+]
+# Valid here, not under OpenAI's published schema: what the SDK itself sends back after
+# parse() (`tool_calls: null`, `parsed`) and after its stream helper (`tool_calls[].index`,
+# `parsed_arguments`, `annotations: null`), and vLLM / llama.cpp extensions.
+GOOD_CHAT_EXTENDED: list[dict[str, Any]] = [
+    {"model": "m", "messages": [
+        {"role": "user", "content": "q"},
+        {"content": '{"a": 1}', "refusal": None, "role": "assistant", "tool_calls": None,
+         "parsed": {"a": 1}},
+        {"content": "", "refusal": None, "role": "assistant", "annotations": None,
+         "audio": None, "function_call": None, "parsed": None, "tool_calls": [
+             {"id": "c1", "function": {"arguments": "{}", "name": "w",
+                                       "parsed_arguments": None},
+              "type": "function", "index": 0}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]},
+    {"model": "m", "messages": [{"role": "user", "content": "q"}], "min_tokens": 1,
+     "stop_token_ids": [2], "skip_special_tokens": False, "include_stop_str_in_output": True,
+     "prompt_logprobs": 0, "priority": 1, "echo": True, "add_generation_prompt": False,
+     "continue_final_message": True, "n_predict": -1, "cache_prompt": True,
+     "structured_outputs": {"choice": ["a", "b"]}, "guided_decoding_backend": "xgrammar"},
 ]
 GOOD_COMPLETIONS: list[dict[str, Any]] = [
     {"model": "m", "prompt": "once"},
@@ -52,6 +87,8 @@ GOOD_COMPLETIONS: list[dict[str, Any]] = [
      "best_of": 1, "temperature": 1.5, "top_p": 0.9},
     {"model": "m", "prompt": [1, 2, 3]},
     {"model": "m", "prompt": [[1, 2], [3]]},
+    {"model": "m", "prompt": "def f(", "suffix": "    return x", "logit_bias": {"1": 2},
+     "echo": True, "logprobs": 0, "user": "u"},
 ]
 
 
@@ -110,6 +147,11 @@ def test_request_parameters_are_openai_names(spec: Spec, ours: str, official: st
 def test_good_chat_requests_pass_both_specs(spec: Spec, body: dict[str, Any]) -> None:
     spec.validate("createChatCompletion", body)
     validate_openai("CreateChatCompletionRequest", body)
+
+
+@pytest.mark.parametrize("body", GOOD_CHAT_EXTENDED)
+def test_sdk_history_and_extensions_pass_our_spec(spec: Spec, body: dict[str, Any]) -> None:
+    spec.validate("createChatCompletion", body)
 
 
 @pytest.mark.parametrize("body", GOOD_COMPLETIONS)
