@@ -5,7 +5,7 @@ call goes back as the next request and is answered; the token endpoints round-tr
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel
@@ -14,13 +14,12 @@ from tests.e2e.conftest import MODEL
 
 WEATHER: Any = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "London"]}},
                    "required": ["city"]}}}]
 
 
 class Capital(BaseModel):
-    country: str
-    capital: str
+    capital: Literal["Paris", "Rome", "Berlin"]
 
 
 def test_parse_append_next_turn(client) -> None:
@@ -41,8 +40,8 @@ def test_parse_append_next_turn(client) -> None:
 def test_stream_helper_tool_call_sent_back(client) -> None:
     history: list[Any] = [{"role": "user", "content": "What's the weather in Paris?"}]
     with client.chat.completions.stream(model=MODEL, messages=history, tools=WEATHER,
-                                        tool_choice="required", temperature=0,
-                                        max_tokens=60) as stream:
+                                        tool_choice="required", parallel_tool_calls=False,
+                                        temperature=0, max_tokens=100) as stream:
         for _ in stream:
             pass
         final = stream.get_final_completion()

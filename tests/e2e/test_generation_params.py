@@ -133,9 +133,9 @@ def test_grammar(client, spelling: dict[str, Any]) -> None:
     assert {c.text for c in r.choices} <= {"The answer is yes.", "The answer is no."}
 
 
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
-                                           "population": {"type": "integer"}},
-          "required": ["city", "population"]}
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]},
+                                           "big": {"type": "boolean"}},
+          "required": ["city", "big"]}
 
 
 @pytest.mark.parametrize("spelling", [
