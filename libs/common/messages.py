@@ -146,6 +146,37 @@ class Admission(Message):
     error: ErrorInfo | None = None
 
 
+class EncodeRequest(Message):
+    """Plain tokenization of a text (/tokenize of a prompt, or of a rendered chat with
+    `add_special_tokens`): no template, no context check. `token_strs`: also each id's
+    vocabulary string (vLLM's `return_token_strs`)."""
+
+    model: str
+    text: str
+    add_special_tokens: bool = True
+    token_strs: bool = False
+
+
+class EncodeReply(Message):
+    token_ids: list[int] = Field(default_factory=list)
+    token_strs: list[str] | None = None
+    max_model_len: int = 0
+    error: ErrorInfo | None = None
+
+
+class DecodeRequest(Message):
+    """Token ids → text (/detokenize), special tokens kept as vLLM's /detokenize does; an id
+    outside the vocabulary is a 400 naming `tokens`."""
+
+    model: str
+    token_ids: list[int]
+
+
+class DecodeReply(Message):
+    text: str = ""
+    error: ErrorInfo | None = None
+
+
 class RenderReply(Message):
     """The rendered prompt of a TextRequest (chat template applied, tools injected)."""
 
@@ -217,10 +248,15 @@ class ToolCallDelta(BaseModel):
 
 
 class TextLogprob(BaseModel):
+    """One token's logprob as text. `token_id` / `top_ids` (the ids of `token` and of `top`'s
+    entries, in order) let the gateway answer vLLM's `prompt_logprobs`, which is keyed by id."""
+
     token: str
     logprob: float
     bytes: list[int] | None = None
     top: list[tuple[str, float]] = Field(default_factory=list)
+    token_id: int | None = None
+    top_ids: list[int] = Field(default_factory=list)
 
 
 class TextDelta(BaseModel):
@@ -229,6 +265,9 @@ class TextDelta(BaseModel):
     tool_calls: list[ToolCallDelta] = Field(default_factory=list)
     logprobs: list[TextLogprob] | None = None
     prompt_logprobs: list[TextLogprob | None] | None = None  # as TokenDelta's, detokenized
+    # with prompt_logprobs: the first prompt token's text (its entry is None: nothing precedes
+    # it), which OpenAI's legacy echo + logprobs lists first
+    prompt_first_token: str = ""
 
 
 class Usage(BaseModel):

@@ -30,6 +30,16 @@ def tokenizer_render(model: str) -> str:
     return f"{PREFIX}.tokenizer.{token(model)}.render"
 
 
+def tokenizer_encode(model: str) -> str:
+    """gateway → tokenizer: EncodeRequest; reply: EncodeReply. Queue group `tokenizer`."""
+    return f"{PREFIX}.tokenizer.{token(model)}.encode"
+
+
+def tokenizer_decode(model: str) -> str:
+    """gateway → tokenizer: DecodeRequest; reply: DecodeReply. Queue group `tokenizer`."""
+    return f"{PREFIX}.tokenizer.{token(model)}.decode"
+
+
 def engine_generate(model: str) -> str:
     """tokenizer → engine: TokenRequest; reply: Admission. Queue group `engine`."""
     return f"{PREFIX}.engine.{token(model)}.generate"

@@ -26,6 +26,7 @@ from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.responses.routes import install as install_responses
 from services.gateway.routes import router
 from services.gateway.spec import Spec
+from services.gateway.token_routes import router as token_router
 from services.gateway.tools import ToolsCache
 from services.gateway.tracing import TracingMiddleware
 
@@ -70,5 +71,6 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.include_router(router)
     app.include_router(anthropic_router)
     install_responses(app)
+    app.include_router(token_router)
     app.add_middleware(TracingMiddleware)
     return app

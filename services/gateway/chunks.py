@@ -7,6 +7,11 @@ Rules:
   fragments); its last chunk has an empty delta and the finish_reason.
 - Completions: `text` deltas with `finish_reason: null`, then a last chunk per choice with `""`
   and the finish reason (OpenAI sends null on non-final chunks although its schema omits it).
+- A request that sent legacy `functions` streams its call as `delta.function_call` pieces and
+  finishes with `function_call` (functions.py).
+- Prompt logprobs ride on the chunk of the delta that brings them (the first): with echo +
+  logprobs in a completion chunk's `logprobs` (the prompt's tokens from offset 0), and vLLM's
+  `prompt_logprobs` on the completion choice, or on the chat chunk itself.
 - `usage_chunk()` (for `stream_options.include_usage`) has empty `choices` and the usage of all
   choices; it is valid only after every choice's final.
 """
@@ -16,13 +21,18 @@ from __future__ import annotations
 from typing import Any
 
 from libs.common.messages import TextDelta, TextFinal
+from services.gateway.functions import function_call_delta
+from services.gateway.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
+)
 from services.gateway.plan import Plan
 from services.gateway.results import (
     SYSTEM_FINGERPRINT,
     chat_finish,
-    chat_logprobs,
     completion_finish,
-    completion_logprobs,
     tool_call_chunk,
     usage_dict,
 )
@@ -68,18 +78,24 @@ class ChatChunks(ChunkBuilder):
         if delta.text:
             body["content"] = delta.text
         body.update(self.plan.reasoning(delta.reasoning))
-        if delta.tool_calls:
+        if delta.tool_calls and self.plan.legacy_functions:
+            body["function_call"] = function_call_delta(delta.tool_calls)
+        elif delta.tool_calls:
             body["tool_calls"] = [tool_call_chunk(c) for c in delta.tool_calls]
         logprobs = chat_logprobs(delta.logprobs) if self.plan.logprobs and delta.logprobs else None
-        if not body and logprobs is None:
+        prompt = self.plan.prompt_logprobs and delta.prompt_logprobs is not None
+        if not body and logprobs is None and not prompt:
             return None
-        return self._chunk([{"index": index, "delta": body, "logprobs": logprobs,
-                             "finish_reason": None}])
+        chunk = self._chunk([{"index": index, "delta": body, "logprobs": logprobs,
+                              "finish_reason": None}])
+        if prompt:
+            chunk["prompt_logprobs"] = vllm_prompt_logprobs(delta.prompt_logprobs or [])
+        return chunk
 
     def final(self, index: int, final: TextFinal) -> dict[str, Any]:
         self.finals[index] = final
         return self._chunk([{"index": index, "delta": {}, "logprobs": None,
-                             "finish_reason": chat_finish(final)}])
+                             "finish_reason": chat_finish(final, self.plan.legacy_functions)}])
 
 
 class CompletionChunks(ChunkBuilder):
@@ -90,14 +106,20 @@ class CompletionChunks(ChunkBuilder):
         self._offsets = [0] * len(plan.requests)
 
     def delta(self, index: int, delta: TextDelta) -> dict[str, Any] | None:
-        if not delta.text and not delta.logprobs:
+        prompt = delta.prompt_logprobs
+        if not delta.text and not delta.logprobs and prompt is None:
             return None
         logprobs = None
         if self.plan.logprobs and delta.logprobs:
             logprobs = completion_logprobs(delta.logprobs, self._offsets[index])
+        if self.plan.echo_logprobs and prompt is not None:
+            logprobs = echo_logprobs(prompt, delta.prompt_first_token, logprobs)
         self._offsets[index] += len(delta.text)
-        return self._chunk([{"index": index, "text": delta.text, "logprobs": logprobs,
-                             "finish_reason": None}])
+        choice = {"index": index, "text": delta.text, "logprobs": logprobs,
+                  "finish_reason": None}
+        if self.plan.prompt_logprobs and prompt is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt)
+        return self._chunk([choice])
 
     def final(self, index: int, final: TextFinal) -> dict[str, Any]:
         self.finals[index] = final

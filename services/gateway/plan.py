@@ -4,13 +4,17 @@ Rules:
 - Choice `i` (of `n`, and of each prompt of a list-prompt completion: index = prompt * n + j)
   becomes one TextRequest with request_id `f"{rid}-{i}"` and, when seeded, seed `seed + i`.
 - Only values the schema already accepted arrive here; this module checks what a static schema
-  cannot (the server's `max_n`, option combinations) and maps OpenAI names onto SamplingOptions.
-- Chat messages reach the tokenizer normalised: text-part arrays joined into one string, and the
-  response-only fields a client may echo back (`refusal`, `annotations`, null `audio` /
-  `function_call` / `tool_calls` / reasoning) dropped; reasoning sent back as `reasoning` reaches
-  templates as `reasoning_content` (the name templates read).
-- `response_format` passes through to the tokenizer (which turns it into the engine's grammar and
-  refuses a bad schema); `json_schema` needs its `schema` (checked here).
+  cannot (the server's `max_n`, option combinations) and maps every name clients use onto
+  TextRequest / SamplingOptions (docs/api_compatibility.md lists each field's fate):
+  OpenAI's, vLLM's (`min_tokens`, `stop_token_ids`, `prompt_logprobs`, `priority`, ...) and
+  llama.cpp's (`n_predict` = `max_tokens`, -1 = as many as fit). `logit_bias` keys are token ids
+  as strings (OpenAI's JSON); `max_completion_tokens` wins over its deprecated `max_tokens`.
+- Chat messages reach the tokenizer normalised (history.py); legacy `functions` arrive as tools
+  (functions.py); every structured-output spelling arrives as the one internal
+  `response_format` (structured.py).
+- Prompt logprobs: vLLM's `prompt_logprobs: k`, and on /v1/completions `echo` with
+  `logprobs: k` (OpenAI's legacy API puts the prompt's tokens first in `logprobs`); the engine
+  is asked for the larger k.
 """
 
 from __future__ import annotations
@@ -22,15 +26,23 @@ from typing import Any, Literal
 from libs.common import subjects
 from libs.common.errors import invalid_request
 from libs.common.messages import SamplingOptions, TextRequest
+from services.gateway.functions import allowed_tools
+from services.gateway.history import normalize_messages
+from services.gateway.structured import structured_output
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-_ECHOED_FIELDS = ("refusal", "annotations", "audio", "function_call")
 ReasoningField = Literal["reasoning_content", "reasoning", "both"]
+# OpenAI's efforts above `high` ask for the most this server has: `high`'s budget.
+_EFFORT = {"xhigh": "high", "max": "high"}
 
 
 @dataclass
 class Plan:
-    """What one HTTP request asks for: the per-choice requests and how to answer."""
+    """What one HTTP request asks for: the per-choice requests and how to answer.
+
+    `echo_logprobs`: a completion's `logprobs` start with its prompt's tokens (echo + logprobs);
+    `prompt_logprobs`: the response carries vLLM's `prompt_logprobs`; `legacy_functions`: the
+    request sent `functions`, so a call is answered as `function_call` (functions.py)."""
 
     kind: Literal["chat", "completion"]
     rid: str
@@ -41,6 +53,9 @@ class Plan:
     requests: list[TextRequest]
     prompt_of: list[int]  # choice index → index of its prompt (usage counts each prompt once)
     reasoning_field: ReasoningField = "reasoning_content"
+    echo_logprobs: bool = False
+    prompt_logprobs: bool = False
+    legacy_functions: bool = False
 
     def reasoning(self, text: str) -> dict[str, str]:
         """The reasoning text under the configured name(s); {} when there is none."""
@@ -79,20 +94,43 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
-    top_k = int(_get(body, "top_k", 0))
+def _max_tokens(body: dict[str, Any], names: tuple[str, ...], default: int | None) -> int | None:
+    """The first of `names` that is set; llama.cpp's `n_predict` (-1: as many as fit) only when
+    none is, and a 400 naming it beside one of them."""
+    n_predict = body.get("n_predict")
+    for name in names:
+        if body.get(name) is not None:
+            if n_predict is not None:
+                raise invalid_request(f"`n_predict` and `{name}` both bound the completion; "
+                                      "send one of them.", param="n_predict")
+            return int(body[name])
+    if n_predict is not None:
+        return None if n_predict == -1 else int(n_predict)
+    return default
+
+
+def sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+             prompt_logprobs: int | None = None) -> SamplingOptions:
+    min_tokens = int(_get(body, "min_tokens", 0))
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise invalid_request(f"`min_tokens` ({min_tokens}) cannot be above the completion's "
+                              f"maximum of {max_tokens} tokens.", param="min_tokens")
     return SamplingOptions(
         temperature=float(_get(body, "temperature", 1.0)),
         top_p=float(_get(body, "top_p", 1.0)),
-        top_k=max(top_k, 0),
+        top_k=max(int(_get(body, "top_k", 0)), 0),
         min_p=float(_get(body, "min_p", 0.0)),
         seed=body.get("seed"),
         max_tokens=max_tokens,
         presence_penalty=float(_get(body, "presence_penalty", 0.0)),
         frequency_penalty=float(_get(body, "frequency_penalty", 0.0)),
         repetition_penalty=float(_get(body, "repetition_penalty", 1.0)),
+        stop_token_ids=list(_get(body, "stop_token_ids", [])),
         ignore_eos=bool(_get(body, "ignore_eos", False)),
         logprobs=logprobs,
+        logit_bias={int(k): float(v) for k, v in _get(body, "logit_bias", {}).items()},
+        min_tokens=min_tokens,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -102,19 +140,12 @@ def _seeded(base: SamplingOptions, i: int) -> SamplingOptions:
     return base.model_copy(update={"seed": base.seed + i})
 
 
-def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in message.items() if k not in _ECHOED_FIELDS}
-    if out.get("tool_calls") is None:
-        out.pop("tool_calls", None)
-    reasoning = out.pop("reasoning", None)
-    if out.get("reasoning_content") is None:
-        out.pop("reasoning_content", None)
-        if isinstance(reasoning, str):
-            out["reasoning_content"] = reasoning
-    content = out.get("content")
-    if isinstance(content, list):
-        out["content"] = "\n".join(part["text"] for part in content)
-    return out
+def _options(body: dict[str, Any]) -> dict[str, Any]:
+    """TextRequest fields both kinds take from the body."""
+    return {"stop": _stop(body), "response_format": structured_output(body),
+            "priority": int(_get(body, "priority", 0)),
+            "skip_special_tokens": bool(_get(body, "skip_special_tokens", True)),
+            "include_stop_str_in_output": bool(_get(body, "include_stop_str_in_output", False))}
 
 
 def _check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> None:
@@ -131,45 +162,58 @@ def _check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> None:
                                   "among the tools.", param="tool_choice.function.name")
 
 
-def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
-    fmt = body.get("response_format")
-    if fmt is None or fmt.get("type") == "text":
-        return None
-    if fmt["type"] == "json_schema" and not isinstance(
-            (fmt.get("json_schema") or {}).get("schema"), dict):
-        raise invalid_request("`response_format.json_schema.schema` is required for type "
-                              "json_schema.", param="response_format.json_schema.schema")
-    return dict(fmt)
+def generation_prompt(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) as vLLM reads them: continuing the final
+    message opens no new turn unless `add_generation_prompt: true` says so, which is a 400."""
+    cont = bool(_get(body, "continue_final_message", False))
+    add = body.get("add_generation_prompt")
+    if cont and add:
+        raise invalid_request("`continue_final_message` and `add_generation_prompt` cannot both "
+                              "be true: the reply either continues the last message or opens "
+                              "a new assistant turn.", param="continue_final_message")
+    return (not cont) if add is None else bool(add), cont
+
+
+def reasoning_effort(body: dict[str, Any]) -> Any:
+    effort = body.get("reasoning_effort")
+    return effort if effort is None else _EFFORT.get(effort, effort)
 
 
 def chat_plan(body: dict[str, Any], tools: list[dict[str, Any]] | None, max_n: int,
               rid: str | None = None,
               reasoning_field: ReasoningField = "reasoning_content") -> Plan:
+    """`body` with legacy `functions` already mapped (functions.from_legacy); `tools` are the
+    request's own or the MCP ones."""
     rid = rid or new_request_id()
     n = _check_n(body, max_n)
-    _check_tool_choice(body.get("tool_choice"), tools)
-    response_format = _response_format(body)
+    tools, tool_choice = allowed_tools(tools, body.get("tool_choice"))
+    _check_tool_choice(tool_choice, tools)
     want_logprobs = bool(_get(body, "logprobs", False))
     top = body.get("top_logprobs")
     if top is not None and not want_logprobs:
         raise invalid_request("`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
-    base = sampling(body, max_tokens, int(top or 0) if want_logprobs else None)
-    messages = [normalize_message(m) for m in body["messages"]]
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
+    prompt_logprobs = body.get("prompt_logprobs")
+    base = sampling(body, max_tokens, int(top or 0) if want_logprobs else None, prompt_logprobs)
+    add_generation_prompt, continue_final = generation_prompt(body)
+    messages = normalize_messages(body["messages"])
+    options = _options(body)
     requests = []
     for i in range(n):
         request_id = f"{rid}-{i}"
         requests.append(TextRequest(
             request_id=request_id, model=body["model"], kind="chat", messages=messages,
-            tools=tools, tool_choice=body.get("tool_choice") if tools else None,
+            tools=tools, tool_choice=tool_choice if tools else None,
             parallel_tool_calls=bool(_get(body, "parallel_tool_calls", True)),
-            chat_template_kwargs=body.get("chat_template_kwargs"), stop=_stop(body),
-            response_format=response_format,
-            sampling=_seeded(base, i), stream_subject=subjects.text_stream(request_id)))
+            chat_template_kwargs=body.get("chat_template_kwargs"),
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
+            echo=bool(_get(body, "echo", False)), reasoning_effort=reasoning_effort(body),
+            sampling=_seeded(base, i), stream_subject=subjects.text_stream(request_id),
+            **options))
     return Plan("chat", rid, body["model"], bool(_get(body, "stream", False)),
-                _include_usage(body), want_logprobs, requests, [0] * n, reasoning_field)
+                _include_usage(body), want_logprobs, requests, [0] * n, reasoning_field,
+                prompt_logprobs=prompt_logprobs is not None,
+                legacy_functions=body.get("functions") is not None)
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -185,8 +229,13 @@ def completion_plan(body: dict[str, Any], max_n: int, rid: str | None = None) ->
     n = _check_n(body, max_n)
     prompts = _prompts(body["prompt"])
     logprobs = body.get("logprobs")
-    base = sampling(body, _get(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), logprobs)
-    response_format = _response_format(body)
+    echo = bool(_get(body, "echo", False))
+    echo_logprobs = echo and logprobs is not None
+    asked = [k for k in (body.get("prompt_logprobs"), logprobs if echo_logprobs else None)
+             if k is not None]
+    max_tokens = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
+    base = sampling(body, max_tokens, logprobs, max(asked) if asked else None)
+    options = _options(body)
     requests, prompt_of = [], []
     for p, prompt in enumerate(prompts):
         for j in range(n):
@@ -194,12 +243,13 @@ def completion_plan(body: dict[str, Any], max_n: int, rid: str | None = None) ->
             request_id = f"{rid}-{i}"
             requests.append(TextRequest(
                 request_id=request_id, model=body["model"], kind="completion", prompt=prompt,
-                echo=bool(_get(body, "echo", False)), stop=_stop(body),
-                response_format=response_format, sampling=_seeded(base, i),
-                stream_subject=subjects.text_stream(request_id)))
+                echo=echo, suffix=body.get("suffix"), sampling=_seeded(base, i),
+                stream_subject=subjects.text_stream(request_id), **options))
             prompt_of.append(p)
     return Plan("completion", rid, body["model"], bool(_get(body, "stream", False)),
-                _include_usage(body), logprobs is not None, requests, prompt_of)
+                _include_usage(body), logprobs is not None, requests, prompt_of,
+                echo_logprobs=echo_logprobs,
+                prompt_logprobs=body.get("prompt_logprobs") is not None)
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

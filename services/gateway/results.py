@@ -6,6 +6,10 @@ Rules:
   its prompts), and every choice's completion tokens.
 - `abort` (an engine dropped the request, e.g. at shutdown) is reported as `stop`: OpenAI has no
   finish reason for it. Completions cannot call tools, so `tool_calls` is `stop` there too.
+- A request that sent legacy `functions` gets its call as `function_call` (functions.py).
+- Prompt logprobs (logprobs.py): a completion's echoed prompt tokens lead its `logprobs`; vLLM's
+  `prompt_logprobs` is per choice on completions and once per response on chat (all choices
+  share the prompt), as vLLM answers.
 """
 
 from __future__ import annotations
@@ -15,6 +19,13 @@ from typing import Any
 
 from libs.common.messages import TextDelta, TextFinal, TextLogprob, ToolCallDelta
 from libs.common.subjects import PROTOCOL_VERSION
+from services.gateway.functions import function_call
+from services.gateway.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
+)
 from services.gateway.plan import Plan
 from services.gateway.streams import ChoiceStreams
 
@@ -23,8 +34,9 @@ _CHAT_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", 
 _COMPLETION_FINISH = {"stop": "stop", "length": "length", "tool_calls": "stop", "abort": "stop"}
 
 
-def chat_finish(final: TextFinal) -> str:
-    return _CHAT_FINISH[final.finish_reason]
+def chat_finish(final: TextFinal, legacy_functions: bool = False) -> str:
+    reason = _CHAT_FINISH[final.finish_reason]
+    return "function_call" if legacy_functions and reason == "tool_calls" else reason
 
 
 def completion_finish(final: TextFinal) -> str:
@@ -43,28 +55,6 @@ def usage_dict(plan: Plan, finals: dict[int, TextFinal]) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def chat_logprobs(items: list[TextLogprob]) -> dict[str, Any]:
-    def entry(token: str, logprob: float, raw: list[int] | None) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob,
-                "bytes": raw if raw is not None else list(token.encode())}
-
-    content = [{**entry(lp.token, lp.logprob, lp.bytes),
-                "top_logprobs": [entry(t, v, None) for t, v in lp.top]} for lp in items]
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(items: list[TextLogprob], offset: int) -> dict[str, Any]:
-    """OpenAI's legacy logprobs; `offset` = characters of the choice's text before these tokens."""
-    offsets = []
-    for lp in items:
-        offsets.append(offset)
-        offset += len(lp.token)
-    return {"tokens": [lp.token for lp in items],
-            "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [dict(lp.top) for lp in items],
-            "text_offset": offsets}
 
 
 def tool_call_chunk(call: ToolCallDelta) -> dict[str, Any]:
@@ -88,9 +78,14 @@ class ChoiceResult:
     tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
     logprobs: list[TextLogprob] = field(default_factory=list)
     logprobs_offset: int = 0  # characters of text before the first token with logprobs (echo)
+    prompt_logprobs: list[TextLogprob | None] | None = None
+    prompt_first_token: str = ""
     final: TextFinal | None = None
 
     def add(self, delta: TextDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_first_token = delta.prompt_first_token
         if delta.logprobs and not self.logprobs:
             self.logprobs_offset = len(self.text)
         self.text += delta.text
@@ -129,24 +124,39 @@ def chat_completion(plan: Plan, results: list[ChoiceResult], created: int) -> di
                                    "content": None if calls and not r.text else r.text,
                                    "refusal": None}
         message.update(plan.reasoning(r.reasoning))
-        if calls:
+        if calls and plan.legacy_functions:
+            message["function_call"] = function_call(calls)
+        elif calls:
             message["tool_calls"] = calls
         choices.append({"index": index, "message": message,
                         "logprobs": chat_logprobs(r.logprobs) if plan.logprobs else None,
-                        "finish_reason": chat_finish(r.final)})
-    return {"id": plan.response_id, "object": "chat.completion", "created": created,
-            "model": plan.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
-            "usage": usage_dict(plan, _finals(results))}
+                        "finish_reason": chat_finish(r.final, plan.legacy_functions)})
+    out = {"id": plan.response_id, "object": "chat.completion", "created": created,
+           "model": plan.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
+           "usage": usage_dict(plan, _finals(results))}
+    if plan.prompt_logprobs:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(results[0].prompt_logprobs or [])
+    return out
+
+
+def _completion_logprobs(plan: Plan, r: ChoiceResult) -> dict[str, Any] | None:
+    if not plan.logprobs:
+        return None
+    generated = completion_logprobs(r.logprobs, r.logprobs_offset)
+    if plan.echo_logprobs and r.prompt_logprobs is not None:
+        return echo_logprobs(r.prompt_logprobs, r.prompt_first_token, generated)
+    return generated
 
 
 def text_completion(plan: Plan, results: list[ChoiceResult], created: int) -> dict[str, Any]:
     choices = []
     for index, r in enumerate(results):
         assert r.final is not None
-        choices.append({"index": index, "text": r.text,
-                        "logprobs": completion_logprobs(r.logprobs, r.logprobs_offset)
-                        if plan.logprobs else None,
-                        "finish_reason": completion_finish(r.final)})
+        choice = {"index": index, "text": r.text, "logprobs": _completion_logprobs(plan, r),
+                  "finish_reason": completion_finish(r.final)}
+        if plan.prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs or [])
+        choices.append(choice)
     return {"id": plan.response_id, "object": "text_completion", "created": created,
             "model": plan.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
             "usage": usage_dict(plan, _finals(results))}

@@ -18,17 +18,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common import subjects
-from libs.common.errors import FlotillaError, internal, invalid_request, unavailable
-from libs.common.messages import RenderReply, TextRequest
+from libs.common.errors import internal, invalid_request, unavailable
 from services.gateway.chunks import chunk_builder
-from services.gateway.plan import (
-    Plan,
-    chat_plan,
-    completion_plan,
-    new_request_id,
-    normalize_message,
-)
+from services.gateway.functions import from_legacy
+from services.gateway.plan import Plan, chat_plan, completion_plan
 from services.gateway.results import chat_completion, collect, text_completion
 from services.gateway.sse import EventStream, sse_events
 from services.gateway.streams import ChoiceStreams
@@ -45,7 +38,7 @@ class ClientGone(Exception):
     pass
 
 
-def _gateway(request: Request) -> GatewayState:
+def gateway(request: Request) -> GatewayState:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
@@ -96,7 +89,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T], streams: Cho
 
 
 async def generate(request: Request, plan: Plan) -> Response:
-    gw = _gateway(request)
+    gw = gateway(request)
     streams = ChoiceStreams(gw.bus, plan.requests,
                             admission_timeout_s=gw.settings.request_timeout_s,
                             stream_timeout_s=gw.settings.heartbeat_timeout_s)
@@ -122,10 +115,11 @@ async def generate(request: Request, plan: Plan) -> Response:
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
-    gw = _gateway(request)
+    gw = gateway(request)
     body = await read_json(request)
     gw.spec.validate("createChatCompletion", body)
     await gw.require_model(body["model"])
+    body = from_legacy(body)
     tools = await gw.tools.tools_for(body)
     if body.get("tools") is None and tools:  # injected MCP tools: the server runs their calls
         from services.gateway.mcp_chat import complete_with_mcp  # it imports this module
@@ -137,54 +131,28 @@ async def create_chat_completion(request: Request) -> Response:
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
-    gw = _gateway(request)
+    gw = gateway(request)
     body = await read_json(request)
     gw.spec.validate("createCompletion", body)
     await gw.require_model(body["model"])
     return await generate(request, completion_plan(body, gw.settings.max_n))
 
 
-@router.post("/tokenize")
-async def tokenize(request: Request) -> Response:
-    gw = _gateway(request)
-    body = await read_json(request)
-    gw.spec.validate("tokenize", body)
-    info = await gw.require_model(body["model"])
-    rid = new_request_id()
-    common: dict[str, Any] = {"request_id": rid, "model": body["model"],
-                              "stream_subject": subjects.text_stream(rid)}
-    if "messages" in body:
-        req = TextRequest(
-            kind="chat", messages=[normalize_message(m) for m in body["messages"]],
-            tools=await gw.tools.tools_for(body),
-            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-            chat_template_kwargs=body.get("chat_template_kwargs"), **common)
-    else:
-        req = TextRequest(kind="completion", prompt=body["prompt"], **common)
-    reply = await gw.bus.request(subjects.tokenizer_render(body["model"]), req, RenderReply,
-                                 timeout=gw.settings.request_timeout_s)
-    if reply.error is not None:
-        raise FlotillaError(reply.error)
-    return JSONResponse({"model": body["model"], "prompt": reply.prompt,
-                         "tokens": reply.token_ids, "count": len(reply.token_ids),
-                         "max_model_len": reply.max_model_len or info.max_model_len or 0})
-
-
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    models = await _gateway(request).registry.models()
+    models = await gateway(request).registry.models()
     return JSONResponse({"object": "list", "data": [m.openai() for m in models]})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str) -> Response:
-    info = await _gateway(request).require_model(model)
+    info = await gateway(request).require_model(model)
     return JSONResponse(info.openai())
 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    view = await _gateway(request).registry.health()
+    view = await gateway(request).registry.health()
     if not view.ready:
         if view.models_without_engine:
             waiting = ", ".join(view.models_without_engine)
@@ -195,4 +163,4 @@ async def health(request: Request) -> Response:
 
 @router.get("/openapi.json")
 async def openapi(request: Request) -> Response:
-    return Response(_gateway(request).spec.json_bytes, media_type="application/json")
+    return Response(gateway(request).spec.json_bytes, media_type="application/json")

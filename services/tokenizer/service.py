@@ -49,6 +49,7 @@ from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
+from services.tokenizer.token_codec import TokenCodec, serve_token_codec
 from services.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class TokenizerService:
             await self.bus.serve(subjects.tokenizer_render(self.model), TextRequest,
                                  self._render, queue="tokenizer"),
             await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
+            *await serve_token_codec(self.bus, self.model, TokenCodec(self.tokenizer, max_len)),
         ]
         self._announcer = Announcer(
             self.bus, "tokenizer", self.instance, s.discovery_interval_s,

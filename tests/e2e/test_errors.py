@@ -27,7 +27,7 @@ CASES = [
     ("n out of range", _bad(n=1000), 400, "n"),
     ("max_tokens zero", _bad(max_tokens=0), 400, "max_tokens"),
     ("max_tokens negative", _bad(max_tokens=-5), 400, "max_tokens"),
-    ("unsupported parameter", _bad(logit_bias={"1": 5}), 400, "logit_bias"),
+    ("unsupported parameter", _bad(typical_p=0.5), 400, "typical_p"),
     ("unknown model", _bad(model="no-such-model"), 404, "model"),
 ]
 

@@ -7,7 +7,13 @@ tools service. The tokenizer's behaviour is chosen by the last message (or the p
 - "error"       → one word, then an error frame (503)
 - "tools"       → a tool call (streamed in two pieces), finish_reason tool_calls
 - "think"       → reasoning text, then content
-- anything else → "Hello world !" in three deltas (interleaving with sibling choices), stop
+- "json"        → `{"a": 1}`, stop
+- anything else → "Hello world !" in three deltas (interleaving with sibling choices), stop;
+  with `echo` or `sampling.prompt_logprobs` a first delta carries the prompt (echo) and its
+  prompt logprobs (one per character: id = code point, logprob = -position/10, the first None)
+
+Prompts are tokenized one character per token (id = code point; BOS = 1 with
+`add_special_tokens`); /detokenize refuses ids of 0x110000 and above.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from libs.common.messages import (
     Admission,
     Announcement,
     Cancel,
+    DecodeReply,
+    DecodeRequest,
+    EncodeReply,
+    EncodeRequest,
     ErrorInfo,
     RenderReply,
     TextDelta,
@@ -40,6 +50,7 @@ from libs.common.messages import (
 from libs.common.service import Announcer
 
 HEARTBEAT_S = 0.1
+BOS = 1
 MAX_MODEL_LEN = 4096
 
 
@@ -65,6 +76,10 @@ class FakeTokenizer:
                                                TextRequest, self._generate, queue="tokenizer"))
         self._subs.append(await self.bus.serve(subjects.tokenizer_render(self.model),
                                                TextRequest, self._render, queue="tokenizer"))
+        self._subs.append(await self.bus.serve(subjects.tokenizer_encode(self.model),
+                                               EncodeRequest, self._encode, queue="tokenizer"))
+        self._subs.append(await self.bus.serve(subjects.tokenizer_decode(self.model),
+                                               DecodeRequest, self._decode, queue="tokenizer"))
         self._subs.append(await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel))
         for service in ("tokenizer", "engine"):
             ann = Announcement(service=service, instance=f"fake-{service}-{self.model}",  # type: ignore[arg-type]
@@ -94,6 +109,17 @@ class FakeTokenizer:
             text = req.prompt if isinstance(req.prompt, str) else ""
         return RenderReply(prompt=text, token_ids=[ord(c) for c in text],
                            max_model_len=MAX_MODEL_LEN)
+
+    async def _encode(self, req: EncodeRequest) -> EncodeReply:
+        ids = [BOS] * req.add_special_tokens + [ord(c) for c in req.text]
+        strs = ["<s>" if i == BOS else chr(i) for i in ids] if req.token_strs else None
+        return EncodeReply(token_ids=ids, token_strs=strs, max_model_len=MAX_MODEL_LEN)
+
+    async def _decode(self, req: DecodeRequest) -> DecodeReply:
+        if any(i >= 0x110000 for i in req.token_ids):
+            return DecodeReply(error=ErrorInfo(status=400, type="invalid_request_error",
+                                               param="tokens", message="id out of range"))
+        return DecodeReply(text="".join(chr(i) for i in req.token_ids))
 
     async def _generate(self, req: TextRequest) -> Admission:
         self.requests.append(req)
@@ -137,16 +163,36 @@ class FakeTokenizer:
                                                                    arguments='"Paris"}')]))
             await writer.final(TextFinal(finish_reason="tool_calls", usage=usage))
             return
+        if scenario == "json":
+            await writer.data(TextDelta(text='{"a": 1}'))
+            await writer.final(TextFinal(finish_reason="stop", usage=usage))
+            return
         if scenario == "think":
             await writer.data(TextDelta(reasoning="Let me think."))
             await writer.data(TextDelta(text="42"))
             await writer.final(TextFinal(finish_reason="stop", usage=usage))
             return
+        if req.echo or req.sampling.prompt_logprobs is not None:
+            await writer.data(self._prompt_delta(req))
         for word in ("Hello", " world", " !"):
             lp = [TextLogprob(token=word, logprob=-0.5, top=[(word, -0.5), ("x", -2.0)])]
             await writer.data(TextDelta(text=word, logprobs=lp if logprobs else None))
             await asyncio.sleep(0.05)
         await writer.final(TextFinal(finish_reason="stop", usage=usage))
+
+
+    @staticmethod
+    def _prompt_delta(req: TextRequest) -> TextDelta:
+        text = _scenario(req)
+        k = req.sampling.prompt_logprobs
+        entries: list[TextLogprob | None] | None = None
+        if k is not None:
+            entries = [None] + [
+                TextLogprob(token=c, logprob=-i / 10, token_id=ord(c),
+                            top=[(c, -i / 10), ("x", -9.0)][:k], top_ids=[ord(c), 120][:k])
+                for i, c in enumerate(text[1:], 1)]
+        return TextDelta(text=text if req.echo else "", prompt_logprobs=entries,
+                         prompt_first_token=text[:1] if k is not None else "")
 
 
 @dataclass

@@ -67,6 +67,22 @@ def validate_completion_chunk(chunk: dict[str, Any]) -> None:
     for choice in relaxed.get("choices", []):
         if choice.get("finish_reason") is None:
             choice["finish_reason"] = "stop"
+    validate_completion(relaxed)
+
+
+def validate_completion(body: dict[str, Any]) -> None:
+    """A text_completion against CreateCompletionResponse. With `echo` and `logprobs` OpenAI's
+    legacy API (and vLLM) answer `null` as the first prompt token's `token_logprobs` and
+    `top_logprobs` entries (nothing precedes it), although the schema says number / object;
+    only such a leading null is relaxed (to 0.0 / {}), everything else is checked as
+    published."""
+    relaxed = copy.deepcopy(body)
+    for choice in relaxed.get("choices", []):
+        logprobs = choice.get("logprobs") or {}
+        for key, filler in (("token_logprobs", 0.0), ("top_logprobs", {})):
+            values = logprobs.get(key) or []
+            if values and values[0] is None:
+                values[0] = filler
     validate_openai("CreateCompletionResponse", relaxed)
 
 

@@ -16,10 +16,19 @@ from services.gateway.anthropic.routes import router as anthropic_router
 from services.gateway.responses.routes import router as responses_router
 from services.gateway.routes import router
 from services.gateway.spec import Spec, find_spec
+from services.gateway.token_routes import router as token_router
 from tests.gateway.schemas import OFFICIAL_SPEC, validate_openai
 
 VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_template_kwargs",
-                   "response_format"}  # vLLM accepts response_format on completions too
+                   "response_format",  # vLLM accepts response_format on completions too
+                   "min_tokens", "stop_token_ids", "prompt_logprobs", "skip_special_tokens",
+                   "include_stop_str_in_output", "priority", "structured_outputs",
+                   "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "guided_decoding_backend", "echo", "add_generation_prompt",
+                   "continue_final_message", "logit_bias"}
+LLAMA_CPP_EXTENSIONS = {"n_predict", "cache_prompt", "json_schema", "grammar"}
+# accepted on /v1/completions too, without effect on the output (OpenAI has them on chat only)
+NO_EFFECT = {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 
 GOOD_CHAT: list[dict[str, Any]] = [
     {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
@@ -37,6 +46,41 @@ GOOD_CHAT: list[dict[str, Any]] = [
                                                  "parameters": {"type": "object"}}}],
      "tool_choice": {"type": "function", "function": {"name": "w"}},
      "parallel_tool_calls": False, "response_format": {"type": "text"}},
+    # OpenAI's fields that do not change the output
+    {"model": "m", "messages": [{"role": "user", "content": "q"}],
+     "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "p",
+     "safety_identifier": "s", "user": "u", "logit_bias": {"50256": -100},
+     "reasoning_effort": "low", "verbosity": "medium", "modalities": ["text"],
+     "prediction": {"type": "content", "content": "x"},
+     "prompt_cache_retention": "in_memory", "max_completion_tokens": 5},
+    # legacy function calling
+    {"model": "m", "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "function_call": {"name": "w",
+                                                                  "arguments": "{}"}},
+        {"role": "function", "name": "w", "content": "sunny"}],
+     "functions": [{"name": "w", "parameters": {"type": "object"}}],
+     "function_call": {"name": "w"}},
+]
+# Valid here, not under OpenAI's published schema: what the SDK itself sends back after
+# parse() (`tool_calls: null`, `parsed`) and after its stream helper (`tool_calls[].index`,
+# `parsed_arguments`, `annotations: null`), and vLLM / llama.cpp extensions.
+GOOD_CHAT_EXTENDED: list[dict[str, Any]] = [
+    {"model": "m", "messages": [
+        {"role": "user", "content": "q"},
+        {"content": '{"a": 1}', "refusal": None, "role": "assistant", "tool_calls": None,
+         "parsed": {"a": 1}},
+        {"content": "", "refusal": None, "role": "assistant", "annotations": None,
+         "audio": None, "function_call": None, "parsed": None, "tool_calls": [
+             {"id": "c1", "function": {"arguments": "{}", "name": "w",
+                                       "parsed_arguments": None},
+              "type": "function", "index": 0}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]},
+    {"model": "m", "messages": [{"role": "user", "content": "q"}], "min_tokens": 1,
+     "stop_token_ids": [2], "skip_special_tokens": False, "include_stop_str_in_output": True,
+     "prompt_logprobs": 0, "priority": 1, "echo": True, "add_generation_prompt": False,
+     "continue_final_message": True, "n_predict": -1, "cache_prompt": True,
+     "structured_outputs": {"choice": ["a", "b"]}, "guided_decoding_backend": "xgrammar"},
 ]
 GOOD_COMPLETIONS: list[dict[str, Any]] = [
     {"model": "m", "prompt": "once"},
@@ -45,6 +89,8 @@ GOOD_COMPLETIONS: list[dict[str, Any]] = [
      "best_of": 1, "temperature": 1.5, "top_p": 0.9},
     {"model": "m", "prompt": [1, 2, 3]},
     {"model": "m", "prompt": [[1, 2], [3]]},
+    {"model": "m", "prompt": "def f(", "suffix": "    return x", "logit_bias": {"1": 2},
+     "echo": True, "logprobs": 0, "user": "u"},
 ]
 
 
@@ -73,7 +119,7 @@ def test_missing_spec_names_the_path(tmp_path: Path) -> None:
 
 def test_every_spec_operation_is_routed(spec: Spec) -> None:
     routed = {(getattr(route, "path", "").replace(":path", ""), method.lower())
-              for r in (router, anthropic_router, responses_router)
+              for r in (router, anthropic_router, responses_router, token_router)
               for route in r.routes for method in getattr(route, "methods", ())}
     documented = {(path, method) for path, item in spec.document["paths"].items()
                   for method in item if method in ("get", "post", "delete")}
@@ -98,13 +144,18 @@ def test_request_parameters_are_openai_names(spec: Spec, ours: str, official: st
         return names
 
     accepted = set(spec.document["components"]["schemas"][ours]["properties"])
-    assert accepted - props(schemas[official]) <= VLLM_EXTENSIONS
+    assert accepted - props(schemas[official]) <= VLLM_EXTENSIONS | LLAMA_CPP_EXTENSIONS | NO_EFFECT
 
 
 @pytest.mark.parametrize("body", GOOD_CHAT)
 def test_good_chat_requests_pass_both_specs(spec: Spec, body: dict[str, Any]) -> None:
     spec.validate("createChatCompletion", body)
     validate_openai("CreateChatCompletionRequest", body)
+
+
+@pytest.mark.parametrize("body", GOOD_CHAT_EXTENDED)
+def test_sdk_history_and_extensions_pass_our_spec(spec: Spec, body: dict[str, Any]) -> None:
+    spec.validate("createChatCompletion", body)
 
 
 @pytest.mark.parametrize("body", GOOD_COMPLETIONS)
@@ -141,3 +192,20 @@ def test_spec_file_is_yaml_not_a_copy_of_openai(spec: Spec) -> None:
     for name in ours:
         if name in theirs:
             assert ours[name] != theirs[name], name
+
+
+def test_spec_file_has_no_duplicate_keys() -> None:
+    """YAML keeps the last of two equal keys silently: a second schema of the same name would
+    replace the first everywhere it is referenced."""
+
+    class Strict(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: Strict, node: yaml.MappingNode) -> dict[Any, Any]:
+        keys = [loader.construct_object(k) for k, _ in node.value]
+        duplicates = {k for k in keys if keys.count(k) > 1}
+        assert not duplicates, f"duplicate keys {duplicates} at line {node.start_mark.line + 1}"
+        return dict(loader.construct_pairs(node))
+
+    Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    yaml.load(find_spec().read_text(), Loader=Strict)  # noqa: S506 - a SafeLoader subclass

@@ -14,19 +14,26 @@ from hypothesis import strategies as st
 
 from libs.common.errors import FlotillaError
 from services.gateway.spec import Spec
+from tests.gateway.test_compat_errors import BAD_COMPAT_CHAT, BAD_COMPAT_COMPLETIONS, USER
 from tests.gateway.test_http import BAD_CHAT, BAD_COMPLETIONS
-from tests.gateway.test_spec import GOOD_CHAT, GOOD_COMPLETIONS
+from tests.gateway.test_spec import GOOD_CHAT, GOOD_CHAT_EXTENDED, GOOD_COMPLETIONS
 
 pytest.importorskip("jsonschema_rs")
 
-CHAT_BODIES = GOOD_CHAT + [body for _, body, *_ in BAD_CHAT if isinstance(body, dict)]
+CHAT_BODIES = (GOOD_CHAT + GOOD_CHAT_EXTENDED
+               + [body for _, body, *_ in BAD_CHAT if isinstance(body, dict)]
+               + [{"model": "m", "messages": USER, **extra} for _, extra, *_ in BAD_COMPAT_CHAT])
 COMPLETION_BODIES = GOOD_COMPLETIONS + [{"model": "m", "prompt": "x", **extra}
-                                        for _, extra, *_ in BAD_COMPLETIONS]
+                                        for _, extra, *_ in BAD_COMPLETIONS
+                                        + BAD_COMPAT_COMPLETIONS]
 PARAMS = ["model", "messages", "prompt", "n", "seed", "stop", "stream", "stream_options",
           "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens",
           "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "echo",
-          "chat_template_kwargs", "ignore_eos", "user", "best_of", "not_a_parameter"]
-MESSAGE_KEYS = ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "audio"]
+          "chat_template_kwargs", "ignore_eos", "user", "best_of", "not_a_parameter",
+          "logit_bias", "functions", "function_call", "structured_outputs", "guided_choice",
+          "n_predict", "verbosity", "modalities", "prediction", "metadata", "suffix"]
+MESSAGE_KEYS = ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "audio",
+                "parsed", "function_call", "refusal", "id"]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
