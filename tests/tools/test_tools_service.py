@@ -89,7 +89,7 @@ async def _call(bus: Bus, name: str, **arguments) -> ToolCallReply:
 async def test_lists_mcp_tools_as_openai_functions(tools, bus) -> None:
     reply = await _list(bus)
     by_name = {t["function"]["name"]: t for t in reply.tools}
-    assert set(by_name) == {"test_add", "test_echo", "test_fail", "test_sleep"}
+    assert set(by_name) == {"test_add", "test_echo", "test_fail", "test_record", "test_sleep"}
     add = by_name["test_add"]
     assert add["type"] == "function"
     assert add["function"]["description"] == "Add two integers."
@@ -129,7 +129,7 @@ async def test_slow_tool_times_out(tools, bus) -> None:
 
 async def test_answers_health(tools, bus) -> None:
     reply = await bus.request(subjects.health("tools"), HealthRequest(), HealthReply, timeout=5)
-    assert reply.ok and reply.detail["tools"] == 4 and reply.detail["servers"] == ["test"]
+    assert reply.ok and reply.detail["tools"] == 5 and reply.detail["servers"] == ["test"]
 
 
 async def test_no_config_serves_an_empty_list(nats_url) -> None:
