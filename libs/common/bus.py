@@ -9,6 +9,8 @@ Rules:
   checks the numbering, turns an `error` frame into `FlotillaError`, and declares the peer dead
   when nothing (not even a heartbeat) arrives within the timeout. The reader subscribes before
   the request that starts the stream is sent, so no frame is missed.
+- A reader may have a `Deadline`: a read that would wait past it raises its 504
+  (`deadline_exceeded`), even while frames keep coming.
 - A reader's subscription callback appends each message to the reader's deque and wakes the
   reader if it waits; the timeout is one timer per wait. (nats-py's `next_msg(timeout)` costs a
   new task, two before Python 3.12, and a uuid per message: a large share of a streamed
@@ -38,6 +40,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel
 
 from libs.common import telemetry
+from libs.common.deadline import Deadline
 from libs.common.errors import FlotillaError, internal, unavailable
 from libs.common.messages import ErrorInfo, StreamFrame, decode, encode
 
@@ -181,8 +184,8 @@ class Bus:
         subs.clear()
 
     async def open_reader(self, subject: str, frame_cls: type[StreamFrame[D, F]],
-                          timeout: float) -> StreamReader[D, F]:
-        reader: StreamReader[D, F] = StreamReader(frame_cls, timeout)
+                          timeout: float, deadline: Deadline | None = None) -> StreamReader[D, F]:
+        reader: StreamReader[D, F] = StreamReader(frame_cls, timeout, deadline)
         reader.sub = await self.nc.subscribe(subject, cb=reader.deliver)
         return reader
 
@@ -253,8 +256,9 @@ class StreamReader(Generic[D, F]):
 
     sub: Subscription | None = None
 
-    def __init__(self, frame_cls: type[StreamFrame[D, F]], timeout: float):
-        self.frame_cls, self.timeout = frame_cls, timeout
+    def __init__(self, frame_cls: type[StreamFrame[D, F]], timeout: float,
+                 deadline: Deadline | None = None):
+        self.frame_cls, self.timeout, self.deadline = frame_cls, timeout, deadline
         self._expected = 0
         self._done = False
         self._inbox: deque[bytes] = deque()
@@ -267,13 +271,21 @@ class StreamReader(Generic[D, F]):
             waiter.set_result(None)
 
     async def _receive(self) -> bytes:
+        wait, by_deadline = self.timeout, False
+        if self.deadline is not None:
+            left = self.deadline.remaining()
+            if left <= 0:
+                raise self.deadline.error()
+            wait, by_deadline = min(wait, left), left < wait
         if not self._inbox:
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(self.timeout, _expire, waiter)
+            timer = loop.call_later(wait, _expire, waiter)
             try:
                 await waiter
             except TimeoutError as exc:
+                if by_deadline and self.deadline is not None:
+                    raise self.deadline.error() from None
                 raise unavailable(
                     f"the upstream service stopped responding (no frame for {self.timeout:.1f}s)"
                 ) from exc

@@ -21,6 +21,8 @@ from libs.common.errors import model_not_found, unavailable
 from libs.common.settings import GatewaySettings
 from libs.common.store import Store
 from services.gateway import http_errors
+from services.gateway.limits import spec_limits
+from services.gateway.overload import InFlight, InFlightLimit
 from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.routes import router
 from services.gateway.spec import Spec
@@ -36,6 +38,7 @@ class GatewayState:
     spec: Spec
     registry: ModelRegistry
     tools: ToolsCache
+    in_flight: InFlight
 
     async def start(self) -> None:
         await self.tools.start()
@@ -57,14 +60,17 @@ class GatewayState:
 
 
 def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
-    spec = Spec.load(settings.spec_path)
+    spec = Spec.load(settings.spec_path, limits=spec_limits(settings))
     app = FastAPI(title="flotilla", version=str(spec.document["info"]["version"]),
                   openapi_url=None, docs_url=None, redoc_url=None,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.gateway = GatewayState(
         settings, bus, store, spec, ModelRegistry(bus, store, settings.model_ttl_s),
-        ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s))
+        ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s),
+        InFlight(settings.max_in_flight))
     http_errors.install(app)
     app.include_router(router)
+    app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,
+                       retry_after_s=settings.overload_retry_after_s)
     app.add_middleware(TracingMiddleware)
     return app

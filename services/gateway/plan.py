@@ -2,13 +2,17 @@
 
 Rules:
 - Choice `i` (of `n`, and of each prompt of a list-prompt completion: index = prompt * n + j)
-  becomes one TextRequest with request_id `f"{rid}-{i}"` and, when seeded, seed `seed + i`.
+  becomes one TextRequest with request_id `f"{rid}-{i}"` and, when seeded, seed
+  `(seed + i) mod 2^63`: clients may send any int64 seed (OpenAI does), the engine takes
+  [0, 2^63).
+- `stream_options` without `stream: true` is ignored, as OpenAI does.
 - Only values the schema already accepted arrive here; this module checks what a static schema
   cannot (the server's `max_n`, option combinations) and maps OpenAI names onto SamplingOptions.
 - Chat messages reach the tokenizer normalised: text-part arrays joined into one string, and the
   response-only fields a client may echo back (`refusal`, `annotations`, null `audio` /
   `function_call` / `tool_calls` / reasoning) dropped; reasoning sent back as `reasoning` reaches
-  templates as `reasoning_content` (the name templates read).
+  templates as `reasoning_content` (the name templates read); an assistant turn with neither
+  content nor tool calls (content null, as responses carry it) reads as empty text.
 - `response_format` passes through to the tokenizer (which turns it into the engine's grammar and
   refuses a bad schema); `json_schema` needs its `schema` (checked here).
 """
@@ -24,6 +28,7 @@ from libs.common.errors import invalid_request
 from libs.common.messages import SamplingOptions, TextRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+SEED_MODULUS = 2**63  # the engine's seeds are in [0, 2^63)
 _ECHOED_FIELDS = ("refusal", "annotations", "audio", "function_call")
 ReasoningField = Literal["reasoning_content", "reasoning", "both"]
 
@@ -99,7 +104,7 @@ def sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None)
 def _seeded(base: SamplingOptions, i: int) -> SamplingOptions:
     if base.seed is None:
         return base
-    return base.model_copy(update={"seed": base.seed + i})
+    return base.model_copy(update={"seed": (base.seed + i) % SEED_MODULUS})
 
 
 def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -112,6 +117,9 @@ def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
         if isinstance(reasoning, str):
             out["reasoning_content"] = reasoning
     content = out.get("content")
+    if out.get("role") == "assistant" and content is None and not out.get("tool_calls"):
+        out["content"] = ""
+        out.pop("tool_calls", None)
     if isinstance(content, list):
         out["content"] = "\n".join(part["text"] for part in content)
     return out
@@ -204,9 +212,6 @@ def completion_plan(body: dict[str, Any], max_n: int, rid: str | None = None) ->
 
 def _include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
-    if options is None:
+    if options is None or not body.get("stream"):
         return False
-    if not body.get("stream"):
-        raise invalid_request("`stream_options` is only allowed when `stream` is true.",
-                              param="stream_options")
     return bool(options.get("include_usage"))

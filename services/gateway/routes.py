@@ -1,7 +1,10 @@
 """HTTP handlers: decode → validate against the spec → plan → run on the bus → encode.
 
 Rules:
-- Every body is validated against the operation's schema in the spec before anything else.
+- Every body is read with a cap, parsed with a depth bound (limits.py) and validated against the
+  operation's schema in the spec before anything else; sizes the schema cannot bound come next.
+- Every generation request has a deadline (overload.py): each choice's TextRequest carries it,
+  and the gateway's readers end the response when it passes.
 - Errors before the first response byte (bad input, unknown model, refused admission, no
   tokenizer) are HTTP errors in the envelope; a stream that fails later ends with an error event.
 - A client that goes away (streaming or not, even during admission) gets its choices cancelled.
@@ -10,7 +13,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -19,9 +21,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from libs.common import subjects
-from libs.common.errors import FlotillaError, internal, invalid_request, unavailable
+from libs.common.deadline import Deadline
+from libs.common.errors import FlotillaError, internal, unavailable
 from libs.common.messages import RenderReply, TextRequest
 from services.gateway.chunks import chunk_builder
+from services.gateway.limits import check_schema_sizes, parse_json, read_body
+from services.gateway.overload import request_timeout
 from services.gateway.plan import (
     Plan,
     chat_plan,
@@ -49,14 +54,20 @@ def _gateway(request: Request) -> GatewayState:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        raise invalid_request("The request body is empty; expected a JSON object.")
+async def read_json(request: Request, deadline: Deadline) -> Any:
+    """The parsed body, within the size and depth limits; a body still arriving when the
+    request's deadline passes is a 504."""
+    settings = _gateway(request).settings
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid_request(f"The request body is not valid JSON: {exc}.") from exc
+        async with asyncio.timeout(deadline.remaining()):
+            raw = await read_body(request, settings.max_body_bytes)
+    except TimeoutError:
+        raise deadline.error() from None
+    return parse_json(raw, settings.max_json_depth)
+
+
+def _deadline(request: Request) -> Deadline:
+    return Deadline.after(request_timeout(request.headers, _gateway(request).settings))
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -95,11 +106,13 @@ async def unless_disconnected(request: Request, work: Awaitable[T], streams: Cho
         watcher.cancel()
 
 
-async def generate(request: Request, plan: Plan) -> Response:
+async def generate(request: Request, plan: Plan, deadline: Deadline) -> Response:
     gw = _gateway(request)
+    for req in plan.requests:
+        req.deadline = deadline.at
     streams = ChoiceStreams(gw.bus, plan.requests,
                             admission_timeout_s=gw.settings.request_timeout_s,
-                            stream_timeout_s=gw.settings.heartbeat_timeout_s)
+                            stream_timeout_s=gw.settings.heartbeat_timeout_s, deadline=deadline)
     created = int(time.time())
     try:
         await unless_disconnected(request, streams.start(), streams)
@@ -123,28 +136,35 @@ async def generate(request: Request, plan: Plan) -> Response:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     gw = _gateway(request)
-    body = await read_json(request)
+    deadline = _deadline(request)
+    body = await read_json(request, deadline)
     gw.spec.validate("createChatCompletion", body)
+    check_schema_sizes(body, gw.settings.max_schema_bytes)
     await gw.require_model(body["model"])
     tools = await gw.tools.tools_for(body)
     return await generate(request, chat_plan(body, tools, gw.settings.max_n,
-                                             reasoning_field=gw.settings.reasoning_field))
+                                             reasoning_field=gw.settings.reasoning_field),
+                          deadline)
 
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     gw = _gateway(request)
-    body = await read_json(request)
+    deadline = _deadline(request)
+    body = await read_json(request, deadline)
     gw.spec.validate("createCompletion", body)
+    check_schema_sizes(body, gw.settings.max_schema_bytes)
     await gw.require_model(body["model"])
-    return await generate(request, completion_plan(body, gw.settings.max_n))
+    return await generate(request, completion_plan(body, gw.settings.max_n), deadline)
 
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
     gw = _gateway(request)
-    body = await read_json(request)
+    deadline = _deadline(request)
+    body = await read_json(request, deadline)
     gw.spec.validate("tokenize", body)
+    check_schema_sizes(body, gw.settings.max_schema_bytes)
     info = await gw.require_model(body["model"])
     rid = new_request_id()
     common: dict[str, Any] = {"request_id": rid, "model": body["model"],
@@ -157,8 +177,10 @@ async def tokenize(request: Request) -> Response:
             chat_template_kwargs=body.get("chat_template_kwargs"), **common)
     else:
         req = TextRequest(kind="completion", prompt=body["prompt"], **common)
+    req.deadline = deadline.at
     reply = await gw.bus.request(subjects.tokenizer_render(body["model"]), req, RenderReply,
-                                 timeout=gw.settings.request_timeout_s)
+                                 timeout=max(0.001, min(gw.settings.request_timeout_s,
+                                                        deadline.remaining())))
     if reply.error is not None:
         raise FlotillaError(reply.error)
     return JSONResponse({"model": body["model"], "prompt": reply.prompt,

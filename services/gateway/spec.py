@@ -7,6 +7,11 @@ Rules:
 - Lookup order: `settings.spec_path`, then `openapi/flotilla.yaml` of the source tree, then the copy
   packaged next to this module (`services/gateway/flotilla.yaml`, a link to the same file that
   setuptools copies into wheels as package data).
+- Bounds owned by a server setting carry `x-limit: {keyword: setting}` in the file; `limits`
+  (setting → value, from `limits.spec_limits`) are written into those keywords, and into
+  `{setting}` placeholders of `x-error-message` texts, when the document is loaded. What is
+  served and what is enforced is then the running server's contract; without `limits` the
+  file's own numbers (the defaults) stand.
 - `jsonschema` (pure Python) is the reference validator: it decides every rejection and explains
   it (validation.py). A compiled validator (`jsonschema_rs`, built once per operation at start)
   only answers "valid" for the common case, ~3 us instead of ~0.6 ms for a chat body; whatever
@@ -17,6 +22,7 @@ Rules:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +62,15 @@ def find_spec(explicit: Path | None = None) -> Path:
 class Spec:
     """A loaded OpenAPI 3.1 document with one request-body validator per operation."""
 
-    def __init__(self, path: Path, compiled: bool = True):
-        """`compiled=False`: the reference validator alone (what runs without jsonschema_rs)."""
+    def __init__(self, path: Path, compiled: bool = True,
+                 limits: Mapping[str, int] | None = None):
+        """`compiled=False`: the reference validator alone (what runs without jsonschema_rs);
+        `limits`: the settings that `x-limit` keywords name (see the module rules)."""
         self.path = path
         self.document: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
         if not str(self.document.get("openapi", "")).startswith("3.1"):
             raise ValueError(f"{path}: expected an OpenAPI 3.1 document")
+        apply_limits(self.document, limits)
         self.json_bytes = json.dumps(self.document, ensure_ascii=False).encode()
         registry: Registry = Registry().with_resource(
             _SPEC_URI, Resource.from_contents(self.document, default_specification=DRAFT202012))
@@ -79,8 +88,9 @@ class Spec:
                     schema, registry=fast_registry)
 
     @classmethod
-    def load(cls, explicit: Path | None = None, compiled: bool = True) -> Spec:
-        return cls(find_spec(explicit), compiled)
+    def load(cls, explicit: Path | None = None, compiled: bool = True,
+             limits: Mapping[str, int] | None = None) -> Spec:
+        return cls(find_spec(explicit), compiled, limits)
 
     def _request_schema_refs(self) -> dict[str, str]:
         refs: dict[str, str] = {}
@@ -109,6 +119,36 @@ class Spec:
         errors = list(self._validators[operation_id].iter_errors(body))
         if errors:
             raise describe(errors)
+
+
+def apply_limits(document: Any, limits: Mapping[str, int] | None = None) -> None:
+    """Write the settings each `x-limit` names into its keywords, and into `{setting}`
+    placeholders of `x-error-message` texts, in place. Without `limits` the file's own numbers
+    fill the placeholders; a setting `limits` lacks is a ValueError."""
+    nodes: list[dict[str, Any]] = []
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            nodes.append(node)
+            stack.extend(node.values())
+    values = {setting: node.get(keyword) for node in nodes
+              for keyword, setting in (node.get("x-limit") or {}).items()}
+    if limits is not None:
+        unknown = sorted(set(values) - set(limits))
+        if unknown:
+            raise ValueError(f"the spec's x-limit names unknown settings: {', '.join(unknown)}")
+        values = {setting: limits[setting] for setting in values}
+    for node in nodes:
+        for keyword, setting in (node.get("x-limit") or {}).items():
+            node[keyword] = values[setting]
+        message = node.get("x-error-message")
+        if isinstance(message, str):
+            for setting, value in values.items():
+                message = message.replace("{" + setting + "}", str(value))
+            node["x-error-message"] = message
 
 
 def _accepts(validator: Any, body: Any) -> bool:
