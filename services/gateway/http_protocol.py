@@ -4,8 +4,8 @@ httptools (llhttp) bounds nothing: a 10 MB header value was buffered whole and h
 app. Limits enforced here, while the head is parsed and before any app code runs:
 - `max_header_bytes`: the bytes read while a request's head (request line and headers) is not
   yet complete. Counted per socket read, so a head is refused at most one read (64-256 KiB)
-  past the limit; a read that finishes one request and starts the next is not counted (the
-  count can only be low by that read, never high).
+  past the limit; a read in which a head completes, or that finishes one request and starts
+  the next, is not counted (the count can only be low by one read, never high).
 - `max_headers`: header fields in one request.
 Past either limit the client gets `431 Request Header Fields Too Large` with OpenAI's error
 envelope and the connection closes at once: nothing more of it is read or buffered, and the
@@ -39,14 +39,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True  # between requests the next bytes are a head
         self._head_bytes = 0
         self._header_count = 0
+        self._heads_completed = 0
         self._refusal: str | None = None
 
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return
-        counted = self._in_head
+        counted, heads = self._in_head, self._heads_completed
         super().data_received(data)
-        if self._refusal is None and self._in_head and counted:
+        if (self._refusal is None and self._in_head and counted
+                and heads == self._heads_completed):  # the whole read was head bytes
             self._head_bytes += len(data)
             if self._head_bytes > self.max_header_bytes:
                 self._refuse(f"The request line and headers are larger than this server's "
@@ -67,6 +69,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
+        self._heads_completed += 1
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:

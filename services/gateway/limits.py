@@ -12,9 +12,10 @@ Rules:
 - One walk over the parsed body, without recursion, then (a) refuses nesting deeper than
   `max_json_depth` and (b) turns integer-valued floats below 2^63 (`2.0`, `1e3`) into ints: JSON
   Schema calls them integers, so the spec accepts them where it asks for an integer, and every
-  later step sees one type (`"prompt": [1, 2.0]` is the token-id prompt [1, 2]). Larger
-  integer-valued floats stay floats (orjson reads integers past 64 bits as floats); the spec's
-  bounds refuse them wherever an integer is expected.
+  later step sees one type (`"prompt": [1, 2.0]` is the token-id prompt [1, 2]). orjson reads
+  integers past 64 bits as (rounded) floats: a body with a number of 2^63 or more is read again
+  by the standard library, exactly (so `-2^63 - 1` stays out of the seed's range), and such
+  numbers stay what they are; the spec's bounds refuse them wherever an integer is expected.
 - After schema validation, `check_schema_sizes` bounds what the schema cannot: the serialized
   size of each tool's function and of `response_format` (`max_schema_bytes`), 400 naming it.
 Counts (messages, tools, stop strings, prompts, n) are bounds in the spec itself, filled in
@@ -23,6 +24,7 @@ from the settings when the spec is loaded (spec.py).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -68,7 +70,7 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         reason = str(exc)
-        if "recursion limit" in reason:
+        if "depth limit" in reason or "recursion limit" in reason:
             raise _too_deep(max_depth) from None
         if "surrogate" in reason:
             raise invalid_request(
@@ -76,7 +78,12 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
                 f"bytes that are not UTF-8 ({reason}); strings must be valid Unicode text."
             ) from None
         raise invalid_request(f"The request body is not valid JSON: {reason}.") from None
-    _normalize(body, max_depth)
+    if _normalize(body, max_depth):  # a number orjson may have rounded: read it exactly
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise _too_deep(max_depth) from None
+        _normalize(body, max_depth)
     return body
 
 
@@ -89,8 +96,10 @@ def _integer_valued(value: float) -> bool:
     return value.is_integer() and abs(value) < _INT64_LIMIT
 
 
-def _normalize(body: Any, max_depth: int) -> None:
-    """Depth check and integer-valued floats → ints, in place (see the module rules)."""
+def _normalize(body: Any, max_depth: int) -> bool:
+    """Depth check and integer-valued floats → ints, in place (see the module rules); whether
+    a float of 2^63 or more was seen."""
+    huge = False
     stack: list[tuple[Any, int]] = [(body, 1)]
     while stack:
         node, depth = stack.pop()
@@ -101,15 +110,22 @@ def _normalize(body: Any, max_depth: int) -> None:
                 kind = type(value)
                 if kind is dict or kind is list:
                     stack.append((value, depth + 1))
-                elif kind is float and _integer_valued(value):
-                    node[key] = int(value)
+                elif kind is float:
+                    if _integer_valued(value):
+                        node[key] = int(value)
+                    elif abs(value) >= _INT64_LIMIT:
+                        huge = True
         elif isinstance(node, list):
             for i, value in enumerate(node):
                 kind = type(value)
                 if kind is dict or kind is list:
                     stack.append((value, depth + 1))
-                elif kind is float and _integer_valued(value):
-                    node[i] = int(value)
+                elif kind is float:
+                    if _integer_valued(value):
+                        node[i] = int(value)
+                    elif abs(value) >= _INT64_LIMIT:
+                        huge = True
+    return huge
 
 
 def _json_size(value: Any) -> int:
