@@ -4,7 +4,10 @@ Rules:
 - The app is built synchronously and holds a `GatewayState` (settings, bus, store, spec,
   registry, tools cache) on `app.state.gateway`; whoever runs the app awaits `state.start()`
   before serving (to follow announcements) and `state.stop()` after. `GatewayService` does both.
-- FastAPI's generated OpenAPI and docs are off: `/openapi.json` serves our spec file.
+- FastAPI's generated OpenAPI and docs are off: `/openapi.json` serves our spec file, with the
+  server's limits written into its `x-limit` bounds.
+- `InFlightLimit` (overload.py) caps the generation and tokenize requests in flight in this
+  process; the count lives in `GatewayState.in_flight`.
 - FastAPI's own telemetry (newer FastAPI: a server span plus dependency and endpoint spans per
   request) is off: `TracingMiddleware`'s `gateway.request` is the gateway's one span per request;
   the three extra spans cost ~0.8 ms of CPU per streamed request (docs/benchmarks.md).

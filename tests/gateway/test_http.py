@@ -290,7 +290,8 @@ BAD_COMPLETIONS = [
     ("logit_bias", {"logit_bias": {}}, "logit_bias", "not supported by this server"),
     ("best_of", {"best_of": 2}, "best_of", "not supported"),
     ("logprobs range", {"logprobs": 6}, "logprobs", "maximum of 5"),
-    ("mixed prompt", {"prompt": [1, "a"]}, "prompt", "must be a non-empty string"),
+    ("mixed prompt", {"prompt": [1, "a"]}, "prompt[1]", "expected an integer"),
+    ("prompt of another type", {"prompt": {"text": "a"}}, "prompt", "must be a non-empty string"),
     ("empty prompt list", {"prompt": []}, "prompt", "at least 1"),
 ]
 
