@@ -1,7 +1,9 @@
 """uvicorn's httptools HTTP/1.1 protocol with bounds on the request head.
 
-httptools (llhttp) bounds nothing: a 10 MB header value was buffered whole and handed to the
-app. Limits enforced here, while the head is parsed and before any app code runs:
+httptools (llhttp, the parser uvicorn picks when it is installed) bounds nothing: a 10 MB
+header value was buffered whole and handed to the app. (uvicorn's h11 protocol has
+`h11_max_incomplete_event_size`, 16 KiB, but no count of fields, and costs more CPU per
+request.) Limits enforced here, while the head is parsed and before any app code runs:
 - `max_header_bytes`: the bytes read while a request's head (request line and headers) is not
   yet complete. Counted per socket read, so a head is refused at most one read (64-256 KiB)
   past the limit; a read in which a head completes, or that finishes one request and starts
