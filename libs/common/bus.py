@@ -9,10 +9,15 @@ Rules:
   checks the numbering, turns an `error` frame into `FlotillaError`, and declares the peer dead
   when nothing (not even a heartbeat) arrives within the timeout. The reader subscribes before
   the request that starts the stream is sent, so no frame is missed.
+- A reader may have a `Deadline`: a read that would wait past it raises its 504
+  (`deadline_exceeded`), even while frames keep coming.
 - A reader's subscription callback appends each message to the reader's deque and wakes the
   reader if it waits; the timeout is one timer per wait. (nats-py's `next_msg(timeout)` costs a
   new task, two before Python 3.12, and a uuid per message: a large share of a streamed
   token's CPU in the gateway and the tokenizer.)
+- Payloads larger than the server's max_payload travel in parts (bus_parts.py: requests and
+  replies pulled by their one receiver, stream frames pushed in order); handlers and readers
+  see whole messages. A receiver assembles at most `max_message_bytes`.
 - Requests and replies reach the socket as soon as they are published (`write_now`). nats-py
   queues every publish and writes from a flusher task, which runs after every task that is
   already ready: in a burst of 64 requests each service forwarded the first one only after it
@@ -38,6 +43,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel
 
 from libs.common import telemetry
+from libs.common.bus_parts import Assembler, Offer, announced, part_size, pull, push_headers, split
+from libs.common.deadline import Deadline
 from libs.common.errors import FlotillaError, internal, unavailable
 from libs.common.messages import ErrorInfo, StreamFrame, decode, encode
 
@@ -81,12 +88,23 @@ class _Client(NATS):
 class Bus:
     """A NATS connection with typed helpers. One per service process."""
 
-    def __init__(self, nc: NATS):
+    max_message_bytes = 64 * 1024 * 1024  # the most one message in parts may assemble to
+    part_timeout_s = 5.0  # how long a handler's reply in parts waits to be pulled
+
+    def __init__(self, nc: NATS, part_bytes: int | None = None):
+        """`part_bytes`: split payloads above this (default: the server's max_payload less
+        room for headers; tests set it small)."""
         self.nc = nc
+        self._part_bytes = part_bytes
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    @property
+    def part_bytes(self) -> int:
+        return part_size(self.nc, self._part_bytes)
+
     @classmethod
-    async def connect(cls, url: str, name: str, write_now: bool = True) -> Bus:
+    async def connect(cls, url: str, name: str, write_now: bool = True,
+                      part_bytes: int | None = None) -> Bus:
         """`write_now`: requests and replies go to the socket when published (see the module
         notes); False leaves every write to nats-py's flusher."""
         async def on_error(exc: Exception) -> None:
@@ -103,7 +121,7 @@ class Bus:
             reconnect_time_wait=0.5,  # type: ignore[arg-type]
             error_cb=on_error,
         )
-        return cls(nc)
+        return cls(nc, part_bytes)
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -127,17 +145,27 @@ class Bus:
     async def request(self, subject: str, msg: BaseModel, reply_cls: type[Rep],
                       timeout: float) -> Rep:
         """Request/reply. No responder or no reply in time → FlotillaError 503."""
+        data = encode(msg)
+        headers = telemetry.inject_headers() or None
+        offer = None
+        if len(data) > self.part_bytes:
+            offer = Offer(self.nc, data, self.part_bytes, ttl_s=timeout)
+            headers, data = {**(headers or {}), **await offer.open()}, b""
         now = _WRITE_NOW.set(True)
         try:
-            reply = await self.nc.request(subject, encode(msg), timeout=timeout,
-                                          headers=telemetry.inject_headers() or None)
+            reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
+            payload = reply.data
+            if announced(reply.headers):
+                payload = await pull(self.nc, reply.headers, timeout, self.max_message_bytes)
         except NoRespondersError as exc:
             raise unavailable(f"no service is serving {subject.split('.', 2)[-1]}") from exc
         except (TimeoutError, NatsTimeoutError) as exc:
             raise unavailable(f"no reply on {subject} within {timeout:.1f}s") from exc
         finally:
             _WRITE_NOW.reset(now)
-        return decode(reply.data, reply_cls)
+            if offer is not None:
+                await offer.close()
+        return decode(payload, reply_cls)
 
     async def serve(self, subject: str, req_cls: type[Req],
                     handler: Callable[[Req], Awaitable[BaseModel | None]],
@@ -145,25 +173,41 @@ class Bus:
         """Answer requests on `subject` (load-balanced over `queue`), one task per request."""
 
         async def run(m: Msg) -> None:
+            data = m.data
+            if announced(m.headers):
+                try:
+                    data = await pull(self.nc, m.headers, self.part_timeout_s,
+                                      self.max_message_bytes)
+                except Exception as exc:  # the requester's own timeout answers it
+                    log.warning("a request on %s in parts could not be assembled: %s",
+                                subject, exc)
+                    return
             token = telemetry.attach(telemetry.extract_context(m.headers))
             try:
-                reply = await handler(decode(m.data, req_cls))
+                reply = await handler(decode(data, req_cls))
             except Exception:
                 log.exception("handler for %s failed", subject)
                 return
             finally:
                 telemetry.detach(token)
             if reply is not None and m.reply:
-                now = _WRITE_NOW.set(True)
-                try:
-                    await self.nc.publish(m.reply, encode(reply))
-                finally:
-                    _WRITE_NOW.reset(now)
+                await self._reply(m.reply, encode(reply))
 
         async def cb(m: Msg) -> None:
             self.spawn(run(m))
 
         return await self.nc.subscribe(subject, queue=queue or "", cb=cb)
+
+    async def _reply(self, inbox: str, data: bytes) -> None:
+        headers = None
+        if len(data) > self.part_bytes:  # pulled by the requester; the offer closes itself
+            offer = Offer(self.nc, data, self.part_bytes, ttl_s=self.part_timeout_s)
+            headers, data = await offer.open(), b""
+        now = _WRITE_NOW.set(True)
+        try:
+            await self.nc.publish(inbox, data, headers=headers)
+        finally:
+            _WRITE_NOW.reset(now)
 
     async def subscribe(self, subject: str, msg_cls: type[Req],
                         handler: Callable[[Req], Awaitable[None]]) -> Subscription:
@@ -181,8 +225,9 @@ class Bus:
         subs.clear()
 
     async def open_reader(self, subject: str, frame_cls: type[StreamFrame[D, F]],
-                          timeout: float) -> StreamReader[D, F]:
-        reader: StreamReader[D, F] = StreamReader(frame_cls, timeout)
+                          timeout: float, deadline: Deadline | None = None) -> StreamReader[D, F]:
+        reader: StreamReader[D, F] = StreamReader(frame_cls, timeout, deadline,
+                                                  max_bytes=self.max_message_bytes)
         reader.sub = await self.nc.subscribe(subject, cb=reader.deliver)
         return reader
 
@@ -220,7 +265,14 @@ class StreamWriter(Generic[D, F]):
             if kind in ("final", "error"):
                 self._closed = True
                 self._heartbeat.cancel()
-            await self.bus.nc.publish(self.subject, encode(frame))
+            data = encode(frame)
+            if len(data) <= self.bus.part_bytes:
+                await self.bus.nc.publish(self.subject, data)
+                return
+            parts = split(data, self.bus.part_bytes)  # pushed in order; the reader joins them
+            for index, part in enumerate(parts):
+                await self.bus.nc.publish(self.subject, part,
+                                          headers=push_headers(index, len(parts), None))
 
     async def _beat(self) -> None:
         while not self._closed:
@@ -253,34 +305,55 @@ class StreamReader(Generic[D, F]):
 
     sub: Subscription | None = None
 
-    def __init__(self, frame_cls: type[StreamFrame[D, F]], timeout: float):
-        self.frame_cls, self.timeout = frame_cls, timeout
+    def __init__(self, frame_cls: type[StreamFrame[D, F]], timeout: float,
+                 deadline: Deadline | None = None, max_bytes: int = 64 * 1024 * 1024):
+        self.frame_cls, self.timeout, self.deadline = frame_cls, timeout, deadline
         self._expected = 0
         self._done = False
-        self._inbox: deque[bytes] = deque()
+        self._inbox: deque[bytes | FlotillaError] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._assembler = Assembler(max_bytes)
 
     async def deliver(self, msg: Msg) -> None:
-        self._inbox.append(msg.data)
+        item: bytes | FlotillaError | None = msg.data
+        if msg.headers:
+            try:
+                item = self._assembler.add(msg.data, msg.headers)
+            except FlotillaError as exc:
+                item = exc  # raised by the reader, in order
+        if item is None:
+            return  # a part of a frame still arriving
+        self._inbox.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def _receive(self) -> bytes:
+        wait, by_deadline = self.timeout, False
+        if self.deadline is not None:
+            left = self.deadline.remaining()
+            if left <= 0:
+                raise self.deadline.error()
+            wait, by_deadline = min(wait, left), left < wait
         if not self._inbox:
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(self.timeout, _expire, waiter)
+            timer = loop.call_later(wait, _expire, waiter)
             try:
                 await waiter
             except TimeoutError as exc:
+                if by_deadline and self.deadline is not None:
+                    raise self.deadline.error() from None
                 raise unavailable(
                     f"the upstream service stopped responding (no frame for {self.timeout:.1f}s)"
                 ) from exc
             finally:
                 timer.cancel()
                 self._waiter = None
-        return self._inbox.popleft()
+        item = self._inbox.popleft()
+        if isinstance(item, FlotillaError):
+            raise item
+        return item
 
     async def next(self) -> StreamFrame[D, F]:
         while True:

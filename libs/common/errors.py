@@ -1,7 +1,12 @@
-"""OpenAI's error envelope and the exceptions that carry it across services."""
+"""OpenAI's error envelope and the exceptions that carry it across services.
+
+Overload errors (429, 503) may carry `ErrorInfo.retry_after_s`; the gateway sends it as the
+`Retry-After` header (`retry_after_header`: whole seconds, rounded up, at least 1).
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from libs.common.messages import ErrorInfo
@@ -45,3 +50,31 @@ def unavailable(message: str) -> FlotillaError:
 def internal(message: str) -> FlotillaError:
     return FlotillaError(ErrorInfo(status=500, type="server_error", message=message,
                                    code="internal_error"))
+
+
+def unavailable_retry(message: str, retry_after_s: float,
+                      code: str = "service_unavailable") -> FlotillaError:
+    """503 that tells the client when to come back (e.g. the gateway is at its in-flight cap)."""
+    return FlotillaError(ErrorInfo(status=503, type="service_unavailable", message=message,
+                                   code=code, retry_after_s=retry_after_s))
+
+
+def too_large(message: str, param: str | None = None) -> FlotillaError:
+    """413: the request body (or a part of it the server bounds by bytes) is too large."""
+    return FlotillaError(ErrorInfo(status=413, type="invalid_request_error", message=message,
+                                   param=param, code="request_too_large"))
+
+
+def deadline_exceeded(timeout_s: float) -> FlotillaError:
+    """504: the request's deadline passed before it finished (its choices are cancelled)."""
+    return FlotillaError(ErrorInfo(
+        status=504, type="timeout_error", code="deadline_exceeded",
+        message=f"The request did not finish within its deadline of {timeout_s:g}s "
+                "(header X-Request-Timeout, or the server's request_deadline_s)."))
+
+
+def retry_after_header(info: ErrorInfo) -> str | None:
+    """The `Retry-After` value (integer seconds, rounded up, at least 1) for an error, if any."""
+    if info.retry_after_s is None:
+        return None
+    return str(max(1, math.ceil(info.retry_after_s)))

@@ -83,6 +83,37 @@ class GatewaySettings(CommonSettings):
         1, ge=1, le=64, description="Gateway processes sharing the HTTP port, each with its own "
         "event loop and NATS connection (>1 spreads a burst's HTTP, validation and SSE work over "
         "cores; without Redis each keeps its own registry)")
+    # ---- limits on one request (docs/architecture.md, "Limits and overload")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body in bytes; larger is 413 "
+        "(a Content-Length above it before any byte is read)")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request line plus headers in bytes; larger is "
+        "431 and the connection closes, before the rest is read")
+    max_headers: int = Field(100, ge=8, description="Most header fields in one request; more is "
+                             "431 and the connection closes")
+    max_json_depth: int = Field(
+        128, ge=8, le=1000, description="Deepest nesting of arrays and objects in a JSON body; "
+        "deeper is 400")
+    max_messages: int = Field(2048, ge=1, description="Most chat messages in one request")
+    max_tools: int = Field(128, ge=1, description="Most tools in one request (OpenAI's limit)")
+    max_schema_bytes: int = Field(
+        64 * 1024, ge=256, description="Largest JSON of one tool's function (name, description, "
+        "parameters schema) or of a response_format; larger is 400")
+    max_stop: int = Field(16, ge=1, description="Most stop strings in one request")
+    max_stop_chars: int = Field(512, ge=1, description="Longest stop string, in characters")
+    max_prompts: int = Field(64, ge=1, description="Most prompts in one /v1/completions request "
+                             "(each with `n` choices)")
+    # ---- overload control
+    max_in_flight: int = Field(
+        512, ge=1, description="Generation and tokenize requests one gateway process serves at "
+        "once (a stream counts until it ends); beyond it 503 with Retry-After, never a queue")
+    overload_retry_after_s: float = Field(
+        1.0, gt=0, description="Retry-After sent with the gateway's own 503 when it is full")
+    request_deadline_s: float = Field(
+        600.0, gt=0, description="Longest a request may run (a client's X-Request-Timeout may "
+        "ask for less); past it the gateway ends the response with a 504 / an error event and "
+        "cancels the request on every hop")
 
 
 class TokenizerSettings(CommonSettings):

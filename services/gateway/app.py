@@ -4,7 +4,10 @@ Rules:
 - The app is built synchronously and holds a `GatewayState` (settings, bus, store, spec,
   registry, tools cache) on `app.state.gateway`; whoever runs the app awaits `state.start()`
   before serving (to follow announcements) and `state.stop()` after. `GatewayService` does both.
-- FastAPI's generated OpenAPI and docs are off: `/openapi.json` serves our spec file.
+- FastAPI's generated OpenAPI and docs are off: `/openapi.json` serves our spec file, with the
+  server's limits written into its `x-limit` bounds.
+- `InFlightLimit` (overload.py) caps the generation and tokenize requests in flight in this
+  process; the count lives in `GatewayState.in_flight`.
 - FastAPI's own telemetry (newer FastAPI: a server span plus dependency and endpoint spans per
   request) is off: `TracingMiddleware`'s `gateway.request` is the gateway's one span per request;
   the three extra spans cost ~0.8 ms of CPU per streamed request (docs/benchmarks.md).
@@ -22,6 +25,8 @@ from libs.common.settings import GatewaySettings
 from libs.common.store import Store
 from services.gateway import http_errors
 from services.gateway.anthropic.routes import router as anthropic_router
+from services.gateway.limits import spec_limits
+from services.gateway.overload import InFlight, InFlightLimit
 from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.responses.routes import install as install_responses
 from services.gateway.routes import router
@@ -39,6 +44,7 @@ class GatewayState:
     spec: Spec
     registry: ModelRegistry
     tools: ToolsCache
+    in_flight: InFlight
 
     async def start(self) -> None:
         await self.tools.start()
@@ -60,17 +66,20 @@ class GatewayState:
 
 
 def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
-    spec = Spec.load(settings.spec_path)
+    spec = Spec.load(settings.spec_path, limits=spec_limits(settings))
     app = FastAPI(title="flotilla", version=str(spec.document["info"]["version"]),
                   openapi_url=None, docs_url=None, redoc_url=None,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.gateway = GatewayState(
         settings, bus, store, spec, ModelRegistry(bus, store, settings.model_ttl_s),
-        ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s))
+        ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s),
+        InFlight(settings.max_in_flight))
     http_errors.install(app)
     app.include_router(router)
     app.include_router(anthropic_router)
     install_responses(app)
     app.include_router(token_router)
+    app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,
+                       retry_after_s=settings.overload_retry_after_s)
     app.add_middleware(TracingMiddleware)
     return app

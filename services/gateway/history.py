@@ -51,6 +51,8 @@ def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
         out["tool_calls"] = [_tool_call(c) for c in out["tool_calls"]]
     else:
         out.pop("tool_calls", None)
+        if out.get("role") == "assistant" and out.get("content") is None:
+            out["content"] = ""  # content null without tool calls (as responses carry it)
     reasoning = out.pop("reasoning", None)
     if out.get("reasoning_content") is None:
         out.pop("reasoning_content", None)

@@ -2,7 +2,9 @@
 
 Rules: FlotillaError answers its own status; unknown routes and methods answer 404 / 405 in the
 envelope; FastAPI's 422 never appears (request validation failures are 400); anything else is a
-bug and answers 500 with the envelope, logged with its traceback.
+bug and answers 500 with the envelope, logged with its traceback. An error whose ErrorInfo
+carries `retry_after_s` (overload: 429 / 503 from the gateway, the tokenizer or an engine)
+answers with a `Retry-After` header in whole seconds, rounded up.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from libs.common.errors import FlotillaError, envelope, internal, invalid_request
+from libs.common.errors import (
+    FlotillaError,
+    envelope,
+    internal,
+    invalid_request,
+    retry_after_header,
+)
 from libs.common.messages import ErrorInfo
 from services.gateway.validation import param_path
 
@@ -22,7 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def error_response(exc: FlotillaError) -> JSONResponse:
-    return JSONResponse(envelope(exc.info), status_code=exc.status)
+    retry_after = retry_after_header(exc.info)
+    return JSONResponse(envelope(exc.info), status_code=exc.status,
+                        headers={"Retry-After": retry_after} if retry_after else None)
 
 
 async def _flotilla(_: Request, exc: Exception) -> JSONResponse:

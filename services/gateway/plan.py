@@ -2,7 +2,10 @@
 
 Rules:
 - Choice `i` (of `n`, and of each prompt of a list-prompt completion: index = prompt * n + j)
-  becomes one TextRequest with request_id `f"{rid}-{i}"` and, when seeded, seed `seed + i`.
+  becomes one TextRequest with request_id `f"{rid}-{i}"` and, when seeded, seed
+  `(seed + i) mod 2^63`: clients may send any int64 seed (OpenAI does), the engine takes
+  [0, 2^63).
+- `stream_options` without `stream: true` is ignored, as OpenAI does.
 - Only values the schema already accepted arrive here; this module checks what a static schema
   cannot (the server's `max_n`, option combinations) and maps every name clients use onto
   TextRequest / SamplingOptions (docs/api_compatibility.md lists each field's fate):
@@ -31,6 +34,7 @@ from services.gateway.history import normalize_messages
 from services.gateway.structured import structured_output
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+SEED_MODULUS = 2**63  # the engine's seeds are in [0, 2^63)
 ReasoningField = Literal["reasoning_content", "reasoning", "both"]
 # OpenAI's efforts above `high` ask for the most this server has: `high`'s budget.
 _EFFORT = {"xhigh": "high", "max": "high"}
@@ -137,7 +141,7 @@ def sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
 def _seeded(base: SamplingOptions, i: int) -> SamplingOptions:
     if base.seed is None:
         return base
-    return base.model_copy(update={"seed": base.seed + i})
+    return base.model_copy(update={"seed": (base.seed + i) % SEED_MODULUS})
 
 
 def _options(body: dict[str, Any]) -> dict[str, Any]:
@@ -254,9 +258,6 @@ def completion_plan(body: dict[str, Any], max_n: int, rid: str | None = None) ->
 
 def _include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
-    if options is None:
+    if options is None or not body.get("stream"):
         return False
-    if not body.get("stream"):
-        raise invalid_request("`stream_options` is only allowed when `stream` is true.",
-                              param="stream_options")
     return bool(options.get("include_usage"))

@@ -1,7 +1,10 @@
 """HTTP handlers: decode → validate against the spec → plan → run on the bus → encode.
 
 Rules:
-- Every body is validated against the operation's schema in the spec before anything else.
+- Every body is read with a cap, parsed with a depth bound (limits.py) and validated against the
+  operation's schema in the spec before anything else; sizes the schema cannot bound come next.
+- Every generation request has a deadline (overload.py): each choice's TextRequest carries it,
+  and the gateway's readers end the response when it passes.
 - Errors before the first response byte (bad input, unknown model, refused admission, no
   tokenizer) are HTTP errors in the envelope; a stream that fails later ends with an error event.
 - A client that goes away (streaming or not, even during admission) gets its choices cancelled.
@@ -10,7 +13,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -18,9 +20,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from libs.common.deadline import Deadline
 from libs.common.errors import internal, invalid_request, unavailable
 from services.gateway.chunks import chunk_builder
 from services.gateway.functions import from_legacy
+from services.gateway.limits import check_schema_sizes, parse_json, read_body
+from services.gateway.overload import request_timeout
 from services.gateway.plan import Plan, chat_plan, completion_plan
 from services.gateway.results import chat_completion, collect, text_completion
 from services.gateway.sse import EventStream, sse_events
@@ -42,14 +47,22 @@ def gateway(request: Request) -> GatewayState:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        raise invalid_request("The request body is empty; expected a JSON object.")
+async def read_json(request: Request, deadline: Deadline | None = None) -> Any:
+    """The parsed body, within the size and depth limits; a body still arriving when the
+    request's deadline (by default its own: `request_deadline`) passes is a 504."""
+    settings = gateway(request).settings
+    deadline = deadline or request_deadline(request)
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid_request(f"The request body is not valid JSON: {exc}.") from exc
+        async with asyncio.timeout(deadline.remaining()):
+            raw = await read_body(request, settings.max_body_bytes)
+    except TimeoutError:
+        raise deadline.error() from None
+    return parse_json(raw, settings.max_json_depth)
+
+
+def request_deadline(request: Request) -> Deadline:
+    """When this request must be finished: `X-Request-Timeout`, else the server's default."""
+    return Deadline.after(request_timeout(request.headers, gateway(request).settings))
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -88,11 +101,13 @@ async def unless_disconnected(request: Request, work: Awaitable[T], streams: Cho
         watcher.cancel()
 
 
-async def generate(request: Request, plan: Plan) -> Response:
+async def generate(request: Request, plan: Plan, deadline: Deadline) -> Response:
     gw = gateway(request)
+    for req in plan.requests:
+        req.deadline = deadline.at
     streams = ChoiceStreams(gw.bus, plan.requests,
                             admission_timeout_s=gw.settings.request_timeout_s,
-                            stream_timeout_s=gw.settings.heartbeat_timeout_s)
+                            stream_timeout_s=gw.settings.heartbeat_timeout_s, deadline=deadline)
     created = int(time.time())
     try:
         await unless_disconnected(request, streams.start(), streams)
@@ -116,8 +131,10 @@ async def generate(request: Request, plan: Plan) -> Response:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     gw = gateway(request)
-    body = await read_json(request)
+    deadline = request_deadline(request)
+    body = await read_json(request, deadline)
     gw.spec.validate("createChatCompletion", body)
+    check_schema_sizes(body, gw.settings.max_schema_bytes)
     await gw.require_model(body["model"])
     body = from_legacy(body)
     tools = await gw.tools.tools_for(body)
@@ -126,16 +143,19 @@ async def create_chat_completion(request: Request) -> Response:
 
         return await complete_with_mcp(request, body)
     return await generate(request, chat_plan(body, tools, gw.settings.max_n,
-                                             reasoning_field=gw.settings.reasoning_field))
+                                             reasoning_field=gw.settings.reasoning_field),
+                          deadline)
 
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     gw = gateway(request)
-    body = await read_json(request)
+    deadline = request_deadline(request)
+    body = await read_json(request, deadline)
     gw.spec.validate("createCompletion", body)
+    check_schema_sizes(body, gw.settings.max_schema_bytes)
     await gw.require_model(body["model"])
-    return await generate(request, completion_plan(body, gw.settings.max_n))
+    return await generate(request, completion_plan(body, gw.settings.max_n), deadline)
 
 
 @router.get("/v1/models")

@@ -6,6 +6,8 @@ Rules:
   the real port, also when configured as 0); a port in use fails `start()` with OSError. With
   `reuse_port` (a worker of several: services/gateway/workers.py) it binds with SO_REUSEPORT,
   beside its sibling workers on the same port.
+- HTTP/1.1 is uvicorn's httptools protocol with bounds on the request head (http_protocol.py:
+  `max_header_bytes`, `max_headers`; 431 and the connection closed beyond them).
 - uvicorn's own signal handling is off: the process owner (`run_forever`, or a test) decides
   when to `stop()`. Open streams get `shutdown_grace_s` to finish, then are cut.
 """
@@ -27,6 +29,7 @@ from libs.common.service import Announcer, instance_id
 from libs.common.settings import GatewaySettings
 from libs.common.store import Store, make_store
 from services.gateway.app import GatewayState, create_app
+from services.gateway.http_protocol import limited_protocol
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,9 @@ class GatewayService:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, lifespan="off", log_level=self.settings.log_level.lower(),
                                 timeout_graceful_shutdown=self.shutdown_grace_s,
-                                access_log=False)
+                                access_log=False,
+                                http=limited_protocol(self.settings.max_header_bytes,
+                                                      self.settings.max_headers))
         self._server = _EmbeddedServer(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:

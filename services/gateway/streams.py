@@ -10,6 +10,9 @@ Rules:
   every unfinished choice and raises FlotillaError. Several choices are merged through one pump
   task per reader; a single choice (the common case) is read directly, one task wake-up less
   per frame.
+- `deadline` (optional): admission waits and every stream read stop when it passes; the
+  request then fails with 504 `deadline_exceeded` and every unfinished choice is cancelled
+  (reason `deadline`), whatever the tokenizer and engine do on their side.
 - Cancels are published from tasks of their own (`Bus.spawn`), so they go out even while the
   caller is being cancelled (client disconnect). `close()` may be called any number of times.
 """
@@ -23,6 +26,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from libs.common import subjects
 from libs.common.bus import Bus, StreamReader
+from libs.common.deadline import Deadline
 from libs.common.errors import FlotillaError, internal
 from libs.common.messages import (
     Admission,
@@ -53,9 +57,10 @@ async def _outcome(work: Awaitable[None]) -> BaseException | None:
 
 class ChoiceStreams:
     def __init__(self, bus: Bus, requests: list[TextRequest], admission_timeout_s: float,
-                 stream_timeout_s: float):
+                 stream_timeout_s: float, deadline: Deadline | None = None):
         self.bus, self.requests = bus, requests
         self.admission_timeout_s, self.stream_timeout_s = admission_timeout_s, stream_timeout_s
+        self.deadline = deadline
         self._readers: dict[int, StreamReader[TextDelta, TextFinal]] = {}
         self._unfinished: set[int] = set()
         self._pumps: list[asyncio.Task[Any]] = []
@@ -68,10 +73,23 @@ class ChoiceStreams:
     async def _admit(self, index: int) -> None:
         req = self.requests[index]
         self._readers[index] = await self.bus.open_reader(req.stream_subject, TextFrame,
-                                                          timeout=self.stream_timeout_s)
+                                                          timeout=self.stream_timeout_s,
+                                                          deadline=self.deadline)
         self._unfinished.add(index)  # from here on the tokenizer may hold it: cancel on failure
-        reply = await self.bus.request(subjects.tokenizer_generate(req.model), req, Admission,
-                                       timeout=self.admission_timeout_s)
+        timeout, by_deadline = self.admission_timeout_s, False
+        if self.deadline is not None:
+            left = self.deadline.remaining()
+            if left <= 0:
+                raise self.deadline.error()
+            timeout, by_deadline = min(timeout, left), left < timeout
+        try:
+            reply = await self.bus.request(subjects.tokenizer_generate(req.model), req,
+                                           Admission, timeout=timeout)
+        except FlotillaError as exc:
+            if (by_deadline and self.deadline is not None and exc.status == 503
+                    and self.deadline.remaining() < 0.05):  # timed out, not refused at once
+                raise self.deadline.error() from None
+            raise
         if not reply.accepted:
             self._unfinished.discard(index)
             raise FlotillaError(reply.error) if reply.error else internal(
@@ -129,7 +147,8 @@ class ChoiceStreams:
     def _fail(self, index: int, exc: BaseException) -> NoReturn:
         """Choice `index` failed: cancel every unfinished choice (the failed one too: a silent
         upstream may still hold it, and its KV blocks) and raise FlotillaError."""
-        self.cancel("client_disconnect")
+        late = isinstance(exc, FlotillaError) and exc.info.code == "deadline_exceeded"
+        self.cancel("deadline" if late else "client_disconnect")
         if isinstance(exc, FlotillaError):
             raise exc
         raise internal(f"stream of choice {index} failed: {exc!r}") from exc

@@ -31,6 +31,7 @@ from libs.common.messages import (
 from services.gateway.history import normalize_messages
 from services.gateway.plan import generation_prompt, new_request_id
 from services.gateway.registry import ModelInfo
+from services.gateway.limits import check_schema_sizes
 from services.gateway.routes import gateway, read_json
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ async def tokenize(request: Request) -> Response:
     gw = gateway(request)
     body = await read_json(request)
     gw.spec.validate("tokenize", body)
+    check_schema_sizes(body, gw.settings.max_schema_bytes)
     info = await _served(gw, body)
     want_strs = bool(body.get("return_token_strs"))
     token_strs = None

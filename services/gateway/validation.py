@@ -72,7 +72,12 @@ def pick(errors: Sequence[ValidationError]) -> ValidationError:
                       if not (e.validator in ("type", "required") and not e.relative_path)]
         if not candidates or all(e.validator == "type" for e in candidates):
             break
-        best = min(candidates, key=relevance)
+        # A type error inside a branch (an item of the wrong kind) says the value is of
+        # another branch's shape; the other errors say what is wrong with it.
+        precise = [e for e in candidates if e.validator != "type"] or candidates
+        if len({e.relative_schema_path[0] for e in precise}) > 1 and _custom(best):
+            break  # the value fits several branches' shapes: the schema's own words say it
+        best = min(precise, key=relevance)
     return best
 
 
@@ -140,3 +145,46 @@ def _len(value: Any) -> int:
 def describe(errors: Sequence[ValidationError]) -> FlotillaError:
     message, param = message_for(pick(errors))
     return invalid_request(message, param=param)
+
+
+_COMPILED_BOUNDS = {
+    "MaxItems": "expected at most {limit} item(s), got {size}",
+    "MinItems": "expected at least {limit} item(s), got {size}",
+    "MaxLength": "expected at most {limit} character(s), got {size}",
+    "MinLength": "expected at least {limit} character(s), got {size}",
+    "Maximum": "{value} is above the maximum of {limit}",
+    "Minimum": "{value} is below the minimum of {limit}",
+    "ExclusiveMaximum": "{value} must be less than {limit}",
+    "ExclusiveMinimum": "{value} must be greater than {limit}",
+}
+
+
+def describe_compiled(error: Any, instance: Any, schema: Any) -> FlotillaError:
+    """The 400 for a compiled validator's (jsonschema_rs) error, in the same words as
+    `message_for`: `instance` is the refused value, `schema` the subschema that refused it."""
+    param = param_path(error.instance_path)
+    where = f"`{param}`" if param else "the request body"
+    kind = type(error.kind).__name__
+    if kind == "AdditionalProperties":
+        names = [param_path([*error.instance_path, k]) or k for k in error.kind.unexpected]
+        listed = ", ".join(f"`{n}`" for n in names)
+        verb = "is" if len(names) == 1 else "are"
+        return invalid_request(f"{listed} {verb} not supported by this server.",
+                               param=names[0] if names else param)
+    if kind == "Required":
+        name = param_path([*error.instance_path, error.kind.property]) or "?"
+        return invalid_request(f"Missing required parameter: `{name}`.", param=name)
+    custom = schema.get("x-error-message") if isinstance(schema, dict) else None
+    if custom:
+        text = str(custom).strip().replace("{param}", param or "body")
+        return invalid_request(text.replace("{value}", _show(instance)), param=param)
+    if kind == "Type":
+        kinds = [str(getattr(t, "name", t)).lower() for t in error.kind.types]
+        expected = " or ".join(_TYPE_NAMES.get(k, k) for k in kinds)
+        return invalid_request(f"Invalid type for {where}: expected {expected}, but got "
+                               f"{json_type(instance)}.", param=param)
+    if kind in _COMPILED_BOUNDS:
+        bound = _COMPILED_BOUNDS[kind].format(limit=error.kind.limit, size=_len(instance),
+                                              value=_show(instance))
+        return invalid_request(f"Invalid value for {where}: {bound}.", param=param)
+    return invalid_request(f"Invalid value for {where}.", param=param)

@@ -2,6 +2,9 @@
 tools service. The tokenizer's behaviour is chosen by the last message (or the prompt):
 
 - "refuse"      → Admission refused with 400 context_length_exceeded
+- "quick"       → "ok" in one delta, stop (no pauses: for request floods)
+- "busy"        → Admission refused with 503, retry_after_s 2.5 (an overloaded engine)
+- "limited"     → Admission refused with 429, retry_after_s 0.2 (a per-client limit)
 - "slow"        → one word every 0.1 s until cancelled (200 words at most)
 - "die"         → one word, then silence (no frames, no heartbeats): a dead upstream
 - "error"       → one word, then an error frame (503)
@@ -125,6 +128,11 @@ class FakeTokenizer:
         self.requests.append(req)
         self.trace_ids[req.request_id] = trace.get_current_span().get_span_context().trace_id
         scenario = _scenario(req)
+        if scenario in ("busy", "limited"):
+            status, retry = (503, 2.5) if scenario == "busy" else (429, 0.2)
+            return Admission(request_id=req.request_id, accepted=False, error=ErrorInfo(
+                status=status, type="service_unavailable", code="overloaded",
+                message="the engine's queue is full", retry_after_s=retry))
         if scenario == "refuse":
             return Admission(request_id=req.request_id, accepted=False, error=ErrorInfo(
                 status=400, type="invalid_request_error", param="messages",
@@ -165,6 +173,10 @@ class FakeTokenizer:
             return
         if scenario == "json":
             await writer.data(TextDelta(text='{"a": 1}'))
+            await writer.final(TextFinal(finish_reason="stop", usage=usage))
+            return
+        if scenario == "quick":
+            await writer.data(TextDelta(text="ok"))
             await writer.final(TextFinal(finish_reason="stop", usage=usage))
             return
         if scenario == "think":

@@ -7,7 +7,9 @@ import httpx
 import pytest
 import yaml
 
-from services.gateway.spec import find_spec
+from services.gateway.limits import spec_limits
+from services.gateway.service import GatewayService
+from services.gateway.spec import apply_limits, find_spec
 from tests.gateway.conftest import chat
 from tests.gateway.fakes import FakeTokenizer
 from tests.gateway.schemas import validate_openai, validate_ours
@@ -247,9 +249,6 @@ BAD_CHAT = [
         "tools": [{"type": "function", "function": {"name": "a"}}],
         "tool_choice": {"type": "function", "function": {"name": "b"}}}, 400,
      "tool_choice.function.name", None, "not among the tools"),
-    ("stream_options without stream", {"model": "M", "messages": [
-        {"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, 400,
-     "stream_options", None, "only allowed"),
     ("unknown model", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404,
      "model", "model_not_found", "nope"),
 ]
@@ -277,7 +276,8 @@ BAD_COMPLETIONS = [
     ("logit_bias key", {"logit_bias": {"a": 1}}, "logit_bias", "token ids"),
     ("best_of", {"best_of": 2}, "best_of", "not supported"),
     ("logprobs range", {"logprobs": 6}, "logprobs", "maximum of 5"),
-    ("mixed prompt", {"prompt": [1, "a"]}, "prompt", "must be a string"),
+    ("mixed prompt", {"prompt": [1, "a"]}, "prompt[1]", "expected an integer"),
+    ("prompt of another type", {"prompt": {"text": "a"}}, "prompt", "must be a non-empty string"),
     ("empty prompt list", {"prompt": []}, "prompt", "at least 1"),
 ]
 
@@ -308,10 +308,16 @@ async def test_unknown_route_and_method_use_the_envelope(client: httpx.AsyncClie
     assert "POST" in r.headers.get("allow", "")
 
 
-async def test_openapi_json_is_the_spec_file(client: httpx.AsyncClient) -> None:
+async def test_openapi_json_is_the_spec_file(client: httpx.AsyncClient,
+                                             gateway: GatewayService) -> None:
     r = await client.get("/openapi.json")
     assert r.status_code == 200
-    assert r.json() == yaml.safe_load(find_spec().read_text())
+    document = yaml.safe_load(find_spec().read_text())
+    apply_limits(document, spec_limits(gateway.settings))  # the running server's bounds
+    assert r.json() == document
+    schemas = r.json()["components"]["schemas"]
+    assert schemas["ChoiceCount"]["maximum"] == gateway.settings.max_n == 4
+    assert "at most 16 non-empty" in schemas["Stop"]["x-error-message"]
     assert r.json()["paths"]["/v1/chat/completions"]["post"]["operationId"] == \
         "createChatCompletion"
     assert (await client.get("/docs")).status_code == 404

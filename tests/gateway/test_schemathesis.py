@@ -1,0 +1,136 @@
+"""schemathesis against the spec the gateway serves, on the real gateway (uvicorn, real NATS, the
+fake tokenizer): every operation, positive and negative data, a few hundred examples each.
+
+What must hold for every generated request:
+- no server error (5xx), and the status code, content type and body are what the spec says
+  (schemathesis' own checks: the spec is the independent contract here);
+- positive data is accepted: a 4xx is allowed only for the rules the spec states in prose
+  because JSON Schema cannot (`DOCUMENTED_RULES`), answered with a 400 naming that parameter;
+- negative data is refused with a 4xx;
+- every response body and SSE event we send also validates against the official OpenAI spec.
+
+The served model name is pinned into generated bodies (else nearly every case would be a
+correct 404). Examples are derandomized (the same cases every run) and not shrunk, so the
+run is bounded in time; `EXAMPLES` sets how many per operation and mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+import requests
+
+from services.gateway.service import GatewayService
+from tests.gateway.fakes import FakeTokenizer
+from tests.gateway.schemas import validate_completion_chunk, validate_openai
+
+schemathesis = pytest.importorskip("schemathesis")
+hypothesis = pytest.importorskip("hypothesis")
+
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.generation import GenerationMode  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+EXAMPLES = {"POST": 150, "GET": 30}
+# Rules the spec states in its descriptions (JSON Schema cannot express them): a request the
+# schema accepts may still get a 400 naming one of these parameters.
+DOCUMENTED_RULES = {"tool_choice", "tool_choice.function.name"}
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+          response_schema_conformance, negative_data_rejection]
+
+
+def _pin_model(case: Any, model: str) -> None:
+    body = case.body
+    if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"]:
+        body["model"] = model  # a non-empty string stays valid: a negative case stays negative
+    if case.path_parameters and "model" in case.path_parameters:
+        case.path_parameters["model"] = model
+
+
+def _content_type(response: Any) -> str:
+    value = response.headers.get("content-type") or ""
+    return str(value[0] if isinstance(value, list) else value)
+
+
+def _check_against_openai(case: Any, response: Any) -> None:
+    path = case.operation.path
+    if response.status_code >= 400:
+        if _content_type(response).startswith("application/json"):
+            validate_openai("ErrorResponse", response.json())
+        return
+    if path not in ("/v1/chat/completions", "/v1/completions"):
+        return
+    if _content_type(response).startswith("text/event-stream"):
+        events = [line[len("data: "):] for line in response.text.splitlines()
+                  if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", events[-3:]
+        for event in events[:-1]:
+            payload = json.loads(event)
+            if "error" in payload:
+                validate_openai("ErrorResponse", payload)
+            elif path == "/v1/chat/completions":
+                validate_openai("CreateChatCompletionStreamResponse", payload)
+            else:
+                validate_completion_chunk(payload)
+        return
+    name = ("CreateChatCompletionResponse" if path == "/v1/chat/completions"
+            else "CreateCompletionResponse")
+    validate_openai(name, response.json())
+
+
+def _run_operation(operation: Any, mode: Any, base_url: str, model: str,
+                   failures: list[str]) -> None:
+    session = requests.Session()
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=EXAMPLES.get(operation.method.upper(), 40), deadline=None,
+              derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def run(case: Any) -> None:
+        _pin_model(case, model)
+        response = case.call(base_url=base_url, session=session, timeout=15)
+        try:
+            case.validate_response(response, checks=CHECKS)
+            if mode == GenerationMode.POSITIVE and 400 <= response.status_code < 500:
+                error = response.json().get("error", {})
+                assert response.status_code in (404, 400), response.status_code
+                if response.status_code == 400:
+                    assert error.get("param") in DOCUMENTED_RULES, "schema-valid request refused"
+            _check_against_openai(case, response)
+        except BaseException as exc:  # collect, keep going: one report for the whole run
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            body = json.dumps(case.body)[:400] if isinstance(case.body, (dict, list)) else ""
+            failures.append(f"{operation.label} [{mode.value}] {response.status_code} "
+                            f"{response.text[:300]!r}\n  {exc!s:.600}\n  body: {body}")
+
+    try:
+        run()
+    except hypothesis.errors.Unsatisfiable:
+        pass  # no negative data exists for an operation without parameters
+
+
+@pytest.mark.slow
+async def test_schemathesis_finds_no_disagreement(gateway: GatewayService,
+                                                  tokenizer: FakeTokenizer, model: str) -> None:
+    raw = await asyncio.to_thread(requests.get, f"{gateway.url}/openapi.json", timeout=5)
+    schema = schemathesis.openapi.from_dict(raw.json())
+    failures: list[str] = []
+
+    def run_all() -> None:
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                _run_operation(operation, mode, gateway.url, model, failures)
+
+    await asyncio.to_thread(run_all)  # the gateway serves on this event loop meanwhile
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:12])
