@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from libs.common.deadline import Deadline
-from libs.common.errors import internal, invalid_request, unavailable
+from libs.common.errors import internal, unavailable
 from services.gateway.chunks import chunk_builder
 from services.gateway.functions import from_legacy
 from services.gateway.limits import check_schema_sizes, parse_json, read_body

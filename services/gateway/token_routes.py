@@ -29,9 +29,9 @@ from libs.common.messages import (
     TextRequest,
 )
 from services.gateway.history import normalize_messages
+from services.gateway.limits import check_schema_sizes
 from services.gateway.plan import generation_prompt, new_request_id
 from services.gateway.registry import ModelInfo
-from services.gateway.limits import check_schema_sizes
 from services.gateway.routes import gateway, read_json
 
 if TYPE_CHECKING:

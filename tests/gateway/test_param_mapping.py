@@ -126,7 +126,7 @@ NO_EFFECT_COMPLETION: dict[str, Any] = {
 
 
 def _comparable(req: TextRequest) -> dict[str, Any]:
-    return req.model_dump(exclude={"request_id", "stream_subject"})
+    return req.model_dump(exclude={"request_id", "stream_subject", "deadline"})
 
 
 async def test_fields_without_effect_change_nothing(client: httpx.AsyncClient, model: str,
