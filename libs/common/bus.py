@@ -18,6 +18,11 @@ Rules:
   already ready: in a burst of 64 requests each service forwarded the first one only after it
   had taken in all of them, so each hop delivered the burst late and all at once. Stream frames
   keep nats-py's batching (many frames per write).
+- Losing the NATS connection ends every open stream reader at once with a 503 (after the
+  frames it already has): the server drops our subscriptions until we reconnect, so the
+  stream cannot continue, and the client should not wait out the heartbeat timeout for that.
+  nats-py reconnects on its own (every 0.5 s, forever) and restores the subscriptions; the
+  loss and the reconnection are logged once each.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import asyncio
 import contextvars
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, Literal, TypeVar
@@ -78,12 +84,21 @@ class _Client(NATS):
             self._pending_data_size = 0
 
 
+class NoResponders(FlotillaError):
+    """A request found nobody subscribed to its subject (503)."""
+
+
+class NoReply(FlotillaError):
+    """A request got no reply within its timeout (503)."""
+
+
 class Bus:
     """A NATS connection with typed helpers. One per service process."""
 
     def __init__(self, nc: NATS):
         self.nc = nc
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._readers: weakref.WeakSet[StreamReader[Any, Any]] = weakref.WeakSet()
 
     @classmethod
     async def connect(cls, url: str, name: str, write_now: bool = True) -> Bus:
@@ -94,6 +109,7 @@ class Bus:
 
         nc = _Client()
         nc.write_now = write_now
+        bus = cls(nc)
         await nc.connect(
             servers=[u.strip() for u in url.split(",")],
             name=name,
@@ -102,8 +118,28 @@ class Bus:
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,  # type: ignore[arg-type]
             error_cb=on_error,
+            disconnected_cb=bus._on_disconnected,
+            reconnected_cb=bus._on_reconnected,
         )
-        return cls(nc)
+        return bus
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.nc.is_connected)
+
+    async def _on_disconnected(self) -> None:
+        if self.nc.is_closed:  # our own close()
+            return
+        readers = list(self._readers)
+        log.warning("lost the NATS connection; reconnecting (%d open streams end now)",
+                    len(readers))
+        for reader in readers:
+            reader.fail(unavailable("the connection to the message bus (NATS) was lost; "
+                                    "the stream cannot continue"))
+
+    async def _on_reconnected(self) -> None:
+        log.warning("NATS connection restored (%s)", self.nc.connected_url.netloc
+                    if self.nc.connected_url else "")
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -132,9 +168,11 @@ class Bus:
             reply = await self.nc.request(subject, encode(msg), timeout=timeout,
                                           headers=telemetry.inject_headers() or None)
         except NoRespondersError as exc:
-            raise unavailable(f"no service is serving {subject.split('.', 2)[-1]}") from exc
+            raise NoResponders(unavailable(
+                f"no service is serving {subject.split('.', 2)[-1]}").info) from exc
         except (TimeoutError, NatsTimeoutError) as exc:
-            raise unavailable(f"no reply on {subject} within {timeout:.1f}s") from exc
+            raise NoReply(unavailable(
+                f"no reply on {subject} within {timeout:.1f}s").info) from exc
         finally:
             _WRITE_NOW.reset(now)
         return decode(reply.data, reply_cls)
@@ -184,6 +222,7 @@ class Bus:
                           timeout: float) -> StreamReader[D, F]:
         reader: StreamReader[D, F] = StreamReader(frame_cls, timeout)
         reader.sub = await self.nc.subscribe(subject, cb=reader.deliver)
+        self._readers.add(reader)
         return reader
 
     def writer(self, subject: str, request_id: str, frame_cls: type[StreamFrame[D, F]],
@@ -259,6 +298,7 @@ class StreamReader(Generic[D, F]):
         self._done = False
         self._inbox: deque[bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._failure: FlotillaError | None = None
 
     async def deliver(self, msg: Msg) -> None:
         self._inbox.append(msg.data)
@@ -266,8 +306,20 @@ class StreamReader(Generic[D, F]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def fail(self, error: FlotillaError) -> None:
+        """End the stream with `error` once the frames already received are read (the bus
+        lost its connection: nothing more can arrive)."""
+        if self._done or self._failure is not None:
+            return
+        self._failure = error
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+
     async def _receive(self) -> bytes:
         if not self._inbox:
+            if self._failure is not None:
+                raise self._failure
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
             timer = loop.call_later(self.timeout, _expire, waiter)

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from libs.common.bus import Bus
-from libs.common.errors import model_not_found, unavailable
+from libs.common.errors import FlotillaError, model_not_found, unavailable
 from libs.common.settings import GatewaySettings
 from libs.common.store import Store
 from services.gateway import http_errors
+from services.gateway.health import router as health_router
 from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.routes import router
 from services.gateway.spec import Spec
@@ -49,7 +50,9 @@ class GatewayState:
         """The served model, else 404; 503 when the registry itself cannot be read."""
         try:
             info = await self.registry.get(model)
-        except Exception as exc:  # e.g. Redis unreachable
+        except FlotillaError:  # an unreachable store: 503 with Retry-After, named
+            raise
+        except Exception as exc:
             raise unavailable(f"the model registry is unavailable: {exc}") from exc
         if info is None:
             raise model_not_found(model)
@@ -66,5 +69,6 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
         ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s))
     http_errors.install(app)
     app.include_router(router)
+    app.include_router(health_router)
     app.add_middleware(TracingMiddleware)
     return app

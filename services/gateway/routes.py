@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from libs.common import subjects
-from libs.common.errors import FlotillaError, internal, invalid_request, unavailable
+from libs.common.errors import FlotillaError, internal, invalid_request
 from libs.common.messages import RenderReply, TextRequest
 from services.gateway.chunks import chunk_builder
 from services.gateway.plan import (
@@ -176,17 +176,6 @@ async def list_models(request: Request) -> Response:
 async def retrieve_model(request: Request, model: str) -> Response:
     info = await _gateway(request).require_model(model)
     return JSONResponse(info.openai())
-
-
-@router.get("/health")
-async def health(request: Request) -> Response:
-    view = await _gateway(request).registry.health()
-    if not view.ready:
-        if view.models_without_engine:
-            waiting = ", ".join(view.models_without_engine)
-            raise unavailable(f"not ready: no live engine serves {waiting} yet")
-        raise unavailable("not ready: no live tokenizer and engine serve any model yet")
-    return JSONResponse({"status": "ok", "models": view.ready, "services": view.services})
 
 
 @router.get("/openapi.json")

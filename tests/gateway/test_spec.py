@@ -12,6 +12,7 @@ import yaml
 
 from libs.common.errors import FlotillaError
 from services.gateway import spec as spec_module
+from services.gateway.health import router as health_router
 from services.gateway.routes import router
 from services.gateway.spec import Spec, find_spec
 from tests.gateway.schemas import OFFICIAL_SPEC, validate_openai
@@ -71,7 +72,8 @@ def test_missing_spec_names_the_path(tmp_path: Path) -> None:
 
 def test_every_spec_operation_is_routed(spec: Spec) -> None:
     routed = {(getattr(route, "path", "").replace(":path", ""), method.lower())
-              for route in router.routes for method in getattr(route, "methods", ())}
+              for route in [*router.routes, *health_router.routes]
+              for method in getattr(route, "methods", ())}
     documented = {(path, method) for path, item in spec.document["paths"].items()
                   for method in item if method in ("get", "post")}
     assert documented <= routed
