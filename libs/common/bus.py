@@ -22,7 +22,7 @@ Rules:
   frames it already has): the server drops our subscriptions until we reconnect, so the
   stream cannot continue, and the client should not wait out the heartbeat timeout for that.
   nats-py reconnects on its own (every 0.5 s, forever) and restores the subscriptions; the
-  loss and the reconnection are logged once each.
+  loss, the first failed attempt (not each one) and the reconnection are logged once each.
 """
 
 from __future__ import annotations
@@ -99,14 +99,12 @@ class Bus:
         self.nc = nc
         self._tasks: set[asyncio.Task[Any]] = set()
         self._readers: weakref.WeakSet[StreamReader[Any, Any]] = weakref.WeakSet()
+        self._last_error = ""
 
     @classmethod
     async def connect(cls, url: str, name: str, write_now: bool = True) -> Bus:
         """`write_now`: requests and replies go to the socket when published (see the module
         notes); False leaves every write to nats-py's flusher."""
-        async def on_error(exc: Exception) -> None:
-            log.warning("nats: %s", exc)
-
         nc = _Client()
         nc.write_now = write_now
         bus = cls(nc)
@@ -117,7 +115,7 @@ class Bus:
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,  # type: ignore[arg-type]
-            error_cb=on_error,
+            error_cb=bus._on_error,
             disconnected_cb=bus._on_disconnected,
             reconnected_cb=bus._on_reconnected,
         )
@@ -126,6 +124,15 @@ class Bus:
     @property
     def connected(self) -> bool:
         return bool(self.nc.is_connected)
+
+    async def _on_error(self, exc: Exception) -> None:
+        # every reconnect attempt fails the same way while the server is away: say it once
+        text = str(exc) or type(exc).__name__
+        if text != self._last_error:
+            self._last_error = text
+            log.warning("nats: %s", text)
+        else:
+            log.debug("nats: %s", text)
 
     async def _on_disconnected(self) -> None:
         if self.nc.is_closed:  # our own close()
@@ -138,6 +145,7 @@ class Bus:
                                     "the stream cannot continue"))
 
     async def _on_reconnected(self) -> None:
+        self._last_error = ""
         log.warning("NATS connection restored (%s)", self.nc.connected_url.netloc
                     if self.nc.connected_url else "")
 

@@ -1,7 +1,8 @@
 """A stand-in for a flotilla service, for launcher tests: `python -m tests.launcher.standin_service
-NAME`. It reads the same FLOTILLA_* settings as the real service; "gateway" answers GET /health on
-FLOTILLA_HOST:FLOTILLA_PORT, the others announce themselves and answer health on NATS (as the real
-services do through libs.common.service)."""
+NAME`. It reads the same FLOTILLA_* settings as the real service; "gateway" answers any GET (the
+launcher asks /ready) on FLOTILLA_HOST:FLOTILLA_PORT with 200 while its NATS connection is up and
+503 while it is not, as the real gateway's /ready does; the others announce themselves and answer
+health on NATS (as the real services do through libs.common.service)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from libs.common.settings import CommonSettings, GatewaySettings
 
 class StandIn:
     def __init__(self, name: str, settings: CommonSettings, bus: Bus):
-        self.name, self.settings = name, settings
+        self.name, self.settings, self.bus = name, settings, bus
         instance = instance_id(name)
         self.announcer = Announcer(bus, name, instance, settings.discovery_interval_s,
                                    lambda: Announcement(service=name, instance=instance))
@@ -30,7 +31,13 @@ class StandIn:
 
     async def _health(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        if self.bus.connected:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        else:
+            body = b'{"reasons": ["the gateway\'s NATS connection is down (reconnecting)"]}'
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                         % (len(body), body))
         await writer.drain()
         writer.close()
 
