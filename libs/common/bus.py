@@ -137,12 +137,10 @@ class Bus:
     async def _on_disconnected(self) -> None:
         if self.nc.is_closed:  # our own close()
             return
-        readers = list(self._readers)
-        log.warning("lost the NATS connection; reconnecting (%d open streams end now)",
-                    len(readers))
-        for reader in readers:
-            reader.fail(unavailable("the connection to the message bus (NATS) was lost; "
-                                    "the stream cannot continue"))
+        error = unavailable("the connection to the message bus (NATS) was lost; the stream "
+                            "cannot continue")
+        ended = sum(reader.fail(error) for reader in list(self._readers))
+        log.warning("lost the NATS connection; reconnecting (%d open streams end now)", ended)
 
     async def _on_reconnected(self) -> None:
         self._last_error = ""
@@ -314,15 +312,16 @@ class StreamReader(Generic[D, F]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def fail(self, error: FlotillaError) -> None:
+    def fail(self, error: FlotillaError) -> bool:
         """End the stream with `error` once the frames already received are read (the bus
-        lost its connection: nothing more can arrive)."""
+        lost its connection: nothing more can arrive). False if it had already ended."""
         if self._done or self._failure is not None:
-            return
+            return False
         self._failure = error
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(error)
+        return True
 
     async def _receive(self) -> bytes:
         if not self._inbox:

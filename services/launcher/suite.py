@@ -257,15 +257,17 @@ class Suite:
             self.state.ready, self.state.reasons = verdict.ready, reasons
             self.write_state()
         now = time.monotonic()
-        label = "not ready" if self.state.serving else "waiting"
+        # while starting, waiting is expected (info); once serving, not ready is news (warning)
+        level, label = ((logging.WARNING, "not ready") if self.state.serving
+                        else (logging.INFO, "waiting"))
         if reasons != self._said:
             if reasons:
-                log.warning("%s: %s", label, "; ".join(reasons))
+                log.log(level, "%s: %s", label, "; ".join(reasons))
             elif self._said and self.state.serving:
                 log.info("ready again")
             self._said, self._said_at = reasons, now
         elif reasons and now - self._said_at >= self.options.remind_s:
-            log.warning("still %s: %s", label, "; ".join(reasons))
+            log.log(level, "still %s: %s", label, "; ".join(reasons))
             self._said_at = now
 
     def write_state(self) -> None:

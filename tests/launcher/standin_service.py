@@ -12,15 +12,22 @@ import sys
 from libs.common.bus import Bus
 from libs.common.messages import Announcement
 from libs.common.service import Announcer, instance_id, run_forever
-from libs.common.settings import CommonSettings, GatewaySettings
+from libs.common.settings import (
+    CommonSettings,
+    EngineSettings,
+    GatewaySettings,
+    TokenizerSettings,
+)
 
 
 class StandIn:
     def __init__(self, name: str, settings: CommonSettings, bus: Bus):
         self.name, self.settings, self.bus = name, settings, bus
         instance = instance_id(name)
+        model = getattr(settings, "served_model_name", None)
         self.announcer = Announcer(bus, name, instance, settings.discovery_interval_s,
-                                   lambda: Announcement(service=name, instance=instance))
+                                   lambda: Announcement(service=name, instance=instance,  # type: ignore[arg-type]
+                                                        model=model))
         self.http: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -49,7 +56,9 @@ class StandIn:
 
 def main() -> None:
     name = sys.argv[1]
-    settings = GatewaySettings() if name == "gateway" else CommonSettings()
+    kinds: dict[str, type[CommonSettings]] = {
+        "gateway": GatewaySettings, "tokenizer": TokenizerSettings, "engine": EngineSettings}
+    settings = kinds.get(name, CommonSettings)()
     run_forever(name, settings, lambda bus: StandIn(name, settings, bus))
 
 

@@ -21,23 +21,9 @@ from services.launcher.cli import build_parser, main
 from services.launcher.nats_server import NatsServer, free_port, reachable
 from services.launcher.state import SuiteState
 from services.launcher.suite import SERVICES, SuiteError, SuiteOptions, start_suite
-from services.launcher.supervisor import RestartPolicy
 from tests.launcher.helpers import children, gone, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-STANDINS = {name: [sys.executable, "-m", "tests.launcher.standin_service", name]
-            for name in SERVICES}
-
-
-@pytest.fixture
-def options(tmp_path, monkeypatch) -> SuiteOptions:
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    model = tmp_path / "tiny-model.gguf"
-    model.write_bytes(b"")
-    return SuiteOptions(
-        model=str(model), port=0, nats_url=f"nats://127.0.0.1:{free_port()}",  # nothing there
-        state_file=tmp_path / "state.json", start_timeout_s=60, stop_grace_s=5,
-        restart=RestartPolicy(min_backoff_s=0.1), commands=dict(STANDINS))
 
 
 def test_suite_starts_restarts_and_stops_cleanly(options) -> None:
