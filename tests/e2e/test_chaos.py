@@ -97,16 +97,19 @@ async def serves(http: httpx.AsyncClient) -> bool:
 
 
 async def until_ready_and_serving(suite: SuiteHandle, http: httpx.AsyncClient,
-                                  timeout: float) -> None:
-    """Poll /ready; the first 200 must be true: a request sent right then succeeds."""
+                                  timeout: float) -> list[str]:
+    """Poll /ready; the first 200 must be true: a request sent right then succeeds. Returns
+    the last reasons /ready gave before it."""
     deadline = time.monotonic() + timeout
+    last: list[str] = []
     while time.monotonic() < deadline:
         code, reasons = await ready(http)
         if code == 200:
             assert await serves(http), "/ready said 200 but a request failed"
-            return
+            return last
+        last = reasons or [str(code)]
         await asyncio.sleep(0.25)
-    raise AssertionError(f"not ready within {timeout:g}s: {reasons} {suite.state()}")
+    raise AssertionError(f"not ready within {timeout:g}s: {last} {suite.state()}")
 
 
 async def check_status_is_true(suite: SuiteHandle, http: httpx.AsyncClient) -> bool:
@@ -134,7 +137,7 @@ async def test_fault_ends_every_stream_and_the_suite_recovers(suite: SuiteHandle
         flowing = [asyncio.Event() for _ in range(STREAMS)]
         tasks: list[asyncio.Task[Outcome]] = []
         if case.streams:
-            body = {**STORY, "max_tokens": 400 if case.in_path else 48}
+            body = {**STORY, "max_tokens": 400 if case.in_path else 16}
             tasks = [asyncio.create_task(stream_chat(
                 http, {**body, "seed": i}, stall_s=60, on_token=lambda n, e=flowing[i]: (
                     e.set() if n >= 2 else None))) for i in range(STREAMS)]
@@ -144,13 +147,14 @@ async def test_fault_ends_every_stream_and_the_suite_recovers(suite: SuiteHandle
         os.kill(pid, case.sig)
         try:
             # /ready (or the gateway itself) says not ready within the bound, and stays so
-            flipped = None
+            flipped = None  # when the first /ready that said not ready was sent
             samples: list[tuple[float, int | str]] = []
             while time.monotonic() - fault < DETECT_BOUND_S + READY_TIMEOUT_S:
+                sent = time.monotonic() - fault
                 code, _ = await ready(http)
-                samples.append((time.monotonic() - fault, code))
+                samples.append((sent, code))
                 if code != 200 and flipped is None:
-                    flipped = time.monotonic() - fault
+                    flipped = sent
                 if flipped is not None and (case.sig == signal.SIGKILL or
                                             time.monotonic() - fault > DETECT_BOUND_S):
                     break
@@ -179,7 +183,7 @@ async def test_fault_ends_every_stream_and_the_suite_recovers(suite: SuiteHandle
         else:
             assert all(o.kind == "finished" for o in outcomes), outcomes  # not on their path
 
-        await until_ready_and_serving(suite, http, RECOVER_BOUND_S[case.service])
+        last = await until_ready_and_serving(suite, http, RECOVER_BOUND_S[case.service])
         served = time.monotonic()
         assert await check_status_is_true(suite, http)
         after = suite.state()
@@ -190,4 +194,4 @@ async def test_fault_ends_every_stream_and_the_suite_recovers(suite: SuiteHandle
               f"({', '.join(sorted({o.kind for o in outcomes})) or 'none'}); /ready not ready "
               f"after {flipped:.2f}s; serving again {served - fault:.2f}s after the fault"
               + (f" ({served - resumed:.2f}s after SIGCONT)" if case.sig == signal.SIGSTOP
-                 else ""))
+                 else "") + f"; last not ready because: {'; '.join(last)}")
