@@ -10,7 +10,7 @@ it at the end. Phases, all on loopback with an asyncio + httpx client of closed-
 (each sends a streaming chat completion, reads it to its end, and sends the next; a refused
 worker waits the Retry-After it was given):
 1. saturation: each of --levels for --level-s; output tok/s per level; the saturating
-   concurrency is the first level after which doubling gains less than 10%;
+   concurrency is the smallest level within 10% of the best level's tok/s;
 2. overload: each multiple of it for --duration-s, then every request still open is read to
    its end.
 A phase passes when every request finished with a finish_reason or was refused (429/503)
@@ -88,11 +88,11 @@ async def run_phase(http: httpx.AsyncClient, model: str, name: str, concurrency:
 
 
 def saturation(levels: Sequence[Phase]) -> int:
-    """The first level after which doubling the concurrency gains less than 10% tok/s."""
-    for a, b in zip(levels, levels[1:], strict=False):
-        if b.tokens_per_s < 1.1 * a.tokens_per_s:
-            return a.concurrency
-    return levels[-1].concurrency
+    """The smallest concurrency whose output tok/s is within 10% of the best level's (more
+    streams no longer buy throughput; robust to one noisy level, unlike "the first doubling
+    that gains less than 10%")."""
+    best = max(p.tokens_per_s for p in levels)
+    return min(p.concurrency for p in levels if p.tokens_per_s >= 0.9 * best)
 
 
 def violations(phase: Phase, refusal_bound_s: float) -> list[str]:
@@ -174,7 +174,7 @@ def rss_table(samples: list[tuple[float, dict[str, float]]], rows: int = 12) -> 
     if not samples:
         return ""
     names = list(samples[0][1])
-    step = max(1, len(samples) // rows)
+    step = max(1, -(-len(samples) // rows))
     picked = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
     lines = ["  t (s)  " + "".join(f"{n:>13}" for n in names) + "   (RSS MiB, with children)"]
     for t, rss in picked:
