@@ -88,12 +88,26 @@ async def ready(http: httpx.AsyncClient) -> tuple[int | str, list[str]]:
     return r.status_code, list(r.json().get("reasons", [])) if r.status_code == 503 else []
 
 
-async def serves(http: httpx.AsyncClient) -> bool:
+async def serves(http: httpx.AsyncClient, timeout: float = 30) -> bool:
     try:
-        r = await http.post("/v1/chat/completions", json=SHORT, timeout=30)
+        r = await http.post("/v1/chat/completions", json=SHORT, timeout=timeout)
     except httpx.HTTPError:
         return False
     return r.status_code == 200
+
+
+async def watch_serving(http: httpx.AsyncClient, fault: float) -> tuple[float, float]:
+    """One short request after another from the fault on: (when the first failing one was
+    sent, when the first one after it succeeded), in seconds after the fault."""
+    down = None
+    while True:
+        sent = time.monotonic() - fault
+        ok = await serves(http, timeout=10)
+        if not ok and down is None:
+            down = sent
+        if ok and down is not None:
+            return down, time.monotonic() - fault
+        await asyncio.sleep(0.1)
 
 
 async def until_ready_and_serving(suite: SuiteHandle, http: httpx.AsyncClient,
@@ -124,6 +138,57 @@ async def check_status_is_true(suite: SuiteHandle, http: httpx.AsyncClient) -> b
     return False
 
 
+async def outage(suite: SuiteHandle, http: httpx.AsyncClient, case: Case, pid: int,
+                 fault: float, streams: list[asyncio.Task[Outcome]]) -> tuple[float,
+                                                                          list[Outcome]]:
+    """While the fault lasts: /ready says not ready within the bound and stays so, `flotilla
+    status` tells the truth, every stream ends. Then SIGCONT for a freeze. Returns when the
+    first /ready that said not ready was sent, and the streams' outcomes."""
+    try:
+        flipped = None
+        samples: list[tuple[float, int | str]] = []
+        while time.monotonic() - fault < DETECT_BOUND_S + READY_TIMEOUT_S:
+            sent = time.monotonic() - fault
+            code, _ = await ready(http)
+            samples.append((sent, code))
+            if code != 200 and flipped is None:
+                flipped = sent
+            if flipped is not None and (case.sig == signal.SIGKILL
+                                        or time.monotonic() - fault > DETECT_BOUND_S):
+                break
+            await asyncio.sleep(0.2)
+        assert flipped is not None and flipped <= DETECT_BOUND_S, samples
+        assert all(code != 200 for t, code in samples if t >= flipped), samples
+        # a kill may already be repaired (NATS is back in about a second): then status must
+        # say ready and mean it; a freeze lasts until SIGCONT, so it is never ready
+        said_ready = await check_status_is_true(suite, http)
+        assert not (said_ready and case.sig == signal.SIGSTOP)
+        return flipped, list(await asyncio.gather(*streams))
+    finally:
+        if case.sig == signal.SIGSTOP:
+            os.kill(pid, signal.SIGCONT)
+
+
+def check_outcomes(case: Case, outcomes: list[Outcome], fault: float) -> None:
+    for o in outcomes:
+        assert o.kind != "hung" and o.kind != "incomplete", o
+    if case.in_path and case.streams:
+        cut = [o for o in outcomes if o.ended > fault]
+        assert cut, "every stream finished before the fault: nothing was tested"
+        assert all(o.kind in TERMINAL_ERRORS for o in cut), cut
+        assert max(o.ended - fault for o in cut) <= END_BOUND_S, [
+            (o.kind, round(o.ended - fault, 2)) for o in cut]
+    else:
+        assert all(o.kind == "finished" for o in outcomes), outcomes  # not on their path
+
+
+async def serving_summary(case: Case, watch: asyncio.Task[tuple[float, float]]) -> str:
+    if not case.in_path and not watch.done():
+        return "no request failed"  # a fault off the request path (tools)
+    down, back = await asyncio.wait_for(watch, 30)
+    return f"requests failed from {down:.2f}s, served again {back:.2f}s after the fault"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 async def test_fault_ends_every_stream_and_the_suite_recovers(suite: SuiteHandle,
@@ -135,63 +200,35 @@ async def test_fault_ends_every_stream_and_the_suite_recovers(suite: SuiteHandle
         pid = state["pids"][case.service]
 
         flowing = [asyncio.Event() for _ in range(STREAMS)]
-        tasks: list[asyncio.Task[Outcome]] = []
+        streams: list[asyncio.Task[Outcome]] = []
         if case.streams:
             body = {**STORY, "max_tokens": 400 if case.in_path else 16}
-            tasks = [asyncio.create_task(stream_chat(
+            streams = [asyncio.create_task(stream_chat(
                 http, {**body, "seed": i}, stall_s=60, on_token=lambda n, e=flowing[i]: (
                     e.set() if n >= 2 else None))) for i in range(STREAMS)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in flowing)), 180)
 
         fault = time.monotonic()
         os.kill(pid, case.sig)
+        watch = asyncio.create_task(watch_serving(http, fault))
         try:
-            # /ready (or the gateway itself) says not ready within the bound, and stays so
-            flipped = None  # when the first /ready that said not ready was sent
-            samples: list[tuple[float, int | str]] = []
-            while time.monotonic() - fault < DETECT_BOUND_S + READY_TIMEOUT_S:
-                sent = time.monotonic() - fault
-                code, _ = await ready(http)
-                samples.append((sent, code))
-                if code != 200 and flipped is None:
-                    flipped = sent
-                if flipped is not None and (case.sig == signal.SIGKILL or
-                                            time.monotonic() - fault > DETECT_BOUND_S):
-                    break
-                await asyncio.sleep(0.2)
-            assert flipped is not None and flipped <= DETECT_BOUND_S, samples
-            assert all(code != 200 for t, code in samples if t >= flipped), samples
-            # a kill may already be repaired (NATS comes back in about a second): then status
-            # must say ready and mean it; a freeze lasts until SIGCONT, so never ready
-            said_ready = await check_status_is_true(suite, http)
-            assert not (said_ready and case.sig == signal.SIGSTOP)
-
-            outcomes = list(await asyncio.gather(*tasks))
+            flipped, outcomes = await outage(suite, http, case, pid, fault, streams)
+            resumed = time.monotonic()
+            check_outcomes(case, outcomes, fault)
+            last = await until_ready_and_serving(suite, http, RECOVER_BOUND_S[case.service])
+            served = time.monotonic()
+            serving = await serving_summary(case, watch)
+            assert await check_status_is_true(suite, http)
         finally:
-            if case.sig == signal.SIGSTOP:
-                os.kill(pid, signal.SIGCONT)
-        resumed = time.monotonic()
-
-        for o in outcomes:
-            assert o.kind != "hung" and o.kind != "incomplete", o
-        ends = [o.ended - fault for o in outcomes if o.ended > fault]
-        if case.in_path and case.streams:
-            cut = [o for o in outcomes if o.ended > fault]
-            assert cut, "every stream finished before the fault: nothing was tested"
-            assert all(o.kind in TERMINAL_ERRORS for o in cut), cut
-            assert max(ends) <= END_BOUND_S, [(o.kind, round(o.ended - fault, 2)) for o in cut]
-        else:
-            assert all(o.kind == "finished" for o in outcomes), outcomes  # not on their path
-
-        last = await until_ready_and_serving(suite, http, RECOVER_BOUND_S[case.service])
-        served = time.monotonic()
-        assert await check_status_is_true(suite, http)
+            watch.cancel()  # a failed check must not leave it polling
         after = suite.state()
         if case.sig == signal.SIGKILL:
             assert after["pids"][case.service] != pid
             assert after["restarts"][case.service] == state["restarts"][case.service] + 1
+        ends = [o.ended - fault for o in outcomes if o.ended > fault]
         print(f"\n{case.name}: streams ended {max(ends, default=0):.2f}s after the fault "
               f"({', '.join(sorted({o.kind for o in outcomes})) or 'none'}); /ready not ready "
-              f"after {flipped:.2f}s; serving again {served - fault:.2f}s after the fault"
-              + (f" ({served - resumed:.2f}s after SIGCONT)" if case.sig == signal.SIGSTOP
-                 else "") + f"; last not ready because: {'; '.join(last)}")
+              f"from {flipped:.2f}s; {serving}"
+              + (f"; SIGCONT at {resumed - fault:.2f}s" if case.sig == signal.SIGSTOP else "")
+              + f"; /ready 200 and a request served {served - fault:.2f}s after the fault"
+              + (f" (last reasons: {'; '.join(last)})" if last else ""))
