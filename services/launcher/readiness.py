@@ -130,7 +130,7 @@ class Prober:
         try:
             while not self._stop.is_set():
                 self.latest = await self.probe.verdict()
-                await asyncio.to_thread(self._stop.wait, self.interval_s)
+                await asyncio.sleep(self.interval_s)
         finally:
             await self.probe.close()
 
