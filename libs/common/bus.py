@@ -23,6 +23,11 @@ Rules:
   already ready: in a burst of 64 requests each service forwarded the first one only after it
   had taken in all of them, so each hop delivered the burst late and all at once. Stream frames
   keep nats-py's batching (many frames per write).
+- Losing the NATS connection ends every open stream reader at once with a 503 (after the
+  frames it already has): the server drops our subscriptions until we reconnect, so the
+  stream cannot continue, and the client should not wait out the heartbeat timeout for that.
+  nats-py reconnects on its own (every 0.5 s, forever) and restores the subscriptions; the
+  loss, the first failed attempt (not each one) and the reconnection are logged once each.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import asyncio
 import contextvars
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, Literal, TypeVar
@@ -85,6 +91,14 @@ class _Client(NATS):
             self._pending_data_size = 0
 
 
+class NoResponders(FlotillaError):
+    """A request found nobody subscribed to its subject (503)."""
+
+
+class NoReply(FlotillaError):
+    """A request got no reply within its timeout (503)."""
+
+
 class Bus:
     """A NATS connection with typed helpers. One per service process."""
 
@@ -97,6 +111,8 @@ class Bus:
         self.nc = nc
         self._part_bytes = part_bytes
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._readers: weakref.WeakSet[StreamReader[Any, Any]] = weakref.WeakSet()
+        self._last_error = ""
 
     @property
     def part_bytes(self) -> int:
@@ -107,11 +123,9 @@ class Bus:
                       part_bytes: int | None = None) -> Bus:
         """`write_now`: requests and replies go to the socket when published (see the module
         notes); False leaves every write to nats-py's flusher."""
-        async def on_error(exc: Exception) -> None:
-            log.warning("nats: %s", exc)
-
         nc = _Client()
         nc.write_now = write_now
+        bus = cls(nc, part_bytes)
         await nc.connect(
             servers=[u.strip() for u in url.split(",")],
             name=name,
@@ -119,9 +133,37 @@ class Bus:
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,  # type: ignore[arg-type]
-            error_cb=on_error,
+            error_cb=bus._on_error,
+            disconnected_cb=bus._on_disconnected,
+            reconnected_cb=bus._on_reconnected,
         )
-        return cls(nc, part_bytes)
+        return bus
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.nc.is_connected)
+
+    async def _on_error(self, exc: Exception) -> None:
+        # every reconnect attempt fails the same way while the server is away: say it once
+        text = str(exc) or type(exc).__name__
+        if text != self._last_error:
+            self._last_error = text
+            log.warning("nats: %s", text)
+        else:
+            log.debug("nats: %s", text)
+
+    async def _on_disconnected(self) -> None:
+        if self.nc.is_closed:  # our own close()
+            return
+        error = unavailable("the connection to the message bus (NATS) was lost; the stream "
+                            "cannot continue")
+        ended = sum(reader.fail(error) for reader in list(self._readers))
+        log.warning("lost the NATS connection; reconnecting (%d open streams end now)", ended)
+
+    async def _on_reconnected(self) -> None:
+        self._last_error = ""
+        log.warning("NATS connection restored (%s)", self.nc.connected_url.netloc
+                    if self.nc.connected_url else "")
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -158,9 +200,11 @@ class Bus:
             if announced(reply.headers):
                 payload = await pull(self.nc, reply.headers, timeout, self.max_message_bytes)
         except NoRespondersError as exc:
-            raise unavailable(f"no service is serving {subject.split('.', 2)[-1]}") from exc
+            raise NoResponders(unavailable(
+                f"no service is serving {subject.split('.', 2)[-1]}").info) from exc
         except (TimeoutError, NatsTimeoutError) as exc:
-            raise unavailable(f"no reply on {subject} within {timeout:.1f}s") from exc
+            raise NoReply(unavailable(
+                f"no reply on {subject} within {timeout:.1f}s").info) from exc
         finally:
             _WRITE_NOW.reset(now)
             if offer is not None:
@@ -229,6 +273,7 @@ class Bus:
         reader: StreamReader[D, F] = StreamReader(frame_cls, timeout, deadline,
                                                   max_bytes=self.max_message_bytes)
         reader.sub = await self.nc.subscribe(subject, cb=reader.deliver)
+        self._readers.add(reader)
         return reader
 
     def writer(self, subject: str, request_id: str, frame_cls: type[StreamFrame[D, F]],
@@ -313,6 +358,7 @@ class StreamReader(Generic[D, F]):
         self._inbox: deque[bytes | FlotillaError] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._assembler = Assembler(max_bytes)
+        self._failure: FlotillaError | None = None
 
     async def deliver(self, msg: Msg) -> None:
         item: bytes | FlotillaError | None = msg.data
@@ -328,6 +374,17 @@ class StreamReader(Generic[D, F]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def fail(self, error: FlotillaError) -> bool:
+        """End the stream with `error` once the frames already received are read (the bus
+        lost its connection: nothing more can arrive). False if it had already ended."""
+        if self._done or self._failure is not None:
+            return False
+        self._failure = error
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+        return True
+
     async def _receive(self) -> bytes:
         wait, by_deadline = self.timeout, False
         if self.deadline is not None:
@@ -336,6 +393,8 @@ class StreamReader(Generic[D, F]):
                 raise self.deadline.error()
             wait, by_deadline = min(wait, left), left < wait
         if not self._inbox:
+            if self._failure is not None:
+                raise self._failure
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
             timer = loop.call_later(wait, _expire, waiter)

@@ -322,6 +322,9 @@ class HealthReply(Message):
     instance: str
     ok: bool
     detail: dict[str, Any] = Field(default_factory=dict)
+    # seconds since the service's work loop last went round (engine: its step loop, which beats
+    # every step and every idle wait); None = no such loop. /ready calls a stale one wedged.
+    heartbeat_age_s: float | None = None
 
 
 class StatsRequest(Message):

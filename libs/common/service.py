@@ -29,13 +29,19 @@ def instance_id(kind: str) -> str:
 
 class Announcer:
     """Publishes `make()` on the discovery subject every `interval` seconds and whenever a Ping
-    arrives; answers health requests for `service` with `health()`."""
+    arrives; answers health requests for `service` (any instance) and for this instance alone
+    (`subjects.instance_health`, what /ready asks) with `health()` and `heartbeat_age()`.
+
+    Answering at all is the liveness signal (a frozen or dead process does not), so the reply
+    is built from what the process already knows, never from a call that can block."""
 
     def __init__(self, bus: Bus, service: str, instance: str, interval: float,
                  make: Callable[[], Announcement],
-                 health: Callable[[], Awaitable[dict[str, Any]]] | None = None):
+                 health: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 heartbeat_age: Callable[[], float | None] | None = None):
         self.bus, self.service, self.instance = bus, service, instance
         self.interval, self.make, self._health = interval, make, health
+        self._heartbeat_age = heartbeat_age
         self._task: asyncio.Task[Any] | None = None
         self._subs: list[Any] = []
 
@@ -45,12 +51,14 @@ class Announcer:
 
         async def on_health(_: HealthRequest) -> HealthReply:
             detail = await self._health() if self._health else {}
+            age = self._heartbeat_age() if self._heartbeat_age else None
             return HealthReply(service=self.service, instance=self.instance, ok=True,
-                               detail=detail)
+                               detail=detail, heartbeat_age_s=age)
 
         self._subs.append(await self.bus.subscribe(subjects.DISCOVERY_PING, Ping, on_ping))
-        self._subs.append(await self.bus.serve(subjects.health(self.service), HealthRequest,
-                                               on_health))
+        for subject in (subjects.health(self.service),
+                        subjects.instance_health(self.service, self.instance)):
+            self._subs.append(await self.bus.serve(subject, HealthRequest, on_health))
         self._task = self.bus.spawn(self._loop())
         await self.announce()
 

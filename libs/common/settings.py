@@ -61,6 +61,12 @@ class GatewaySettings(CommonSettings):
                                    description="OpenAPI spec file; default openapi/flotilla.yaml")
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request) accepted")
     model_ttl_s: float = Field(5.0, gt=0, description="A model unseen for this long is unlisted")
+    ready_probe_timeout_s: float = Field(
+        1.5, gt=0, description="/ready: how long each tokenizer, engine and tools instance has "
+        "to answer its health probe; one that does not (frozen, wedged event loop) is not ready")
+    engine_stall_s: float = Field(
+        10.0, gt=0, description="/ready: an engine whose step loop has not gone round for this "
+        "long (one step longer than this, or a wedged loop) is not ready")
     tools_timeout_s: float = Field(2.0, gt=0, description="How long to wait for the MCP tool list")
     tools_cache_ttl_s: float = Field(
         5.0, ge=0, description="How long the MCP tool list is reused (a tools service starting "

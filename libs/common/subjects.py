@@ -77,5 +77,11 @@ TOOLS_CALL = f"{PREFIX}.tools.call"
 
 
 def health(service: str) -> str:
-    """anyone → a service kind: HealthRequest; reply: HealthReply."""
+    """anyone → a service kind: HealthRequest; reply: HealthReply (from any one instance)."""
     return f"{PREFIX}.health.{token(service)}"
+
+
+def instance_health(service: str, instance: str) -> str:
+    """anyone → one instance (as named in its announcements): HealthRequest; reply:
+    HealthReply. No responder = that instance is gone."""
+    return f"{PREFIX}.health.{token(service)}.{token(instance)}"

@@ -14,6 +14,10 @@ Rules:
   pause, was measured worse on the H100: suite/engine 0.938-0.949 vs 0.956-0.964.)
 - A crash inside `step()` fails every request in flight (through `on_crash`) rather than
   leaving them hanging.
+- Heartbeat: the thread notes the time every time round (each step, and every `idle_beat_s`
+  while it waits for work); `stats()["heartbeat"]` carries it (monotonic clock, shared by the
+  processes of one host), so a loop wedged inside a step is seen by /ready however healthy
+  the process's event loop looks.
 - `step_log`: a file that gets one JSON line per step (when it ran, how long step() took and
   its phases, garbage collection time in the process since the previous step, what was
   scheduled, what came out, when the requests it took arrived), for looking at how a burst was
@@ -52,6 +56,8 @@ class _Abort:
 
 
 class EngineLoop:
+    idle_beat_s = 0.5  # an idle loop wakes this often to show it is alive
+
     def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop,
                  on_outputs: Callable[[list[Any]], None],
                  on_crash: Callable[[BaseException], None], admit_window_s: float = 0.0,
@@ -74,6 +80,7 @@ class EngineLoop:
         self._arrivals: list[float] = []  # when the requests added since the last step came
         self._gc_ms = 0.0  # garbage collection time (any thread) since the last step
         self._gc_start = 0.0
+        self._beat = time.monotonic()
 
     @classmethod
     def for_service(cls, engine: Any, loop: asyncio.AbstractEventLoop,
@@ -102,7 +109,7 @@ class EngineLoop:
     def stats(self) -> dict[str, Any]:
         """The engine's stats as of its last step (a copy; safe from any thread)."""
         with self._stats_lock:
-            return dict(self._stats)
+            return {**self._stats, "heartbeat": self._beat}
 
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
@@ -155,10 +162,13 @@ class EngineLoop:
             else:
                 timeout = self._window_closes() - time.monotonic()
             try:
-                cmd = (self._commands.get() if timeout is None
+                cmd = (self._commands.get(timeout=self.idle_beat_s) if timeout is None
                        else self._commands.get(timeout=timeout) if timeout > 0
                        else self._commands.get_nowait())
-            except queue.Empty:  # busy, or the window closed
+            except queue.Empty:  # idle (still alive), busy, or the window closed
+                if timeout is None:
+                    self._beat = time.monotonic()
+                    continue
                 self._release()
                 return True
             if cmd is None:
@@ -202,6 +212,7 @@ class EngineLoop:
             if warm is not None:
                 warm()
             while True:
+                self._beat = time.monotonic()
                 if not self._admit():
                     return
                 if not self.engine.has_unfinished():

@@ -108,7 +108,7 @@ class EngineService:
                                                self._on_stats))
         self.announcer = Announcer(self.bus, "engine", self.instance,
                                    self.settings.discovery_interval_s, self._announcement,
-                                   self._health)
+                                   self._health, self._heartbeat_age)
         await self.announcer.start()
         log.info("engine %s serving %s", self.instance, self.model_name)
 
@@ -273,6 +273,11 @@ class EngineService:
 
     async def _health(self) -> dict[str, Any]:
         return self._engine_stats().model_dump()
+
+    def _heartbeat_age(self) -> float | None:
+        """Seconds since the step loop last went round (loop.py: it beats while idle too)."""
+        beat = self.loop.stats().get("heartbeat") if self.loop else None
+        return None if beat is None else max(0.0, time.monotonic() - beat)
 
 
 def _logprobs(out: Any) -> list[TokenLogprob] | None:

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from libs.common.bus import Bus
-from libs.common.errors import model_not_found, unavailable
+from libs.common.errors import FlotillaError, model_not_found, unavailable
 from libs.common.settings import GatewaySettings
 from libs.common.store import Store
 from services.gateway import http_errors
 from services.gateway.anthropic.routes import router as anthropic_router
+from services.gateway.health import router as health_router
 from services.gateway.limits import spec_limits
 from services.gateway.overload import InFlight, InFlightLimit
 from services.gateway.registry import ModelInfo, ModelRegistry
@@ -58,7 +59,9 @@ class GatewayState:
         """The served model, else 404; 503 when the registry itself cannot be read."""
         try:
             info = await self.registry.get(model)
-        except Exception as exc:  # e.g. Redis unreachable
+        except FlotillaError:  # an unreachable store: 503 with Retry-After, named
+            raise
+        except Exception as exc:
             raise unavailable(f"the model registry is unavailable: {exc}") from exc
         if info is None:
             raise model_not_found(model)
@@ -81,5 +84,6 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.include_router(token_router)
     app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,
                        retry_after_s=settings.overload_retry_after_s)
+    app.include_router(health_router)
     app.add_middleware(TracingMiddleware)
     return app

@@ -4,8 +4,8 @@ Rules:
 - Every announcement refreshes `registry:svc:<service>:<instance>` in the Store with a TTL of
   `model_ttl_s`, so an instance that stops announcing disappears on its own and every gateway
   replica sharing the Store (Redis) sees the same registry.
-- A model is served while at least one tokenizer announcing it is alive; it is ready (for
-  /health) when an engine announcing it is alive too.
+- A model is served while at least one tokenizer announcing it is alive; `health()` counts it
+  ready when an engine announcing it is alive too (/ready, in health.py, probes each instance).
 - `created` of a model is the first time any gateway saw it, kept without TTL so it stays stable.
 - `get()` (every generation request asks it) answers a model found within the last
   `lookup_cache_s` from memory, without reading the Store; a model not found is always read
@@ -22,7 +22,7 @@ from typing import Any
 from libs.common import subjects
 from libs.common.bus import Bus
 from libs.common.messages import Announcement, Ping
-from libs.common.store import Store
+from libs.common.store import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,9 @@ class ModelRegistry:
                 created_key = _CREATED + ann.model
                 if await self.store.get(created_key) is None:
                     await self.store.set(created_key, str(int(time.time())))
-        except Exception as exc:  # store briefly unreachable: the next announcement retries
+        except StoreUnavailable:  # logged by the store (once, then reminders); next one retries
+            pass
+        except Exception as exc:
             log.warning("registry: cannot record %s: %s", key, exc)
 
     async def alive(self) -> list[Announcement]:

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from libs.common.deadline import Deadline
-from libs.common.errors import internal, unavailable
+from libs.common.errors import internal
 from services.gateway.chunks import chunk_builder
 from services.gateway.functions import from_legacy
 from services.gateway.limits import check_schema_sizes, parse_json, read_body
@@ -168,17 +168,6 @@ async def list_models(request: Request) -> Response:
 async def retrieve_model(request: Request, model: str) -> Response:
     info = await gateway(request).require_model(model)
     return JSONResponse(info.openai())
-
-
-@router.get("/health")
-async def health(request: Request) -> Response:
-    view = await gateway(request).registry.health()
-    if not view.ready:
-        if view.models_without_engine:
-            waiting = ", ".join(view.models_without_engine)
-            raise unavailable(f"not ready: no live engine serves {waiting} yet")
-        raise unavailable("not ready: no live tokenizer and engine serve any model yet")
-    return JSONResponse({"status": "ok", "models": view.ready, "services": view.services})
 
 
 @router.get("/openapi.json")

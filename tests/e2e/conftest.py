@@ -1,9 +1,11 @@
 """One suite start-up for all end-to-end tests: `flotilla up` as a user runs it.
 
 The launcher is started as a subprocess with the embedded default model (SmolLM2-135M-Instruct),
-the real NATS (tests/endpoints.py; 127.0.0.1:4222 by default), Redis for shared state, and an
-mcp.json pointing at the test MCP server. The fixture is package-scoped so the suite is gone
-before other test packages run.
+its own private NATS (the default: no --nats-url, FLOTILLA_NATS_URL removed from its
+environment; tests find the URL in the state file), the test Redis (tests/endpoints.py) for
+shared state, and an mcp.json pointing at the test MCP server. A private NATS is what lets the
+chaos test kill it, and keeps this suite's subjects apart from anything else on the host. The
+fixture is package-scoped so the suite is gone before other test packages run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.endpoints import NATS_URL, REDIS_URL
+from tests.endpoints import REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900
@@ -36,6 +38,10 @@ class SuiteHandle:
 
     def state(self) -> dict:
         return json.loads(self.state_file.read_text())
+
+    @property
+    def nats_url(self) -> str:
+        return str(self.state()["nats_url"])
 
     @property
     def root_url(self) -> str:
@@ -65,11 +71,12 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteHandle]:
     state_file = tmp / "state.json"
     env = dict(os.environ, FLOTILLA_REDIS_URL=REDIS_URL, PYTHONUNBUFFERED="1",
                FLOTILLA_RUN_DIR=str(tmp))
+    env.pop("FLOTILLA_NATS_URL", None)  # a private NATS
     # The console script a user runs (installed by `pip install -e .`); the module otherwise.
     exe = shutil.which("flotilla")
     launcher = [exe] if exe else [sys.executable, "-m", "services.launcher"]
-    cmd = [*launcher, "up", "--port", "0", "--nats-url", NATS_URL,
-           "--state-file", str(state_file), "--mcp-config", str(mcp)]
+    cmd = [*launcher, "up", "--port", "0", "--state-file", str(state_file),
+           "--mcp-config", str(mcp)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = None

@@ -1,8 +1,9 @@
 """One request yields spans from gateway, tokenizer and engine under one trace id.
 
 The three real services run in this process (one event loop, the real NATS, the real SmolLM2
-model) so one in-memory span exporter sees them all. A unique served-model name keeps this
-suite's subjects apart from the launcher-started suite of the other e2e tests.
+model) so one in-memory span exporter sees them all, on the test NATS (tests/endpoints.py; the
+launcher-started suite of the other e2e tests has a private NATS of its own). A unique
+served-model name keeps this suite's subjects apart from other runs on the same NATS.
 """
 
 from __future__ import annotations

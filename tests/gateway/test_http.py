@@ -171,13 +171,10 @@ async def test_models(client: httpx.AsyncClient, model: str) -> None:
                  code="model_not_found")
 
 
-async def test_health(client: httpx.AsyncClient, model: str) -> None:
+async def test_health_is_liveness(client: httpx.AsyncClient) -> None:
     r = await client.get("/health")
     assert r.status_code == 200, r.text
-    body = r.json()
-    validate_ours("Health", body)
-    assert body["status"] == "ok" and model in body["models"]
-    assert body["services"]["tokenizer"] >= 1 and body["services"]["engine"] >= 1
+    assert r.json() == {"status": "ok"}
 
 
 BAD_CHAT = [

@@ -1,5 +1,5 @@
 """The model registry: built from announcements, expiring with the TTL, shared through Redis by
-gateway replicas; /health follows it."""
+gateway replicas."""
 
 from __future__ import annotations
 
@@ -55,23 +55,6 @@ async def test_replicas_share_the_registry_through_redis(bus: Bus) -> None:
             await first.delete(key)
         await first.close()
         await second.close()
-
-
-async def test_health_is_503_until_a_model_is_ready(bus: Bus) -> None:
-    app = create_app(gateway_settings(), bus, MemoryStore())
-    registry = app.state.gateway.registry
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://gw") as client:
-        r = await client.get("/health")
-        assert r.status_code == 503
-        validate_openai("ErrorResponse", r.json())
-        await registry.record(_ann("tokenizer", "lonely"))
-        r = await client.get("/health")
-        assert r.status_code == 503 and "no live engine serves lonely" in r.json()["error"][
-            "message"]
-        await registry.record(_ann("engine", "lonely"))
-        r = await client.get("/health")
-        assert r.status_code == 200 and r.json()["models"] == ["lonely"]
 
 
 async def test_gateway_learns_models_from_live_announcements(gateway, model: str) -> None:  # type: ignore[no-untyped-def]

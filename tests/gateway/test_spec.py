@@ -13,6 +13,7 @@ import yaml
 from libs.common.errors import FlotillaError
 from services.gateway import spec as spec_module
 from services.gateway.anthropic.routes import router as anthropic_router
+from services.gateway.health import router as health_router
 from services.gateway.responses.routes import router as responses_router
 from services.gateway.routes import router
 from services.gateway.spec import Spec, apply_limits, find_spec
@@ -119,7 +120,7 @@ def test_missing_spec_names_the_path(tmp_path: Path) -> None:
 
 def test_every_spec_operation_is_routed(spec: Spec) -> None:
     routed = {(getattr(route, "path", "").replace(":path", ""), method.lower())
-              for r in (router, anthropic_router, responses_router, token_router)
+              for r in (router, anthropic_router, responses_router, token_router, health_router)
               for route in r.routes for method in getattr(route, "methods", ())}
     documented = {(path, method) for path, item in spec.document["paths"].items()
                   for method in item if method in ("get", "post", "delete")}
