@@ -28,6 +28,7 @@ from libs.common.messages import (
     TextRequest,
 )
 from libs.common.settings import TokenizerSettings
+from services.tokenizer.lanes import Lane
 from services.tokenizer.service import TokenizerService
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.fake_engine import FakeEngine, Script
@@ -257,8 +258,10 @@ async def test_endless_template_override_fails_fast_and_service_keeps_serving(
         out = await gateway(bus, svc.model, request())
         assert time.monotonic() - start < 1.5
         assert not out.admission.accepted
-        assert out.admission.error.code == "chat_template_error"
-        assert "budget" in out.admission.error.message
+        # a budget overrun is overload (retry later), never a 400 that clients do not retry
+        error = out.admission.error
+        assert error.status == 503 and error.retry_after_s and error.retry_after_s >= 1
+        assert "budget" in error.message
         out = await gateway(bus, svc.model, request("completion", prompt="still here"))
         assert out.admission.accepted and out.frames[-1].kind == "final"
     finally:
@@ -321,13 +324,13 @@ async def test_short_completion_prompts_are_tokenized_on_the_event_loop(
     tokenization); chat templates, long prompts and response formats still take it; the
     tokens and the errors are the same either way."""
     hops: list[str] = []
-    to_thread = asyncio.to_thread
+    run = Lane.run
 
-    async def counting(func: Any, req: TextRequest) -> Any:
-        hops.append(req.kind)
-        return await to_thread(func, req)
+    async def counting(lane: Lane, *args: Any, **kw: Any) -> Any:
+        hops.append(lane.name)
+        return await run(lane, *args, **kw)
 
-    monkeypatch.setattr(asyncio, "to_thread", counting)
+    monkeypatch.setattr(Lane, "run", counting)
     short = "Once upon a time"
     out = await gateway(bus, service.model, request("completion", prompt=short,
                                                     sampling=SamplingOptions(max_tokens=2)))
@@ -339,11 +342,11 @@ async def test_short_completion_prompts_are_tokenized_on_the_event_loop(
     assert empty.admission.error is not None and empty.admission.error.status == 400
     bad = await gateway(bus, service.model, request("completion", prompt=[10 ** 9]))
     assert bad.admission.error is not None and bad.admission.error.status == 400
-    assert hops == ["completion"]  # the empty prompt: not inline (0 < len)
+    assert hops == ["light"]  # the empty prompt: not inline (0 < len)
     long = "x " * service.settings.inline_prepare_chars
     await gateway(bus, service.model, request("completion", prompt=long,
                                               sampling=SamplingOptions(max_tokens=2)))
     await gateway(bus, service.model, request("completion", prompt=short,
                                               response_format={"type": "json_object"}))
     await gateway(bus, service.model, request("chat"))
-    assert hops == ["completion", "completion", "completion", "chat"]
+    assert hops == ["light", "light", "light", "grammar", "light"]
