@@ -4,7 +4,8 @@ reads, found from the template itself (its undeclared variables and its string l
 Rules, in order (every one that applies is used):
 - the template reads `reasoning_effort` (gpt-oss, Tencent Hy3, Solar Open, Cohere Command A
   reasoning, DeepSeek V4): it gets the level, moved to the nearest level the template's text
-  names when it names several (it checks the value then); `none` becomes `no_think` where the
+  names when it names several (it checks the value then; otherwise the level passes as it is,
+  `minimal` as `low` unless the template names it); `none` becomes `no_think` where the
   template names that (Hy3), `none` where it names that or has a thinking switch, else its
   lowest named level (Solar Open: no reasoning at minimal / low); a template with none of
   these (gpt-oss) refuses `none` (400), as the model cannot stop reasoning;
@@ -61,7 +62,9 @@ def _levels(source: str) -> list[str]:
 def _nearest(level: str, source: str) -> str:
     """`level`, or the level the template names that is closest to it (ties: the higher)."""
     named = _levels(source)
-    if not named or level in named:
+    if not named:  # "minimal" is newer than most templates: the level below it they know
+        return "low" if level == "minimal" and not _named(source, "minimal") else level
+    if level in named:
         return level
     return min(named, key=lambda n: (abs(_SCALE[n] - _SCALE[level]), -_SCALE[n]))
 
