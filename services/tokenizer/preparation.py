@@ -12,13 +12,15 @@ Per request, in order:
    (`inline_prepare_chars`: tens of us, less than a thread hop);
 4. the context-length check, before any grammar work;
 5. the constraint (response format, forced tool calls) from the spec cache, else checked on the
-   grammar lane within `grammar_timeout_s`.
+   grammar lane within `grammar_timeout_s`; requests that need the same check while it runs
+   wait for that one (a burst of one schema is one check, not a full grammar queue).
 Lanes are bounded (lanes.py): a full one, a wait past `queue_wait_s`, a template past its
 budget or a grammar past its limit are 503s with Retry-After, never a 400 and never a hang.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ from libs.common.settings import TokenizerSettings
 from services.tokenizer.guided import forces_tool_calls
 from services.tokenizer.lanes import Lane
 from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
-from services.tokenizer.spec_cache import SpecCache, spec_key
+from services.tokenizer.spec_cache import Entry, SpecCache, spec_key
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Preparer:
         self.heavy = Lane("heavy", s.heavy_workers, s.heavy_queue_size, s.queue_wait_s)
         self.grammar = Lane("grammar", s.grammar_workers, s.grammar_queue_size, s.queue_wait_s)
         self.specs = SpecCache(s.grammar_cache_size, s.grammar_cache_mib << 20)
+        self._checking: dict[str, asyncio.Future[Entry]] = {}
 
     def shutdown(self) -> None:
         for lane in (self.light, self.heavy, self.grammar):
@@ -118,16 +121,26 @@ class Preparer:
             return None
         found, entry = self.specs.get(key)
         if not found:
-            entry = await self.grammar.run(lambda: self._check(key, req, prepared),
-                                           req.deadline, self.settings.grammar_timeout_s)
+            running = self._checking.get(key)
+            if running is None:  # shared by every request waiting for it: no one's deadline
+                running = asyncio.ensure_future(self.grammar.run(
+                    lambda: self._check(key, req, prepared), None,
+                    self.settings.grammar_timeout_s))
+                self._checking[key] = running
+                running.add_done_callback(lambda done: self._checked(key, done))
+            entry = await asyncio.shield(running)
         if isinstance(entry, FlotillaError):
             raise entry
         return entry
 
-    def _check(self, key: str, req: TextRequest, prepared: PreparedPrompt
-               ) -> GuidedDecoding | FlotillaError | None:
+    def _checked(self, key: str, done: asyncio.Future[Entry]) -> None:
+        self._checking.pop(key, None)
+        if not done.cancelled():
+            done.exception()  # retrieved here too: every waiter may have gone
+
+    def _check(self, key: str, req: TextRequest, prepared: PreparedPrompt) -> Entry:
         """On a grammar worker: the spec or its 400, remembered either way."""
-        entry: GuidedDecoding | FlotillaError | None
+        entry: Entry
         try:
             entry = self.builder.guided(req, prepared)
         except FlotillaError as exc:

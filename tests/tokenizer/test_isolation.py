@@ -215,3 +215,28 @@ async def test_checked_grammars_are_remembered(bus: Bus, smollm2_path: Path,
         await engine.stop()
         await svc.stop()
 
+
+
+async def test_a_burst_of_one_schema_is_checked_once(bus: Bus, smollm2_path: Path,
+                                                     smollm2: Tokenizer,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """100 concurrent requests with one new schema (a client's parallel samples) share one
+    grammar check instead of filling the grammar queue (they got 503s before)."""
+    svc, engine = await start(bus, smollm2_path, smollm2, grammar_queue_size=0)
+    hops: list[str] = []
+    run = Lane.run
+
+    async def counting(lane: Lane, *args: Any, **kw: Any) -> Any:
+        hops.append(lane.name)
+        return await run(lane, *args, **kw)
+
+    monkeypatch.setattr(Lane, "run", counting)
+    try:
+        schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": big_schema(7)}}
+        outs = await asyncio.gather(*(gateway(bus, svc.model, request(response_format=schema))
+                                      for _ in range(20)))
+        assert all(o.admission.accepted for o in outs), [o.admission.error for o in outs]
+        assert hops.count("grammar") == 1
+    finally:
+        await engine.stop()
+        await svc.stop()
