@@ -220,7 +220,7 @@ async def test_checked_grammars_are_remembered(bus: Bus, smollm2_path: Path,
 async def test_a_burst_of_one_schema_is_checked_once(bus: Bus, smollm2_path: Path,
                                                      smollm2: Tokenizer,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """100 concurrent requests with one new schema (a client's parallel samples) share one
+    """Concurrent requests with one new schema (a client's parallel samples) share one
     grammar check instead of filling the grammar queue (they got 503s before)."""
     svc, engine = await start(bus, smollm2_path, smollm2, grammar_queue_size=0)
     hops: list[str] = []
