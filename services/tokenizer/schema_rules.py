@@ -19,7 +19,8 @@ Rules:
   `$ref` other than `#` and `#/...`, `$id` below the root, and `oneOf` whose branches this
   module cannot prove disjoint (by type, by finite values, or by a required property with
   disjoint `const`/`enum` values: pydantic's discriminated unions).
-- Rewritten (the result accepts exactly what the original accepts, or less where noted):
+- Rewritten (the result accepts what the original accepts; where it cannot, the merge is
+  refused):
   `allOf` is merged into its node (`$ref` branches resolved one level first); a `$ref`,
   `anyOf` or `oneOf` with constraining siblings gets them merged into the target / each branch
   (branches the merge makes unsatisfiable are dropped); `enum` / `const` with constraining
@@ -33,7 +34,9 @@ Rules:
   the keyword; one that leaves nothing possible is refused as unsatisfiable.
 - Accepted as they are: the other validation keywords, annotations (title, description, default,
   examples, format, content*, deprecated, readOnly, writeOnly, $comment, $schema, $anchor,
-  $defs/definitions) and unknown keywords (JSON Schema ignores them).
+  $defs/definitions) and unknown keywords (JSON Schema ignores them). xgrammar reads `pattern`
+  and `patternProperties` as full matches (JSON Schema: a match anywhere), which only ever
+  accepts less.
 """
 
 from __future__ import annotations
