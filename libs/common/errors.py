@@ -42,9 +42,16 @@ def model_not_found(model: str) -> FlotillaError:
         message=f"The model `{model}` does not exist or is not being served."))
 
 
-def unavailable(message: str) -> FlotillaError:
+def unavailable(message: str, retry_after_s: float | None = None) -> FlotillaError:
+    """503: overload or a missing service; `retry_after_s` becomes the `Retry-After` header."""
     return FlotillaError(ErrorInfo(status=503, type="service_unavailable", message=message,
-                                   code="service_unavailable"))
+                                   code="service_unavailable", retry_after_s=retry_after_s))
+
+
+def deadline_exceeded(message: str = "the request's deadline passed") -> FlotillaError:
+    """504: the request's deadline (`TextRequest.deadline`) passed before it was done."""
+    return FlotillaError(ErrorInfo(status=504, type="timeout", message=message,
+                                   code="deadline_exceeded"))
 
 
 def internal(message: str) -> FlotillaError:

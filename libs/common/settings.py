@@ -127,7 +127,40 @@ class TokenizerSettings(CommonSettings):
     served_model_name: str | None = Field(None, description="Name clients use; derived if unset")
     chat_template: Path | None = Field(None, description="Jinja file overriding the model template")
     max_model_len: int | None = Field(None, ge=16, description="Context length cap in tokens")
-    template_timeout_s: float = Field(2.0, gt=0, description="Chat template rendering budget")
+    template_timeout_s: float = Field(
+        2.0, gt=0, description="Chat template rendering budget, timed from when a worker "
+        "starts rendering (never the wait before); an overrun is a 503 with Retry-After")
+    workers: int = Field(4, ge=1, description="Threads rendering and tokenizing ordinary "
+                         "requests (the light lane)")
+    heavy_workers: int = Field(
+        1, ge=1, description="Threads for heavy requests (more than heavy_tools tools or "
+        "heavy_chars characters), so they cannot take the light lane's threads")
+    grammar_workers: int = Field(1, ge=1, description="Threads checking grammars and schemas")
+    queue_size: int = Field(256, ge=0, description="Waiting requests the light lane holds; "
+                            "beyond it a 503 with Retry-After")
+    heavy_queue_size: int = Field(8, ge=0, description="Waiting requests of the heavy lane")
+    grammar_queue_size: int = Field(16, ge=0, description="Waiting grammar checks")
+    queue_wait_s: float = Field(
+        2.0, gt=0, description="Longest wait of a request for a worker thread; past it a 503 "
+        "with Retry-After")
+    grammar_timeout_s: float = Field(
+        4.0, gt=0, description="Longest grammar / schema check (after its wait for a thread); "
+        "past it a 503 with Retry-After (the check finishes and is cached for a retry)")
+    grammar_cache_size: int = Field(
+        512, ge=0, description="Checked guided-decoding specs remembered (LRU), keyed by what "
+        "they were built from")
+    grammar_cache_mib: int = Field(64, ge=0, description="Size bound of that cache")
+    heavy_tools: int = Field(32, ge=0, description="Requests with more tools go to the heavy "
+                             "lane")
+    heavy_chars: int = Field(
+        32_768, ge=0, description="Requests whose messages / prompt and tools hold more "
+        "characters go to the heavy lane")
+    max_tools: int = Field(256, ge=0, description="Most tools a request may carry (400 above)")
+    max_tools_chars: int = Field(
+        524_288, ge=0, description="Most characters a request's tools may hold as JSON (400)")
+    max_prompt_chars: int = Field(
+        4_000_000, ge=1, description="Most characters of a prompt, before and after the chat "
+        "template (400 above)")
     inline_prepare_chars: int = Field(
         2048, ge=0, description="Completion prompts up to this many characters (or token ids), "
         "without a response format, are tokenized on the event loop instead of a worker "

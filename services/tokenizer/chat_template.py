@@ -10,6 +10,8 @@ is untrusted:
 - Time budget: `render` runs the template in the calling thread (callers use a worker thread) with
   a trace function that raises `_Timeout` once the deadline passes, on every line the compiled
   template executes, so even a call-free `{% for %}` loop stops. The sandbox's `call` checks too.
+  The budget starts when `render` starts: time spent waiting for a thread is not charged to it.
+  An overrun is a `TemplateTimeout`.
 - Size: results above `max_chars`, and `*`/`%`/padding filters asked for more, are refused.
 Every failure is a `ChatTemplateError` with a message fit for the API client.
 """
@@ -41,6 +43,10 @@ _BIG_WIDTH = re.compile(r"%[-+ #0]*(\d{6,})|\{[^{}]*:[^{}]*?(\d{6,})")
 
 class ChatTemplateError(Exception):
     """The template could not be rendered for this request (the message says why)."""
+
+
+class TemplateTimeout(ChatTemplateError):
+    """Rendering ran past its time budget (timed from the start of `render`)."""
 
 
 class _Timeout(BaseException):
@@ -180,7 +186,7 @@ class ChatTemplate:
         try:
             return self._collect(chunks)
         except _Timeout:
-            raise ChatTemplateError(
+            raise TemplateTimeout(
                 f"rendering the chat template took longer than its {self.timeout_s:g}s "
                 "budget") from None
         except jinja2.exceptions.SecurityError as exc:

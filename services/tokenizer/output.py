@@ -1,7 +1,8 @@
 """One request's way back: engine token deltas in, OpenAI-shaped text deltas out.
 
 The text passes four stages, each holding back what it cannot decide yet:
-detokenize (detokenizer.py: never half a character, no special tokens) → stop strings
+detokenize (detokenizer.py: never half a character; special tokens only with
+`skip_special_tokens` false) → stop strings
 (stop_strings.py) → reasoning split (reasoning.py: `<think>` text to `reasoning`) → tool calls
 (tool_calls.py: calls in any known format to `tool_calls`, chat requests with tools only,
 unless tool_choice is "none"). Control tokens that these stages read (`<think>`, `[TOOL_CALLS]`,
@@ -9,7 +10,15 @@ unless tool_choice is "none"). Control tokens that these stages read (`<think>`,
 
 Rules:
 - once a stop string matched, `stopped` is set; the caller cancels the engine request and sends
-  `stop_final()` (finish_reason "stop");
+  `stop_final()` (finish_reason "stop"); the stop string is in the text only with
+  `include_stop_str_in_output`;
+- the token that stopped the engine (one of the request's stop ids: end of turn, eos,
+  `stop_token_ids`) is not text, unless `include_stop_str_in_output` (and, for a special token,
+  `skip_special_tokens` false), as in vLLM;
+- prompt logprobs (`TokenDelta.prompt_logprobs`, first delta) are passed on as text, one entry
+  per prompt token, special tokens included (they are part of the prompt);
+- structured requests have their finished text checked (output_check.py): a violation replaces
+  the final frame with an error (`final_error`);
 - logprobs (when requested) map ids to token text and bytes, top alternatives included; special
   tokens (end of turn) are not reported, as they are not part of the text;
 - the engine's finish reason passes through ("stop", "length", "abort"), except that a reply that
@@ -22,6 +31,7 @@ from __future__ import annotations
 from typing import Literal
 
 from libs.common.messages import (
+    ErrorInfo,
     TextDelta,
     TextFinal,
     TextLogprob,
@@ -32,6 +42,7 @@ from libs.common.messages import (
     Usage,
 )
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.output_check import OutputCheck
 from services.tokenizer.reasoning import ReasoningParser
 from services.tokenizer.stop_strings import StopStringMatcher
 from services.tokenizer.tokenizer import Tokenizer
@@ -54,24 +65,41 @@ def text_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> list[Te
     ]
 
 
+def prompt_text_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob | None]
+                         ) -> list[TextLogprob | None]:
+    """Every prompt token's logprob as text (special tokens too; the first is None)."""
+    return [None if lp is None else TextLogprob(
+        token=tokenizer.token_text(lp.token_id), logprob=lp.logprob,
+        bytes=list(tokenizer.bytes_of(lp.token_id, skip_special_tokens=False)),
+        top=[(tokenizer.token_text(tid), value) for tid, value in lp.top]) for lp in logprobs]
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, stop: list[str], logprobs: bool = False,
                  prompt_tokens: int = 0, reasoning: ReasoningParser | None = None,
-                 tools: ToolCallParser | None = None):
+                 tools: ToolCallParser | None = None, skip_special_tokens: bool = True,
+                 include_stop: bool = False, stop_ids: frozenset[int] = frozenset(),
+                 check: OutputCheck | None = None):
         self.tokenizer = tokenizer
         keep = ReasoningParser.tag_ids(tokenizer) if reasoning is not None else frozenset()
         if tools is not None:
             keep |= {i for i in tokenizer.special_ids if tokenizer.text_of(i) in ALL_MARKERS}
-        self.detok = IncrementalDetokenizer(tokenizer, keep_ids=frozenset(keep))
-        self.stops = StopStringMatcher(stop)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens,
+                                            keep_ids=frozenset(keep))
+        self.stops = StopStringMatcher(stop, include_stop)
+        self.include_stop, self.stop_ids = include_stop, stop_ids
         self.reasoning, self.tools = reasoning, tools
         self.want_logprobs = logprobs
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.check = check
+        self._content: list[str] = []  # the reply's text, for `check`
 
     @classmethod
     def for_request(cls, tokenizer: Tokenizer, req: TextRequest, prompt: str,
-                    prompt_tokens: int, tool_format: ToolFormat = HERMES) -> OutputProcessor:
+                    prompt_tokens: int, tool_format: ToolFormat = HERMES,
+                    stop_ids: frozenset[int] = frozenset()) -> OutputProcessor:
+        """`stop_ids`: the ids the engine stops at (`SamplingOptions.stop_token_ids`)."""
         reasoning = tools = None
         if req.kind == "chat":
             reasoning = ReasoningParser.for_prompt(tokenizer, prompt)
@@ -79,7 +107,10 @@ class OutputProcessor:
                 tools = ToolCallParser(tool_names(req.tools), parallel=req.parallel_tool_calls,
                                        new_id=tool_format.new_call_id)
         return cls(tokenizer, req.stop, logprobs=req.sampling.logprobs is not None,
-                   prompt_tokens=prompt_tokens, reasoning=reasoning, tools=tools)
+                   prompt_tokens=prompt_tokens, reasoning=reasoning, tools=tools,
+                   skip_special_tokens=req.skip_special_tokens,
+                   include_stop=req.include_stop_str_in_output, stop_ids=stop_ids,
+                   check=OutputCheck.for_request(req))
 
     @property
     def stopped(self) -> bool:
@@ -94,25 +125,39 @@ class OutputProcessor:
             reasoning = split.reasoning + (tail.reasoning if tail else "")
             text = split.content + (tail.content if tail else "")
         if self.tools is None:
-            return TextDelta(text=text, reasoning=reasoning)
-        parsed = self.tools.push(text)
-        rest = self.tools.flush() if final else None
-        return TextDelta(text=parsed.content + (rest.content if rest else ""), reasoning=reasoning,
-                         tool_calls=parsed.calls + (rest.calls if rest else []))
+            out = TextDelta(text=text, reasoning=reasoning)
+        else:
+            parsed = self.tools.push(text)
+            rest = self.tools.flush() if final else None
+            out = TextDelta(text=parsed.content + (rest.content if rest else ""),
+                            reasoning=reasoning,
+                            tool_calls=parsed.calls + (rest.calls if rest else []))
+        if self.check is not None:
+            self._content.append(out.text)
+        return out
 
     @staticmethod
     def _empty(delta: TextDelta) -> bool:
-        return not (delta.text or delta.reasoning or delta.tool_calls or delta.logprobs)
+        return not (delta.text or delta.reasoning or delta.tool_calls or delta.logprobs
+                    or delta.prompt_logprobs)
+
+    def _text_ids(self, ids: list[int]) -> list[int]:
+        """The ids that become text: the engine's stop token only with include_stop."""
+        if ids and ids[-1] in self.stop_ids and not self.include_stop:
+            return ids[:-1]
+        return ids
 
     def on_tokens(self, delta: TokenDelta) -> TextDelta | None:
         """The text delta for newly generated tokens (None when there is nothing to send)."""
         if self.stopped:
             return None
         self.completion_tokens += len(delta.token_ids)
-        out = self._split(self.stops.push(self.detok.push(delta.token_ids)).text,
-                          final=self.stopped)
+        text = self.detok.push(self._text_ids(delta.token_ids))
+        out = self._split(self.stops.push(text).text, final=self.stopped)
         if self.want_logprobs and delta.logprobs:
             out.logprobs = text_logprobs(self.tokenizer, delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = prompt_text_logprobs(self.tokenizer, delta.prompt_logprobs)
         return None if self._empty(out) else out
 
     def on_final(self, final: TokenFinal) -> tuple[TextDelta | None, TextFinal]:
@@ -132,6 +177,13 @@ class OutputProcessor:
         """The final frame after a stop-string match (the engine is being cancelled)."""
         return TextFinal(finish_reason=self._reason("stop"), usage=Usage(
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens))
+
+    def final_error(self, final: TextFinal) -> ErrorInfo | None:
+        """The error that replaces `final` when the finished text breaks the request's
+        response format (output_check.py); None when it keeps it or was cut short."""
+        if self.check is None or final.finish_reason != "stop":
+            return None
+        return self.check.check("".join(self._content))
 
     def _reason(self, engine_reason: FinishReason) -> FinishReason:
         reason: FinishReason = "stop" if self.stopped else engine_reason

@@ -1,39 +1,35 @@
 """From a `TextRequest` to what the engine gets: prompt ids and resolved sampling options.
 
 Rules:
-- chat: messages are normalized (chat_messages.py), the template (the `--chat-template` file,
-  else the model's) renders them in the sandbox, tools reach the model either through the
-  template's `tools` variable or, if the template ignores it, through the system message
-  (tool_prompt.py); a template that does not render tool calls gets earlier calls written into
-  the assistant's content in the family's format, and tool results as `<tool_response>` user
-  turns; the rendered text is tokenized without adding BOS (templates write it);
+- chat: the chat template renders the request (chat_prompt.py); the rendered text is tokenized
+  without adding BOS (templates write it);
 - completion: a string prompt is tokenized as a bare prompt (BOS if the model wants one); a token
-  id prompt is used as is, after a range check;
+  id prompt is used as is, after a range check; with `suffix`, the prompt and the suffix become
+  a fill-in-the-middle prompt (fim.py); `echo` repeats the prompt before the completion;
+- size: a prompt over `max_prompt_chars` characters (before or after the template) is a 400;
 - context: prompt tokens + max_tokens must fit `max_model_len`, else 400
   `context_length_exceeded`; an unset max_tokens takes all the room that is left;
 - stopping: the engine gets the model's end-of-turn ids as `stop_token_ids` (unless `ignore_eos`);
 - constraints: `response_format` and forced tool calls become the engine's `guided` spec
-  (guided.py), validated while preparing.
-Every method may raise `FlotillaError` (400 with `param`); `prepare` blocks (template rendering,
-grammar checks) and belongs in a worker thread.
+  (guided.py), for which the prompt says whether it leaves the model inside a reasoning block.
+Every method may raise `FlotillaError` (400 with `param`; 503 for a template past its time
+budget); `prepare_prompt` and `prepare` block (template rendering, grammar checks) and belong in
+a worker thread.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from libs.common.errors import FlotillaError, invalid_request
 from libs.common.messages import GuidedDecoding, SamplingOptions, TextRequest
-from services.tokenizer.chat_messages import normalize_messages
-from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from services.tokenizer.chat_prompt import ChatRenderer
+from services.tokenizer.chat_template import MAX_CHARS
+from services.tokenizer.fim import FimTokens, fim_prompt, fim_tokens
 from services.tokenizer.guided import guided_spec
 from services.tokenizer.reasoning import END, ReasoningParser
 from services.tokenizer.tokenizer import Tokenizer
-from services.tokenizer.tool_formats import ToolFormat, detect
-from services.tokenizer.tool_prompt import inject_tools, inline_tool_history, tool_names
-
-TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool}
+from services.tokenizer.tool_formats import ToolFormat
 
 
 @dataclass
@@ -42,6 +38,7 @@ class PreparedPrompt:
     token_ids: list[int]
     echo: str = ""
     guided: GuidedDecoding | None = None
+    reasoning_end: str | None = None  # the prompt opened a reasoning block this tag closes
 
 
 def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int | None,
@@ -62,113 +59,75 @@ class PromptBuilder:
     """Shared by all requests of one tokenizer service; holds no per-request state."""
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int,
-                 template_override: str | None = None, template_timeout_s: float = 2.0):
+                 template_override: str | None = None, template_timeout_s: float = 2.0,
+                 max_prompt_chars: int = MAX_CHARS):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.template_override = template_override
-        self.template_timeout_s = template_timeout_s
-        self._tool_format: ToolFormat | None = None
-
-    # ------------------------------------------------------------------ chat
+        self.max_prompt_chars = max_prompt_chars
+        self.chat = ChatRenderer(tokenizer, template_override, template_timeout_s,
+                                 max_prompt_chars)
+        self.special_texts = frozenset(t for i in tokenizer.special_ids
+                                       if (t := tokenizer.text_of(i)))
+        self._fim: FimTokens | None = fim_tokens(tokenizer)
 
     def tool_format(self) -> ToolFormat:
-        """How this model writes tool calls (from the template used for requests with tools)."""
-        if self._tool_format is None:
-            source = self.template_override or self.tokenizer.chat_template(True)
-            try:
-                reads_tools = source is not None and ChatTemplate(source).uses_tools
-            except ChatTemplateError:
-                reads_tools = False
-            self._tool_format = detect(source, reads_tools)
-        return self._tool_format
-
-    def _template(self, with_tools: bool) -> ChatTemplate:
-        source = self.template_override or self.tokenizer.chat_template(with_tools)
-        if source is None:
-            raise invalid_request(
-                "this model has no chat template; use /v1/completions or start the tokenizer "
-                "with --chat-template FILE", param="messages", code="no_chat_template")
-        try:
-            return ChatTemplate(source, timeout_s=self.template_timeout_s)
-        except ChatTemplateError as exc:
-            raise invalid_request(str(exc), param="messages", code="chat_template_error") from None
-
-    @staticmethod
-    def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        out = {}
-        for key, value in (kwargs or {}).items():
-            if key not in TEMPLATE_KWARGS:
-                raise invalid_request(
-                    f"chat_template_kwargs.{key} is not supported (allowed: "
-                    f"{', '.join(TEMPLATE_KWARGS)})", param=f"chat_template_kwargs.{key}",
-                    code="invalid_value")
-            if not isinstance(value, TEMPLATE_KWARGS[key]):
-                raise invalid_request(
-                    f"chat_template_kwargs.{key} must be a {TEMPLATE_KWARGS[key].__name__}",
-                    param=f"chat_template_kwargs.{key}", code="invalid_value")
-            out[key] = value
-        return out
+        return self.chat.tool_format()
 
     def render_chat(self, req: TextRequest) -> str:
-        normalized = normalize_messages(req.messages)
-        tools = req.tools if req.tools and req.tool_choice != "none" else None
-        if tools:
-            tool_names(tools)  # validates names before the template sees them
-        template = self._template(with_tools=bool(tools))
-        inject = bool(tools) and not template.uses_tools
-        context = {
-            **self.tokenizer.special_token_texts,
-            **self._template_kwargs(req.chat_template_kwargs),
-            "tools": tools if template.uses_tools else None,
-            "documents": None,
-            "add_generation_prompt": req.add_generation_prompt,
-        }
-        # Templates that refuse a system turn (Gemma) get the tools in the first user turn.
-        for as_system in (True, False) if inject else (True,):
-            messages = normalized
-            if inject:
-                messages = inject_tools(messages, tools or [], req.tool_choice, as_system)
-            if "tool_calls" not in template.source:
-                messages = inline_tool_history(messages, self.tool_format())
-            try:
-                return template.render(**context, messages=messages)
-            except ChatTemplateError as exc:
-                error = exc
-        raise invalid_request(str(error), param="messages", code="chat_template_error")
+        return self.chat.render(req).text
 
     # ------------------------------------------------------------------ both kinds
 
-    def prepare(self, req: TextRequest) -> PreparedPrompt:
+    def prepare_prompt(self, req: TextRequest) -> PreparedPrompt:
+        """The prompt's text and ids (no grammar: `guided_spec` adds it)."""
         if req.kind == "chat":
-            text = self.render_chat(req)
-            parser = ReasoningParser.for_prompt(self.tokenizer, text)
-            reasoning_end = END if parser is not None and parser.in_reasoning else None
-            return PreparedPrompt(text=text, token_ids=self.tokenizer.encode(text, False),
-                                  guided=guided_spec(req, self.tool_format(), reasoning_end))
+            if req.suffix is not None:
+                raise invalid_request("suffix applies to completions only", param="suffix",
+                                      code="invalid_value")
+            rendered = self.chat.render(req)
+            parser = ReasoningParser.for_prompt(self.tokenizer, rendered.text)
+            return PreparedPrompt(
+                text=rendered.text, token_ids=self.tokenizer.encode(rendered.text, False),
+                echo=rendered.echo,
+                reasoning_end=END if parser is not None and parser.in_reasoning else None)
         prompt = req.prompt
+        if isinstance(prompt, str | list) and len(prompt) > self.max_prompt_chars:
+            raise invalid_request(f"the prompt is longer than this server's limit of "
+                                  f"{self.max_prompt_chars}", param="prompt",
+                                  code="invalid_value")
+        if isinstance(prompt, list) and not self.tokenizer.valid_ids(prompt):
+            last = self.tokenizer.vocab_size - 1
+            raise invalid_request(f"prompt holds token ids outside the vocabulary (0..{last})",
+                                  param="prompt", code="invalid_value")
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            prepared = PreparedPrompt(text=prompt, token_ids=ids, echo=prompt if req.echo else "")
+            text = prompt
         elif isinstance(prompt, list):
-            if not self.tokenizer.valid_ids(prompt):
-                last = self.tokenizer.vocab_size - 1
-                raise invalid_request(
-                    f"prompt holds token ids outside the vocabulary (0..{last})",
-                    param="prompt", code="invalid_value")
             text = self.tokenizer.decode(prompt, skip_special_tokens=False)
-            prepared = PreparedPrompt(text=text, token_ids=list(prompt),
-                                      echo=text if req.echo else "")
         else:
             raise invalid_request("a completion request needs a prompt", param="prompt")
-        if not prepared.token_ids:
+        if req.suffix is not None:
+            ids = fim_prompt(self.tokenizer, self._fim, text, req.suffix)
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+        if not ids:
             raise invalid_request("the prompt is empty", param="prompt", code="invalid_value")
-        prepared.guided = guided_spec(req, self.tool_format())
+        return PreparedPrompt(text=text, token_ids=ids, echo=text if req.echo else "")
+
+    def guided(self, req: TextRequest, prepared: PreparedPrompt) -> GuidedDecoding | None:
+        """The request's constraint (grammar checks: blocking)."""
+        return guided_spec(req, self.tool_format(), prepared.reasoning_end, self.special_texts)
+
+    def prepare(self, req: TextRequest) -> PreparedPrompt:
+        """Prompt and constraint in one call (blocking; the service runs the two parts in
+        separate worker lanes)."""
+        prepared = self.prepare_prompt(req)
+        prepared.guided = self.guided(req, prepared)
         return prepared
 
-    def sampling(self, req: TextRequest, prompt_tokens: int,
-                 guided: GuidedDecoding | None = None) -> SamplingOptions:
-        """The engine's sampling options: max_tokens resolved, end-of-turn ids added, the
-        request's constraint (`PreparedPrompt.guided`) attached."""
+    def check_context(self, req: TextRequest, prompt_tokens: int) -> int:
+        """The max_tokens the request gets, or a 400 when it does not fit the context."""
         param = "messages" if req.kind == "chat" else "prompt"
         max_tokens = req.sampling.max_tokens
         if max_tokens is not None and max_tokens < 1:
@@ -177,11 +136,18 @@ class PromptBuilder:
         room = self.max_model_len - prompt_tokens
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise context_length_error(self.max_model_len, prompt_tokens, max_tokens, param)
+        return max_tokens if max_tokens is not None else room
+
+    def sampling(self, req: TextRequest, prompt_tokens: int,
+                 guided: GuidedDecoding | None = None) -> SamplingOptions:
+        """The engine's sampling options: max_tokens resolved, end-of-turn ids added, the
+        request's constraint (`PreparedPrompt.guided`) attached."""
+        max_tokens = self.check_context(req, prompt_tokens)
         stop_ids = list(req.sampling.stop_token_ids)
         if not req.sampling.ignore_eos:
             stop_ids += [i for i in self.tokenizer.end_of_generation_ids() if i not in stop_ids]
         return req.sampling.model_copy(update={
-            "max_tokens": max_tokens if max_tokens is not None else room,
+            "max_tokens": max_tokens,
             "stop_token_ids": stop_ids,
             "guided": guided,
         })

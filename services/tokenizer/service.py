@@ -1,18 +1,23 @@
 """The tokenizer service: the NATS adapter between gateways and engines for one model.
 
 Per request (subjects in libs/common/subjects.py):
-1. `tokenizer_generate(model)` brings a TextRequest; the prompt is rendered and tokenized in a
-   worker thread (PromptBuilder). A bad request is refused with its 400 before any stream exists.
+1. `tokenizer_generate(model)` brings a TextRequest; the prompt is rendered and tokenized and its
+   grammar checked on bounded worker lanes (preparation.py: cost caps, light / heavy / grammar
+   lanes, deadlines). A bad request is refused with its 400 (overload: 503 with Retry-After; a
+   passed deadline: 504) before any stream exists.
 2. A reader opens on `token_stream(rid)`, then `engine_generate(model)` gets the TokenRequest. An
    engine refusal (or none serving: 503) is passed on as the refusal.
 3. The gateway gets Admission(accepted); a task then turns TokenFrames into TextFrames on the
    request's `stream_subject` (OutputProcessor). The writer beats while the engine is silent
-   (long prefill); an engine error frame or a dead engine becomes an error frame, never a hang.
+   (long prefill); an engine error frame or a dead engine becomes an error frame, never a hang;
+   so does a finished structured output that breaks its response format (output_check.py).
 4. A stop-string match publishes Cancel(stop_string), so the engine frees the request, and sends
    the final. A gateway Cancel drops the request here (the engine hears the same broadcast).
 Ownership: the service owns each request's reader, writer and task (`_Active`) from admission
 until the task ends; the task's `finally` releases them. One span "tokenizer.generate" per
-request, a child of the gateway's; the engine request carries it onward.
+request, a child of the gateway's; the engine request carries it onward. `start()` warms what a
+first request would load (warmup.py: xgrammar, the template, every grammar kind) before it
+subscribes and announces, so the first request after a start pays nothing extra.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from opentelemetry import trace
 
 from libs.common import subjects, telemetry
 from libs.common.bus import Bus, StreamReader, StreamWriter
-from libs.common.errors import FlotillaError, internal, invalid_request, unavailable
+from libs.common.errors import FlotillaError, internal, unavailable
 from libs.common.messages import (
     Admission,
     Announcement,
@@ -48,9 +53,11 @@ from libs.common.service import Announcer, instance_id
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from services.tokenizer.output import OutputProcessor
+from services.tokenizer.preparation import Preparer, check_deadline
 from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
 from services.tokenizer.token_codec import TokenCodec, serve_token_codec
 from services.tokenizer.tokenizer import Tokenizer
+from services.tokenizer.warmup import warm_up
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer("flotilla.tokenizer")
@@ -82,6 +89,7 @@ class TokenizerService:
         self.tokenizer = tokenizer
         self.model = settings.served_model_name or ""
         self.builder: PromptBuilder | None = None
+        self.preparer: Preparer | None = None
         self._active: dict[str, _Active] = {}
         self._cancelled: dict[str, float] = {}
         self._subs: list[Subscription] = []
@@ -103,7 +111,11 @@ class TokenizerService:
             except ChatTemplateError as exc:
                 raise ValueError(f"--chat-template {s.chat_template}: {exc}") from None
         max_len = resolve_max_model_len(self.tokenizer.max_model_len, s.max_model_len)
-        self.builder = PromptBuilder(self.tokenizer, max_len, override, s.template_timeout_s)
+        self.builder = PromptBuilder(self.tokenizer, max_len, override, s.template_timeout_s,
+                                     s.max_prompt_chars)
+        self.preparer = Preparer(self.builder, s)
+        took = await asyncio.to_thread(warm_up, self.builder)
+        log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)
         self._subs = [
             await self.bus.serve(subjects.tokenizer_generate(self.model), TextRequest,
                                  self._generate, queue="tokenizer"),
@@ -123,6 +135,8 @@ class TokenizerService:
 
     async def stop(self) -> None:
         await self.bus.unsubscribe_all(self._subs)
+        if self.preparer is not None:
+            self.preparer.shutdown()
         if self._announcer:
             await self._announcer.stop()
         for rid, active in list(self._active.items()):
@@ -137,23 +151,8 @@ class TokenizerService:
     # ------------------------------------------------------------------ handlers
 
     async def _prepare(self, req: TextRequest) -> PreparedPrompt:
-        """Render and tokenize off the event loop (templates may take up to their budget).
-        A short completion prompt without a response format (no template, no grammar: tens of
-        us) is tokenized inline: a thread hop costs more, and in a burst each worker thread
-        waits for the GIL while the event loop takes in the other requests."""
-        assert self.builder is not None
-        limit = self.settings.inline_prepare_chars
-        if (req.kind == "completion" and req.response_format is None
-                and isinstance(req.prompt, str | list) and 0 < len(req.prompt) <= limit):
-            return self.builder.prepare(req)
-        budget = self.settings.template_timeout_s + 1.0
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(self.builder.prepare, req), budget)
-        except TimeoutError:  # the sandbox's own deadline failed to fire: still a 400
-            raise invalid_request(
-                f"rendering the chat template took longer than its "
-                f"{self.settings.template_timeout_s:g}s budget",
-                param="messages", code="chat_template_error") from None
+        assert self.preparer is not None
+        return await self.preparer.prepare(req)
 
     async def _render(self, req: TextRequest) -> RenderReply:
         assert self.builder is not None
@@ -188,6 +187,7 @@ class TokenizerService:
         rid = req.request_id
         prepared = await self._prepare(req)
         sampling = self.builder.sampling(req, len(prepared.token_ids), prepared.guided)
+        check_deadline(req, "before the engine got it")
         span.set_attribute("flotilla.prompt_tokens", len(prepared.token_ids))
         stream = subjects.token_stream(rid)
         reader = await self.bus.open_reader(stream, TokenFrame, self.settings.heartbeat_timeout_s)
@@ -195,7 +195,8 @@ class TokenizerService:
             engine = await self.bus.request(
                 subjects.engine_generate(self.model),
                 TokenRequest(request_id=rid, model=self.model, prompt_token_ids=prepared.token_ids,
-                             sampling=sampling, stream_subject=stream),
+                             sampling=sampling, stream_subject=stream, priority=req.priority,
+                             deadline=req.deadline),
                 Admission, timeout=self.settings.request_timeout_s)
             if not engine.accepted:
                 refused = engine.error or unavailable("the engine refused the request").info
@@ -210,18 +211,20 @@ class TokenizerService:
                                  self.settings.heartbeat_interval_s)
         active = _Active(reader, writer)
         self._active[rid] = active
-        active.task = self.bus.spawn(self._stream(req, prepared, active, span))
+        stop_ids = frozenset(sampling.stop_token_ids)
+        active.task = self.bus.spawn(self._stream(req, prepared, active, span, stop_ids))
         return Admission(request_id=rid, accepted=True, instance=self.instance,
                          prompt_tokens=len(prepared.token_ids))
 
     async def _stream(self, req: TextRequest, prepared: PreparedPrompt, active: _Active,
-                      span: trace.Span) -> None:
+                      span: trace.Span, stop_ids: frozenset[int]) -> None:
         """Engine token frames -> gateway text frames, until a final, a stop string or an error."""
         assert self.tokenizer is not None
         rid, writer = req.request_id, active.writer
         assert self.builder is not None
         proc = OutputProcessor.for_request(self.tokenizer, req, prepared.text,
-                                           len(prepared.token_ids), self.builder.tool_format())
+                                           len(prepared.token_ids), self.builder.tool_format(),
+                                           stop_ids)
         try:
             if prepared.echo:
                 await writer.data(TextDelta(text=prepared.echo))
@@ -231,13 +234,13 @@ class TokenizerService:
                         await writer.data(delta)
                     if proc.stopped:
                         await self._safe_publish(Cancel(request_id=rid, reason="stop_string"))
-                        await writer.final(proc.stop_final())
+                        await self._finish(proc, writer, proc.stop_final())
                         break
                 elif frame.kind == "final" and frame.final is not None:
                     delta, final = proc.on_final(frame.final)
                     if delta is not None:
                         await writer.data(delta)
-                    await writer.final(final)
+                    await self._finish(proc, writer, final)
                     span.set_attribute("flotilla.finish_reason", final.finish_reason)
                     span.set_attribute("flotilla.completion_tokens",
                                        final.usage.completion_tokens)
@@ -258,6 +261,16 @@ class TokenizerService:
             await active.reader.close()
             self._active.pop(rid, None)
             span.end()
+
+    @staticmethod
+    async def _finish(proc: OutputProcessor, writer: StreamWriter[TextDelta, TextFinal],
+                      final: TextFinal) -> None:
+        """The final frame, or the error of an output that broke its response format."""
+        error = proc.final_error(final)
+        if error is not None:
+            await writer.error(error)
+        else:
+            await writer.final(final)
 
     async def _on_cancel(self, msg: Cancel) -> None:
         if msg.reason == "stop_string":  # sent by a tokenizer (maybe this one) to the engines

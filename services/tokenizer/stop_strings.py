@@ -6,6 +6,8 @@ has arrived that is a prefix of some stop string) is held back until the next pi
 at the end of the stream whatever is held is released, cut at a stop string it holds. A match may
 span any number of pieces, and a complete match waits while a longer stop string that would start
 earlier is still open (stops "a" and " aa" over " a" + "a" stop before the space).
+With `include_stop` (vLLM's `include_stop_str_in_output`) the matched stop string itself is
+emitted too, and nothing after it.
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ class StopResult(NamedTuple):
 
 
 class StopStringMatcher:
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False):
         self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.include_stop = include_stop
         self._held = ""
         self.stopped = False
+
+    def _cut(self, buf: str, hit: tuple[int, str]) -> str:
+        return buf[:hit[0] + (len(hit[1]) if self.include_stop else 0)]
 
     @property
     def held(self) -> str:
@@ -51,7 +57,7 @@ class StopStringMatcher:
         start = len(buf) - partial_suffix(buf, self.stops)  # earliest open partial match
         if hit is not None and hit[0] <= start:
             self.stopped, self._held = True, ""
-            return StopResult(buf[:hit[0]], True, hit[1])
+            return StopResult(self._cut(buf, hit), True, hit[1])
         self._held = buf[start:]
         return StopResult(buf[:start], False)
 
@@ -69,5 +75,5 @@ class StopStringMatcher:
         hit = self._first_hit(out)
         if hit is not None:
             self.stopped = True
-            return out[:hit[0]]
+            return self._cut(out, hit)
         return out

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from services.engine.structured import StructuredOutputs
+from services.tokenizer.grammar_check import xgrammar
 from services.tokenizer.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def grammar_engine_loaded() -> None:
+    """xgrammar imported once, as every service's warm-up does before it serves (the import
+    takes seconds, which timing assertions must not count)."""
+    xgrammar()
 
 
 @pytest.fixture(scope="session")

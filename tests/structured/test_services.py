@@ -1,11 +1,14 @@
 """Through the real services (engine, tokenizer and gateway in this process, the real NATS, the
 SmolLM2 model) with the official `openai` client: a forced tool call and its round trip, JSON
-that always validates, refusals of bad schemas, and logprobs in chat and completions."""
+that always validates (a nested schema: $ref, anyOf, enums, arrays), refusals of bad schemas and
+of keywords that cannot be enforced, regex and choice outputs from the real engine, and
+logprobs in chat and completions."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,11 +31,18 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                    "required": ["city"]}}}
-PERSON = {"type": "object", "additionalProperties": False,
-          "required": ["name", "age", "member"],
-          "properties": {"name": {"type": "string", "maxLength": 10},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "member": {"type": "boolean"}}}
+PET = {"type": "object", "additionalProperties": False, "required": ["kind", "name"],
+       "properties": {"kind": {"enum": ["cat", "dog", "fish"]},
+                      "name": {"type": "string", "maxLength": 8}}}
+OWNER = {"$defs": {"Pet": PET}, "type": "object", "additionalProperties": False,
+         "required": ["owner", "pets", "contact"],
+         "properties": {
+             "owner": {"type": "string", "maxLength": 8},
+             "pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"}, "minItems": 1,
+                      "maxItems": 2},
+             "contact": {"anyOf": [{"type": "null"}, {
+                 "type": "object", "additionalProperties": False, "required": ["age"],
+                 "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 99}}}]}}}
 
 
 @pytest.fixture(scope="module")
@@ -110,24 +120,67 @@ async def test_a_hundred_json_schema_samples_all_validate(
         client: tuple[openai.AsyncOpenAI, str]) -> None:
     sdk, model = client
     response_format: Any = {"type": "json_schema",
-                            "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+                            "json_schema": {"name": "owner", "schema": OWNER, "strict": True}}
 
     async def one(seed: int) -> tuple[str | None, str | None]:
         r = await sdk.chat.completions.create(
-            # 64 tokens bound the longest valid answer: a 10-character name of 3-byte UTF-8
-            # characters is up to 30 byte-level tokens, the rest of the object ~16 (seed 36
-            # wrote one in katakana and ran out of 40)
-            model=model, temperature=1.0, max_tokens=64, seed=seed,
+            # 128 tokens bound the longest valid answer: three strings of 8 characters of
+            # 3-byte UTF-8 (up to 72 byte-level tokens) and ~50 of structure
+            model=model, temperature=1.0, max_tokens=128, seed=seed,
             response_format=response_format,
-            messages=[{"role": "user", "content": "Invent a club member. Answer in JSON."}])
+            messages=[{"role": "user", "content": "Describe a pet owner in JSON."}])
         return r.choices[0].message.content, r.choices[0].finish_reason
 
     results = await asyncio.gather(*(one(seed) for seed in range(100)))
     assert all(reason == "stop" for _, reason in results), results
-    people = [json.loads(text or "") for text, _ in results]
-    for person in people:
-        jsonschema.validate(person, PERSON)
-    assert len({json.dumps(p) for p in people}) > 10  # sampled, not one answer repeated
+    owners = [json.loads(text or "") for text, _ in results]
+    for owner in owners:
+        jsonschema.validate(owner, OWNER)
+    assert len({json.dumps(o) for o in owners}) > 10  # sampled, not one answer repeated
+
+
+@pytest.mark.parametrize("schema,param", [
+    ({"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}},
+     "properties.n.not"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+])
+async def test_keywords_that_cannot_be_enforced_are_400s(
+        client: tuple[openai.AsyncOpenAI, str], schema: dict[str, Any], param: str) -> None:
+    sdk, model = client
+    with pytest.raises(openai.BadRequestError) as err:
+        await sdk.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "s",
+                                                                    "schema": schema}})
+    assert err.value.body["param"] == f"response_format.json_schema.schema.{param}"  # type: ignore
+
+
+async def test_regex_and_choice_from_the_engine(client: tuple[openai.AsyncOpenAI, str]) -> None:
+    """The internal spellings the gateway maps vLLM's and llama.cpp's fields onto, sent to the
+    tokenizer as the gateway does: the real engine compiles them (regex: its own grammar kind)."""
+    from libs.common.messages import SamplingOptions
+    from tests.tokenizer.harness import gateway, request
+
+    _, model = client
+    bus = await Bus.connect(NATS, "structured-kinds")
+    try:
+        for fmt, check in (
+                ({"type": "regex", "regex": "[A-Z][a-z]{2,6}-[0-9]{2}"},
+                 lambda t: re.fullmatch("[A-Z][a-z]{2,6}-[0-9]{2}", t)),
+                ({"type": "choice", "choice": ["Paris", "Lyon", "Nice"]},
+                 lambda t: t in ("Paris", "Lyon", "Nice"))):
+            for seed in range(3):
+                out = await gateway(bus, model, request(
+                    messages=[{"role": "user", "content": "Name a French city."}],
+                    response_format=fmt, sampling=SamplingOptions(
+                        temperature=1.0, seed=seed, max_tokens=24)), timeout=30.0)
+                assert out.admission.accepted and out.frames[-1].kind == "final", out
+                assert check(out.text), out.text
+    finally:
+        await bus.close()
 
 
 async def test_json_object_and_bad_schemas(client: tuple[openai.AsyncOpenAI, str]) -> None:

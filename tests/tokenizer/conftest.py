@@ -16,7 +16,11 @@ import pytest
 
 from libs.common.bus import Bus
 from libs.common.model_cache import cache_dir
+from services.tokenizer.service import TokenizerService
+from services.tokenizer.tokenizer import Tokenizer
 from tests.endpoints import NATS_URL
+from tests.tokenizer.fake_engine import FakeEngine
+from tests.tokenizer.harness import settings_for
 
 LLAMA_CPP_SDIST = "llama-cpp-python"
 _VOCAB_DIR = "vendor/llama.cpp/models/"
@@ -112,3 +116,19 @@ async def bus():  # type: ignore[no-untyped-def]
     b = await Bus.connect(NATS_URL, "test-tokenizer")
     yield b
     await b.close()
+
+
+@pytest.fixture
+async def service(bus: Bus, smollm2_path: Path, smollm2: Tokenizer):  # type: ignore[no-untyped-def]
+    svc = TokenizerService(settings_for(smollm2_path), bus, tokenizer=smollm2)
+    await svc.start()
+    yield svc
+    await svc.stop()
+
+
+@pytest.fixture
+async def engine(bus: Bus, service: TokenizerService):  # type: ignore[no-untyped-def]
+    fake = FakeEngine(bus, service.model)
+    await fake.start()
+    yield fake
+    await fake.stop()

@@ -74,6 +74,11 @@ class FakeEngine:
         writer = self.bus.writer(req.stream_subject, rid, TokenFrame, heartbeat_interval=0.05)
         await asyncio.sleep(script.first_delay)
         sent = 0
+        prompt_logprobs = None
+        if req.sampling.prompt_logprobs is not None:  # the first delta carries them
+            prompt_logprobs = [None] + [TokenLogprob(token_id=t, logprob=-1.0 - i / 10,
+                                                     top=[(t, -1.0 - i / 10)])
+                                        for i, t in enumerate(req.prompt_token_ids[1:])]
         for chunk in script.chunks:
             if self.cancelled(rid):
                 writer.close()
@@ -83,7 +88,9 @@ class FakeEngine:
             if req.sampling.logprobs is not None:
                 logprobs = [TokenLogprob(token_id=t, logprob=-0.5, top=[(t, -0.5), (t + 1, -2.0)])
                             for t in chunk]
-            await writer.data(TokenDelta(token_ids=chunk, logprobs=logprobs))
+            await writer.data(TokenDelta(token_ids=chunk, logprobs=logprobs,
+                                         prompt_logprobs=prompt_logprobs))
+            prompt_logprobs = None
             sent += len(chunk)
             await asyncio.sleep(script.chunk_delay)
         if script.silent:

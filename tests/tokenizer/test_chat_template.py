@@ -156,8 +156,11 @@ def test_endless_templates_stop_within_budget(smollm2: Tokenizer, template: str)
     start = time.monotonic()
     err = error_of(b.prepare, chat([{"role": "user", "content": "x"}]))
     elapsed = time.monotonic() - start
-    assert err.status == 400 and err.info.code == "chat_template_error"
-    assert "budget" in err.info.message or "limit" in err.info.message
+    if "budget" in err.info.message:  # overload to retry, never a 400 clients do not retry
+        assert err.status == 503 and err.info.retry_after_s
+    else:
+        assert err.status == 400 and err.info.code == "chat_template_error"
+        assert "limit" in err.info.message
     assert elapsed < 1.5
     assert builder(smollm2).prepare(chat([{"role": "user", "content": "ok"}])).token_ids
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +13,7 @@ from opentelemetry import trace
 
 from libs.common import subjects
 from libs.common.bus import Bus
-from libs.common.errors import FlotillaError
 from libs.common.messages import (
-    Admission,
     Announcement,
     Cancel,
     ErrorInfo,
@@ -25,79 +21,13 @@ from libs.common.messages import (
     RenderReply,
     SamplingOptions,
     TextFrame,
-    TextRequest,
 )
-from libs.common.settings import TokenizerSettings
+from services.tokenizer.lanes import Lane
 from services.tokenizer.service import TokenizerService
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.fake_engine import FakeEngine, Script
+from tests.tokenizer.harness import HELLO, gateway, request, settings_for
 from tests.tracing import memory_exporter
-
-HELLO = [{"role": "user", "content": "Say hello"}]
-
-
-def settings_for(model_path: Path, **kw: Any) -> TokenizerSettings:
-    return TokenizerSettings(
-        model=str(model_path), served_model_name=f"test-tok-{uuid.uuid4().hex[:8]}",
-        heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5, request_timeout_s=2.0,
-        discovery_interval_s=0.2, template_timeout_s=0.5, **kw)
-
-
-@pytest.fixture
-async def service(bus: Bus, smollm2_path: Path, smollm2: Tokenizer):  # type: ignore[no-untyped-def]
-    svc = TokenizerService(settings_for(smollm2_path), bus, tokenizer=smollm2)
-    await svc.start()
-    yield svc
-    await svc.stop()
-
-
-@pytest.fixture
-async def engine(bus: Bus, service: TokenizerService):  # type: ignore[no-untyped-def]
-    fake = FakeEngine(bus, service.model)
-    await fake.start()
-    yield fake
-    await fake.stop()
-
-
-@dataclass
-class Outcome:
-    admission: Admission
-    frames: list[TextFrame] = field(default_factory=list)
-    error: FlotillaError | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(f.data.text for f in self.frames if f.kind == "data" and f.data)
-
-
-def request(kind: str = "chat", **kw: Any) -> TextRequest:
-    rid = f"req-{uuid.uuid4().hex[:10]}"
-    if kind == "chat":
-        kw.setdefault("messages", HELLO)
-    return TextRequest(request_id=rid, model="m", kind=kind,  # type: ignore[arg-type]
-                       stream_subject=subjects.text_stream(rid), **kw)
-
-
-async def gateway(bus: Bus, model: str, req: TextRequest, timeout: float = 1.0,
-                  on_frame: Any = None) -> Outcome:
-    """What the gateway does: reader first, then the request, then read until final/error."""
-    req = req.model_copy(update={"model": model})
-    reader = await bus.open_reader(req.stream_subject, TextFrame, timeout)
-    try:
-        admission = await bus.request(subjects.tokenizer_generate(model), req, Admission, 5.0)
-        out = Outcome(admission)
-        if not admission.accepted:
-            return out
-        try:
-            async for frame in reader:
-                out.frames.append(frame)
-                if on_frame is not None and await on_frame(frame):
-                    break
-        except FlotillaError as exc:
-            out.error = exc
-        return out
-    finally:
-        await reader.close()
 
 
 async def test_chat_stream_end_to_end(bus: Bus, service: TokenizerService, engine: FakeEngine,
@@ -257,8 +187,10 @@ async def test_endless_template_override_fails_fast_and_service_keeps_serving(
         out = await gateway(bus, svc.model, request())
         assert time.monotonic() - start < 1.5
         assert not out.admission.accepted
-        assert out.admission.error.code == "chat_template_error"
-        assert "budget" in out.admission.error.message
+        # a budget overrun is overload (retry later), never a 400 that clients do not retry
+        error = out.admission.error
+        assert error.status == 503 and error.retry_after_s and error.retry_after_s >= 1
+        assert "budget" in error.message
         out = await gateway(bus, svc.model, request("completion", prompt="still here"))
         assert out.admission.accepted and out.frames[-1].kind == "final"
     finally:
@@ -321,13 +253,13 @@ async def test_short_completion_prompts_are_tokenized_on_the_event_loop(
     tokenization); chat templates, long prompts and response formats still take it; the
     tokens and the errors are the same either way."""
     hops: list[str] = []
-    to_thread = asyncio.to_thread
+    run = Lane.run
 
-    async def counting(func: Any, req: TextRequest) -> Any:
-        hops.append(req.kind)
-        return await to_thread(func, req)
+    async def counting(lane: Lane, *args: Any, **kw: Any) -> Any:
+        hops.append(lane.name)
+        return await run(lane, *args, **kw)
 
-    monkeypatch.setattr(asyncio, "to_thread", counting)
+    monkeypatch.setattr(Lane, "run", counting)
     short = "Once upon a time"
     out = await gateway(bus, service.model, request("completion", prompt=short,
                                                     sampling=SamplingOptions(max_tokens=2)))
@@ -339,11 +271,11 @@ async def test_short_completion_prompts_are_tokenized_on_the_event_loop(
     assert empty.admission.error is not None and empty.admission.error.status == 400
     bad = await gateway(bus, service.model, request("completion", prompt=[10 ** 9]))
     assert bad.admission.error is not None and bad.admission.error.status == 400
-    assert hops == ["completion"]  # the empty prompt: not inline (0 < len)
+    assert hops == ["light"]  # the empty prompt: not inline (0 < len)
     long = "x " * service.settings.inline_prepare_chars
     await gateway(bus, service.model, request("completion", prompt=long,
                                               sampling=SamplingOptions(max_tokens=2)))
     await gateway(bus, service.model, request("completion", prompt=short,
                                               response_format={"type": "json_object"}))
     await gateway(bus, service.model, request("chat"))
-    assert hops == ["completion", "completion", "completion", "chat"]
+    assert hops == ["light", "light", "light", "grammar", "light"]
