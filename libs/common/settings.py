@@ -72,6 +72,8 @@ class GatewaySettings(CommonSettings):
         1, ge=1, le=64, description="Gateway processes sharing the HTTP port, each with its own "
         "event loop and NATS connection (>1 spreads a burst's HTTP, validation and SSE work over "
         "cores; without Redis each keeps its own registry)")
+    ui: bool = Field(False, description="Serve the chat web UI at / (same port and origin as "
+                     "the API; its files ship in the package)")
 
 
 class TokenizerSettings(CommonSettings):
@@ -164,3 +166,4 @@ class LauncherSettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Gateway bind address")
     port: int = Field(8000, ge=0, le=65535, description="Gateway port")
     start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for health")
+    ui: bool = Field(False, description="The gateway serves the chat web UI at /")

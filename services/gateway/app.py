@@ -5,6 +5,7 @@ Rules:
   registry, tools cache) on `app.state.gateway`; whoever runs the app awaits `state.start()`
   before serving (to follow announcements) and `state.stop()` after. `GatewayService` does both.
 - FastAPI's generated OpenAPI and docs are off: `/openapi.json` serves our spec file.
+- With `settings.ui` the chat web UI is served at `/` (services/gateway/ui.py).
 - FastAPI's own telemetry (newer FastAPI: a server span plus dependency and endpoint spans per
   request) is off: `TracingMiddleware`'s `gateway.request` is the gateway's one span per request;
   the three extra spans cost ~0.8 ms of CPU per streamed request (docs/benchmarks.md).
@@ -26,6 +27,7 @@ from services.gateway.routes import router
 from services.gateway.spec import Spec
 from services.gateway.tools import ToolsCache
 from services.gateway.tracing import TracingMiddleware
+from services.gateway.ui import load_assets, ui_router
 
 
 @dataclass
@@ -66,5 +68,7 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
         ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s))
     http_errors.install(app)
     app.include_router(router)
+    if settings.ui:
+        app.include_router(ui_router(load_assets()))
     app.add_middleware(TracingMiddleware)
     return app

@@ -2,7 +2,7 @@
 
     flotilla up [--port N] [--host H] [--model PATH_OR_ID] [--mcp-config FILE] [--nats-url URL]
                 [--served-model-name NAME] [--state-file FILE] [--log-level LEVEL]
-                [--tp N] [--device-ids 0,1] [--isq TYPE] [--fp8-kvcache]
+                [--tp N] [--device-ids 0,1] [--isq TYPE] [--fp8-kvcache] [--ui]
     flotilla status [--state-file FILE]
     flotilla fetch [--model PATH_OR_ID]
 
@@ -78,6 +78,9 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
                     help="store the KV cache in fp8 (e4m3, a scale per token and head): ~1.94x "
                          "the tokens of bf16; not for MLA models (DeepSeek-V2/V3)")
 
+    up.add_argument("--ui", "--ui-server", dest="ui", action="store_true", default=settings.ui,
+                    help="serve the chat web UI at / on the gateway's port (FLOTILLA_UI)")
+
     status = commands.add_parser("status", help="show running suites (from their state files)")
     status.add_argument("--state-file", type=Path, default=None, metavar="FILE")
 
@@ -100,7 +103,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         mcp_config=args.mcp_config, served_model_name=args.served_model_name,
         log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout,
-        tp=args.tp, device_ids=args.device_ids, isq=args.isq, fp8_kvcache=args.fp8_kvcache))
+        tp=args.tp, device_ids=args.device_ids, isq=args.isq, fp8_kvcache=args.fp8_kvcache,
+        ui=args.ui))
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         if suite.stop_requested:  # a second Ctrl-C: stop waiting politely
@@ -121,6 +125,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 130
     assert suite.state is not None
     print(f"flotilla is serving {suite.state.model} at {suite.url}", flush=True)
+    if args.ui:
+        print(f"chat UI at {suite.url.removesuffix('/v1')}/", flush=True)
     print(f"state: {suite.state_file}  logs: {suite.state.log_dir}", flush=True)
     try:
         suite.serve_forever()
