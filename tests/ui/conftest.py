@@ -55,7 +55,9 @@ async def models(bus: Bus) -> AsyncIterator[list[UiFakeTokenizer]]:
 
 @pytest.fixture(scope="package")
 async def gateway(bus: Bus, models: list[UiFakeTokenizer]) -> AsyncIterator[GatewayService]:
-    service = GatewayService(gateway_settings(ui=True), bus)
+    # A browser shares this machine's cores with the test's event loop: liveness limits with room
+    service = GatewayService(gateway_settings(ui=True, heartbeat_timeout_s=5.0,
+                                              request_timeout_s=10.0), bus)
     await service.start()
     for _ in range(100):
         if all([await service.state.registry.get(m.model) for m in models]):
@@ -113,7 +115,7 @@ async def page(browser: Any, gateway: GatewayService) -> AsyncIterator[Any]:
     pg.on("dialog", on_dialog)
     pg.log = log
     await pg.goto(gateway.url + "/")
-    await pg.wait_for_function("document.querySelector('#model').options.length >= 2")
+    await models_listed(pg)
     yield pg
     await context.close()
 
@@ -137,6 +139,12 @@ WATCH_STREAM = """() => {
     if (n > 0 && window.__lengths[window.__lengths.length - 1] !== n) window.__lengths.push(n);
   }).observe(root, {childList: true, subtree: true, characterData: true});
 }"""
+
+
+async def models_listed(page: Any) -> None:
+    """Waits until the model picker has both fake models. (Not wait_for_function: Playwright
+    evaluates its predicate with eval, which the page's CSP rightly refuses.)"""
+    await page.locator("#model option").nth(1).wait_for(state="attached")
 
 
 async def send(page: Any, text: str) -> Any:

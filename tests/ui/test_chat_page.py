@@ -18,7 +18,8 @@ async def test_answer_streams_as_markdown_with_highlighted_code_and_copy(page: A
     answer = await send(page, "markdown")
     await finished(page)
     lengths = await page.evaluate("window.__lengths")
-    assert len(lengths) >= 3 and lengths == sorted(lengths), f"not streamed: {lengths}"
+    # (not monotonic: "**th" shrinks when "**the**" turns bold)
+    assert len(set(lengths)) >= 3, f"the answer did not grow in over 3 updates: {lengths}"
     body = answer.locator(".msg-body")
     assert await body.locator("h2").inner_text() == "Greeting"
     assert await body.locator("li").count() == 2
