@@ -5,6 +5,7 @@
                 [--tp N] [--device-ids 0,1] [--isq TYPE] [--fp8-kvcache] [--ui]
     flotilla status [--state-file FILE]
     flotilla fetch [--model PATH_OR_ID]
+    flotilla chat [--url URL] [--model NAME] [--live] ...   (services/chat/cli.py)
 
 Short forms: `--p`/`-p` port, `--m`/`-m` model, `--w` (weights directory) and `--f` (GGUF file)
 are also the model; `--d` is --device-ids. Defaults come from LauncherSettings (FLOTILLA_PORT,
@@ -24,6 +25,7 @@ from types import FrameType
 from libs.common import telemetry
 from libs.common.model_cache import resolve_model
 from libs.common.settings import LauncherSettings
+from services.chat.args import add_arguments as add_chat_arguments
 from services.launcher.state import SuiteState, pid_alive, run_dir
 from services.launcher.suite import StopRequested, Suite, SuiteError, SuiteOptions
 
@@ -86,6 +88,9 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
 
     fetch = commands.add_parser("fetch", help="download/resolve a model and print its path")
     model_option(fetch)
+
+    add_chat_arguments(commands.add_parser(
+        "chat", help="chat with a running gateway in this terminal"), settings)
     return parser
 
 
@@ -169,9 +174,16 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from services.chat.cli import run  # the openai SDK and rich load only for `chat`
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(LauncherSettings()).parse_args(argv)
-    handler = {"up": cmd_up, "status": cmd_status, "fetch": cmd_fetch}[args.command]
+    handler = {"up": cmd_up, "status": cmd_status, "fetch": cmd_fetch,
+               "chat": cmd_chat}[args.command]
     return handler(args)
 
 

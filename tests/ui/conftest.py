@@ -92,8 +92,8 @@ class PageLog:
         self.requests: list[Any] = []
 
     def foreign_requests(self) -> list[str]:
-        return [r.url for r in self.requests
-                if not r.url.startswith(self.origin + "/") and not r.url.startswith(("blob:", "data:"))]
+        mine = (self.origin + "/", "blob:", "data:")
+        return [r.url for r in self.requests if not r.url.startswith(mine)]
 
 
 @pytest.fixture
