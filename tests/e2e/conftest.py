@@ -1,8 +1,9 @@
 """One suite start-up for all end-to-end tests: `flotilla up` as a user runs it.
 
 The launcher is started as a subprocess with the embedded default model (SmolLM2-135M-Instruct),
-the real NATS (tests/endpoints.py; 127.0.0.1:4222 by default), Redis for shared state, and an mcp.json pointing at the test MCP
-server. The fixture is package-scoped so the suite is gone before other test packages run.
+the real NATS (tests/endpoints.py; 127.0.0.1:4222 by default), Redis for shared state, an
+mcp.json pointing at the test MCP server, and the chat web UI on (`--ui`). The fixture is
+package-scoped so the suite is gone before other test packages run.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteHandle]:
     exe = shutil.which("flotilla")
     launcher = [exe] if exe else [sys.executable, "-m", "services.launcher"]
     cmd = [*launcher, "up", "--port", "0", "--nats-url", NATS_URL,
-           "--state-file", str(state_file), "--mcp-config", str(mcp)]
+           "--state-file", str(state_file), "--mcp-config", str(mcp), "--ui"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = None
