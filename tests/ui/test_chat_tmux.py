@@ -23,13 +23,14 @@ async def tmux(*args: str) -> str:
     return out.decode()
 
 
-async def screen_until(session: str, text: str, timeout: float = 20) -> str:
+async def screen_until(session: str, text: str, timeout: float = 20, times: int = 1) -> str:
+    """Waits until `text` is on the screen (with its history) `times` times."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         screen = await tmux("capture-pane", "-p", "-J", "-t", session, "-S", "-200")
-        if text in screen or loop.time() > deadline:
-            assert text in screen, f"{text!r} not on the screen:\n{screen}"
+        if screen.count(text) >= times or loop.time() > deadline:
+            assert screen.count(text) >= times, f"{text!r} not on the screen:\n{screen}"
             return screen
         await asyncio.sleep(0.1)
 
@@ -58,7 +59,8 @@ async def test_ctrl_c_stops_the_answer_and_exit_quits(gateway, models, tmp_path:
         assert fake.cancelled(rid), "Ctrl-C must close the stream and the gateway cancel"
 
         await tmux("send-keys", "-t", session, "hello", "Enter")
-        await screen_until(session, "Hello world !")
+        await screen_until(session, "TTFT", times=2)  # the answer's numbers: it has ended
+        assert "Hello world !" in await screen_until(session, "> ", times=3)
         history = fake.requests[-1].messages
         assert [m["role"] for m in history] == ["user", "assistant", "user"]
         assert history[1]["content"].startswith("w0 w1 w2")  # the stopped answer, kept
@@ -72,7 +74,7 @@ async def test_ctrl_c_stops_the_answer_and_exit_quits(gateway, models, tmp_path:
             await asyncio.sleep(0.05)
         assert fake.requests[-1].messages == [{"role": "user", "content": "hello"}]
 
-        await screen_until(session, "> ", 5)
+        await screen_until(session, "TTFT", times=3)
         await tmux("send-keys", "-t", session, "/exit", "Enter")
         for _ in range(100):
             if status.exists() and status.read_text().strip():
