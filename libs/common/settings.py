@@ -120,6 +120,8 @@ class GatewaySettings(CommonSettings):
         600.0, gt=0, description="Longest a request may run (a client's X-Request-Timeout may "
         "ask for less); past it the gateway ends the response with a 504 / an error event and "
         "cancels the request on every hop")
+    ui: bool = Field(False, description="Serve the chat web UI at / (same port and origin as "
+                     "the API; its files ship in the package)")
 
 
 class TokenizerSettings(CommonSettings):
@@ -248,3 +250,4 @@ class LauncherSettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Gateway bind address")
     port: int = Field(8000, ge=0, le=65535, description="Gateway port")
     start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for health")
+    ui: bool = Field(False, description="The gateway serves the chat web UI at /")

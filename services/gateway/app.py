@@ -8,6 +8,7 @@ Rules:
   server's limits written into its `x-limit` bounds.
 - `InFlightLimit` (overload.py) caps the generation and tokenize requests in flight in this
   process; the count lives in `GatewayState.in_flight`.
+- With `settings.ui` the chat web UI is served at `/` (services/gateway/ui.py).
 - FastAPI's own telemetry (newer FastAPI: a server span plus dependency and endpoint spans per
   request) is off: `TracingMiddleware`'s `gateway.request` is the gateway's one span per request;
   the three extra spans cost ~0.8 ms of CPU per streamed request (docs/benchmarks.md).
@@ -35,6 +36,7 @@ from services.gateway.spec import Spec
 from services.gateway.token_routes import router as token_router
 from services.gateway.tools import ToolsCache
 from services.gateway.tracing import TracingMiddleware
+from services.gateway.ui import load_assets, ui_router
 
 
 @dataclass
@@ -85,5 +87,7 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,
                        retry_after_s=settings.overload_retry_after_s)
     app.include_router(health_router)
+    if settings.ui:
+        app.include_router(ui_router(load_assets()))
     app.add_middleware(TracingMiddleware)
     return app

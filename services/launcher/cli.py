@@ -2,9 +2,10 @@
 
     flotilla up [--port N] [--host H] [--model PATH_OR_ID] [--mcp-config FILE] [--nats-url URL]
                 [--served-model-name NAME] [--state-file FILE] [--log-level LEVEL]
-                [--tp N] [--device-ids 0,1] [--isq TYPE] [--fp8-kvcache]
+                [--tp N] [--device-ids 0,1] [--isq TYPE] [--fp8-kvcache] [--ui]
     flotilla status [--state-file FILE]
     flotilla fetch [--model PATH_OR_ID]
+    flotilla chat [--url URL] [--model NAME] [--live] ...   (services/chat/cli.py)
 
 `up` runs a private nats-server (supervised, on a free loopback port) unless a NATS URL is
 given explicitly with --nats-url or FLOTILLA_NATS_URL: then a server answering there is shared,
@@ -33,6 +34,7 @@ from libs.common import telemetry
 from libs.common.model_cache import resolve_model
 from libs.common.settings import LauncherSettings
 from services.launcher.readiness import Probe, check_once
+from services.chat.args import add_arguments as add_chat_arguments
 from services.launcher.state import SuiteState, pid_alive, run_dir
 from services.launcher.suite import NATS_SERVICES, StopRequested, Suite, SuiteError, SuiteOptions
 
@@ -90,12 +92,18 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
                     help="store the KV cache in fp8 (e4m3, a scale per token and head): ~1.94x "
                          "the tokens of bf16; not for MLA models (DeepSeek-V2/V3)")
 
+    up.add_argument("--ui", "--ui-server", dest="ui", action="store_true", default=settings.ui,
+                    help="serve the chat web UI at / on the gateway's port (FLOTILLA_UI)")
+
     status = commands.add_parser(
         "status", help="show each running suite (from its state file), checked now")
     status.add_argument("--state-file", type=Path, default=None, metavar="FILE")
 
     fetch = commands.add_parser("fetch", help="download/resolve a model and print its path")
     model_option(fetch)
+
+    add_chat_arguments(commands.add_parser(
+        "chat", help="chat with a running gateway in this terminal"), settings)
     return parser
 
 
@@ -113,7 +121,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         mcp_config=args.mcp_config, served_model_name=args.served_model_name,
         log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout,
-        tp=args.tp, device_ids=args.device_ids, isq=args.isq, fp8_kvcache=args.fp8_kvcache))
+        tp=args.tp, device_ids=args.device_ids, isq=args.isq, fp8_kvcache=args.fp8_kvcache,
+        ui=args.ui))
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         if suite.stop_requested:  # a second Ctrl-C: stop waiting politely
@@ -134,6 +143,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 130
     assert suite.state is not None
     print(f"flotilla is serving {suite.state.model} at {suite.url}", flush=True)
+    if args.ui:
+        print(f"chat UI at {suite.url.removesuffix('/v1')}/", flush=True)
     print(f"state: {suite.state_file}  logs: {suite.state.log_dir}", flush=True)
     try:
         suite.serve_forever()
@@ -196,9 +207,16 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from services.chat.cli import run  # the openai SDK and rich load only for `chat`
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(LauncherSettings()).parse_args(argv)
-    handler = {"up": cmd_up, "status": cmd_status, "fetch": cmd_fetch}[args.command]
+    handler = {"up": cmd_up, "status": cmd_status, "fetch": cmd_fetch,
+               "chat": cmd_chat}[args.command]
     return handler(args)
 
 

@@ -68,6 +68,7 @@ class SuiteOptions:
     device_ids: str | None = None  # "0,1": GPU of each engine rank (FLOTILLA_DEVICE_IDS)
     isq: str | None = None  # in-situ weight quantization of the engine (FLOTILLA_ISQ)
     fp8_kvcache: bool = False  # fp8 KV cache of the engine (FLOTILLA_KV_CACHE_DTYPE=fp8)
+    ui: bool = False  # the gateway serves the chat web UI at / (FLOTILLA_UI)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     nats_restart: RestartPolicy = field(
         default_factory=lambda: RestartPolicy(min_backoff_s=0.2, max_backoff_s=10.0))
@@ -174,7 +175,8 @@ class Suite:
         opts = self.options
         common = {"FLOTILLA_NATS_URL": nats_url, "FLOTILLA_LOG_LEVEL": opts.log_level}
         extra: dict[str, dict[str, str]] = {
-            "gateway": {"FLOTILLA_HOST": opts.host, "FLOTILLA_PORT": str(port)},
+            "gateway": {"FLOTILLA_HOST": opts.host, "FLOTILLA_PORT": str(port),
+                        **({"FLOTILLA_UI": "1"} if opts.ui else {})},
             "tokenizer": {"FLOTILLA_MODEL": str(model_path), "FLOTILLA_SERVED_MODEL_NAME": model},
             "engine": {"FLOTILLA_MODEL": str(model_path), "FLOTILLA_SERVED_MODEL_NAME": model,
                        **({"FLOTILLA_TP": str(opts.tp)} if opts.tp else {}),

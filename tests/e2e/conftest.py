@@ -3,7 +3,7 @@
 The launcher is started as a subprocess with the embedded default model (SmolLM2-135M-Instruct),
 its own private NATS (the default: no --nats-url, FLOTILLA_NATS_URL removed from its
 environment; tests find the URL in the state file), the test Redis (tests/endpoints.py) for
-shared state, and an mcp.json pointing at the test MCP server. A private NATS is what lets the
+shared state, and an mcp.json pointing at the test MCP server, and the chat web UI on (`--ui`). A private NATS is what lets the
 chaos test kill it, and keeps this suite's subjects apart from anything else on the host. The
 fixture is package-scoped so the suite is gone before other test packages run.
 """
@@ -76,7 +76,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteHandle]:
     exe = shutil.which("flotilla")
     launcher = [exe] if exe else [sys.executable, "-m", "services.launcher"]
     cmd = [*launcher, "up", "--port", "0", "--state-file", str(state_file),
-           "--mcp-config", str(mcp)]
+           "--mcp-config", str(mcp), "--ui"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = None

@@ -1,0 +1,5 @@
+import sys
+
+from services.chat.cli import main
+
+sys.exit(main())
