@@ -26,4 +26,6 @@ class Deadline(NamedTuple):
         return self.at - time.time()
 
     def error(self) -> FlotillaError:
-        return deadline_exceeded(self.timeout_s)
+        return deadline_exceeded(
+            f"The request did not finish within its deadline of {self.timeout_s:g}s "
+            "(header X-Request-Timeout, or the server's request_deadline_s).")

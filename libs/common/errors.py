@@ -50,7 +50,7 @@ def unavailable(message: str, retry_after_s: float | None = None) -> FlotillaErr
 
 def deadline_exceeded(message: str = "the request's deadline passed") -> FlotillaError:
     """504: the request's deadline (`TextRequest.deadline`) passed before it was done."""
-    return FlotillaError(ErrorInfo(status=504, type="timeout", message=message,
+    return FlotillaError(ErrorInfo(status=504, type="timeout_error", message=message,
                                    code="deadline_exceeded"))
 
 
@@ -70,14 +70,6 @@ def too_large(message: str, param: str | None = None) -> FlotillaError:
     """413: the request body (or a part of it the server bounds by bytes) is too large."""
     return FlotillaError(ErrorInfo(status=413, type="invalid_request_error", message=message,
                                    param=param, code="request_too_large"))
-
-
-def deadline_exceeded(timeout_s: float) -> FlotillaError:
-    """504: the request's deadline passed before it finished (its choices are cancelled)."""
-    return FlotillaError(ErrorInfo(
-        status=504, type="timeout_error", code="deadline_exceeded",
-        message=f"The request did not finish within its deadline of {timeout_s:g}s "
-                "(header X-Request-Timeout, or the server's request_deadline_s)."))
 
 
 def retry_after_header(info: ErrorInfo) -> str | None:

@@ -33,8 +33,8 @@ from types import FrameType
 from libs.common import telemetry
 from libs.common.model_cache import resolve_model
 from libs.common.settings import LauncherSettings
-from services.launcher.readiness import Probe, check_once
 from services.chat.args import add_arguments as add_chat_arguments
+from services.launcher.readiness import Probe, check_once
 from services.launcher.state import SuiteState, pid_alive, run_dir
 from services.launcher.suite import NATS_SERVICES, StopRequested, Suite, SuiteError, SuiteOptions
 

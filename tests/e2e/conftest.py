@@ -3,9 +3,10 @@
 The launcher is started as a subprocess with the embedded default model (SmolLM2-135M-Instruct),
 its own private NATS (the default: no --nats-url, FLOTILLA_NATS_URL removed from its
 environment; tests find the URL in the state file), the test Redis (tests/endpoints.py) for
-shared state, and an mcp.json pointing at the test MCP server, and the chat web UI on (`--ui`). A private NATS is what lets the
-chaos test kill it, and keeps this suite's subjects apart from anything else on the host. The
-fixture is package-scoped so the suite is gone before other test packages run.
+shared state, an mcp.json pointing at the test MCP server, and the chat web UI on (`--ui`). A
+private NATS is what lets the chaos test kill it, and keeps this suite's subjects apart from
+anything else on the host. The fixture is package-scoped so the suite is gone before other test
+packages run.
 """
 
 from __future__ import annotations
