@@ -22,7 +22,8 @@ class StepRecorder:
         self.steps: list[list[str]] = []
         self.stepped = threading.Event()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                    priority: int = 0, deadline: float | None = None) -> None:
         self.pending.append(request_id)
 
     def abort(self, request_id: str) -> None:
