@@ -13,10 +13,12 @@ from services.engine.loader import CPU_DEFAULT
 # Steps up to here are host-bound on an H100 host with a Llama-3-8B (bench/shape_probe.py); past
 # it the GPU's share grows and each graph costs capture time.
 DEFAULT_STEP_GRAPH_TOKENS = 512
-# The step token budget when none is given. On CPU a step's time grows with its tokens (~0.3 ms
-# a token for SmolLM2-135M on 2 cores), and a running stream waits for every step: 512 tokens
-# bound the wait for the next token to about one such step while a long prompt is prefilled
-# (bench/cpu_engine.py, docs/benchmarks.md).
+# The step token budget when none is given. On CPU a step's time grows with its tokens, and a
+# running stream waits for every step: with 512 a 3,000-token prompt stalled another stream for
+# 4.6 s instead of 21 s (SmolLM2-135M, 1 thread on the shared 2-core box) at the same time to
+# first token for the long prompt (bench/cpu_engine.py, docs/benchmarks.md). 256 halved the
+# stall again, but the budget must stay above max_num_seqs (256): decodes are scheduled first,
+# one token each, and a full batch of them would leave no room for any prefill.
 DEFAULT_TOKEN_BUDGET = 8192
 DEFAULT_CPU_TOKEN_BUDGET = 512
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
