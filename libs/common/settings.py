@@ -145,10 +145,11 @@ class EngineSettings(CommonSettings):
         65536, ge=1, description="Prompt tokens that may wait for their first step (a lone "
         "request is always admitted); past it a request is refused with 503 and Retry-After")
     grammar_cache_entries: int = Field(
-        128, ge=1, description="Compiled grammars (structured outputs) kept, least recently "
+        64, ge=1, description="Compiled grammars (structured outputs) kept, least recently "
         "used dropped first")
     grammar_cache_mib: int = Field(
-        256, ge=1, description="Memory the compiled-grammar cache may hold, in MiB")
+        128, ge=1, description="Memory the compiled-grammar cache may hold, in MiB (a JSON "
+        "schema's compiled grammar takes ~1.2 MiB for a 49k-token vocabulary)")
     grammar_compile_workers: int = Field(
         2, ge=1, description="Threads compiling grammars (off the event loop and the step loop)")
     grammar_max_pending: int = Field(

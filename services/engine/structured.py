@@ -66,7 +66,7 @@ class StructuredOutputs:
     """Compiles guided-decoding specs against one model's vocabulary (see module rules)."""
 
     def __init__(self, model: str, vocab_size: int, eos_token_ids: Sequence[int] = (),
-                 cache_max_entries: int = 128, cache_max_bytes: int = 256 << 20,
+                 cache_max_entries: int = 64, cache_max_bytes: int = 128 << 20,
                  compile_workers: int = 2, max_pending: int = 8,
                  compile_timeout_s: float = 5.0):
         self.model, self.vocab_size = model, vocab_size
