@@ -149,3 +149,39 @@ def test_a_request_the_engine_cannot_add_is_refused_alone(tiny: Any) -> None:  #
     with pytest.raises(ValueError, match="min_tokens"):
         engine.add_request("y", [1] * 120, SamplingParams(min_tokens=10, max_tokens=None))
     assert not engine.has_unfinished()
+
+
+def test_prompt_logprob_and_logprob_gathering_that_raise_fail_only_their_request(
+        tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The host-side gathering of one request's prompt logprobs (while its prompt is computed)
+    and of its sampled-token logprobs (on its 3rd token) each fail that request alone."""
+    from services.engine import prompt_logprobs, step_output
+
+    path, _ = tiny
+    reference = _undisturbed(path, False)
+
+    def broken_gather(*args: Any) -> Any:
+        raise IndexError("prompt row out of range")
+
+    monkeypatch.setattr(prompt_logprobs, "_gather", broken_gather)
+    engine = make_engine(path)
+    outs = _run(engine, ("victim", [9, 8, 7, 6], SamplingParams(
+        temperature=0.0, max_tokens=12, prompt_logprobs=2)))
+    _check_isolated(engine, outs, reference, 500)
+    assert _tokens(outs, "victim") == []  # it failed with its prompt
+
+    real = step_output.TokenLogprobs
+    calls = []
+
+    def flaky(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("logprob row lost")
+        return real(*args)
+
+    monkeypatch.setattr(step_output, "TokenLogprobs", flaky)
+    engine = make_engine(path)
+    outs = _run(engine, ("victim", [9, 8, 7, 6], SamplingParams(
+        temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)))
+    _check_isolated(engine, outs, reference, 500)
+    assert len(_tokens(outs, "victim")) == 2
