@@ -41,7 +41,7 @@ from services.engine.prompt_logprobs import PromptLogprobsPart
 from services.engine.quant.base import set_gemv_backend
 from services.engine.request_error import RequestError
 from services.engine.row_buckets import token_buckets, warm_up_gemms
-from services.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from services.engine.sampler import Sampler, SamplingBatch, sample_isolated
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
 from services.engine.step_graphs import StepGraphs
@@ -350,42 +350,12 @@ class ModelRunner:
         sampling = [r for r in requests if r.samples]
         if not sampling:
             return LaunchedStep.start([], [], None, step.failed, step.prompt)
-        out = self._sample(step.logits, sampling)
+        out = sample_isolated(self.sampler, step.logits, sampling, self.vocab_size)
         failed = step.failed
         failed.update({sampling[row].request_id: err for row, err in out.failed.items()})
         return LaunchedStep.start([r.request_id for r in sampling],
                                   [r.sampling_params.logprobs for r in sampling], out, failed,
                                   step.prompt)
-
-    def _sampling_batch(self, sampling: list[ScheduledRequest]) -> SamplingBatch:
-        return SamplingBatch.build(
-            [r.sampling_params for r in sampling],
-            [r.generator for r in sampling],
-            [r.all_token_ids for r in sampling],
-            [r.prompt_len for r in sampling],
-            self.vocab_size,
-            self.device,
-            [r.stop_ids for r in sampling],
-        )
-
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> SamplerOutput:
-        """Sample the batch; if that raises (its per-row parts isolate what they can already),
-        sample row by row, so that only the rows that fail on their own are failed. Seeded rows
-        drawn before such a batch failure have advanced their generators."""
-        try:
-            return self.sampler(logits, self._sampling_batch(sampling))
-        except Exception:  # noqa: BLE001 - find the request that broke it; fail only that one
-            log.exception("sampling a batch of %d rows failed: sampling row by row",
-                          len(sampling))
-        rows = []
-        for i, r in enumerate(sampling):
-            try:
-                out = self.sampler(logits[i : i + 1], self._sampling_batch([r]))
-                rows.append((out, out.failed.get(0)))
-            except Exception as exc:  # noqa: BLE001
-                rows.append((SamplerOutput(logits[i : i + 1].argmax(dim=-1)),
-                             RequestError.of(exc)))
-        return SamplerOutput.stack(rows)
 
     @torch.inference_mode()
     def all_logits(self, request: ScheduledRequest) -> torch.Tensor:

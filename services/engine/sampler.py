@@ -26,8 +26,10 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +37,11 @@ import kernels
 from services.engine.logits_processors import LogitsProcessors
 from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.scheduler import ScheduledRequest
+
+log = logging.getLogger(__name__)
 
 CPU_CANDIDATES = (256, 2048)  # candidate widths tried on CPU before a full sort
 
@@ -170,6 +177,34 @@ class Sampler:
             if batch.max_logprobs > 0:
                 out.top_logprobs, out.top_token_ids = logprobs.topk(batch.max_logprobs, dim=-1)
         return out
+
+
+def batch_of(requests: Sequence[ScheduledRequest], vocab_size: int,
+             device: torch.device) -> SamplingBatch:
+    """The SamplingBatch of a step's sampling requests."""
+    return SamplingBatch.build(
+        [r.sampling_params for r in requests], [r.generator for r in requests],
+        [r.all_token_ids for r in requests], [r.prompt_len for r in requests], vocab_size,
+        device, [r.stop_ids for r in requests])
+
+
+def sample_isolated(sampler: Sampler, logits: torch.Tensor,
+                    requests: Sequence[ScheduledRequest], vocab_size: int) -> SamplerOutput:
+    """Sample a step's requests; if the batch raises (its per-row parts isolate what they can
+    already), sample row by row, so that only the rows that fail on their own are failed.
+    Seeded rows drawn before such a batch failure have advanced their generators."""
+    try:
+        return sampler(logits, batch_of(requests, vocab_size, logits.device))
+    except Exception:  # noqa: BLE001 - find the request that broke it; fail only that one
+        log.exception("sampling a batch of %d rows failed: sampling row by row", len(requests))
+    rows = []
+    for i, r in enumerate(requests):
+        try:
+            out = sampler(logits[i : i + 1], batch_of([r], vocab_size, logits.device))
+            rows.append((out, out.failed.get(0)))
+        except Exception as exc:  # noqa: BLE001
+            rows.append((SamplerOutput(logits[i : i + 1].argmax(dim=-1)), RequestError.of(exc)))
+    return SamplerOutput.stack(rows)
 
 
 def _uniform(grp: RowGroup, device: torch.device,
