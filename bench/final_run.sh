@@ -7,8 +7,8 @@
 #                                    # per-hop admission of a 64-stream burst
 #   bash bench/final_run.sh admit    # admission (16 client processes) + suite, 1 and 4 gateways
 #   bash bench/final_run.sh suite    # suite vs engine A/B (VARIANTS: suite_bench --variant
-#                                    # values, default the in-process engine against
-#                                    # FLOTILLA_CORE_PROCESS=1; ROUNDS x REPEAT bursts each)
+#                                    # values, default the engine as it is now; ROUNDS x
+#                                    # REPEAT bursts each)
 #   bash bench/final_run.sh pad      # GPU engine tests, bench/shape_probe.py with and without
 #                                    # bucketed eager steps, then the suite A/B of the same
 #                                    # (cold and warm client connections)
@@ -67,7 +67,7 @@ elif [[ $part == lab ]]; then
   done
 elif [[ $part == suite ]]; then
   args=()
-  for v in ${VARIANTS:-now core:FLOTILLA_CORE_PROCESS=1}; do args+=(--variant "$v"); done
+  for v in ${VARIANTS:-now}; do args+=(--variant "$v"); done
   echo "=== suite vs engine, 64 streams: ${args[*]} ($(date +%T))"
   timeout 560 python3 bench/suite_bench.py "${args[@]}" --rounds "${ROUNDS:-2}" \
     --repeat "${REPEAT:-3}" --out "$OUT/suite_ab.json" 2>&1 | grep -v Warning | tail -30

@@ -298,7 +298,13 @@ class Cancel(Message):
 
 
 class Announcement(Message):
-    """Periodic 'I am here' from a service; engines add their load for routing."""
+    """Periodic 'I am here' from a service; engines add their load for routing.
+
+    Engines also say how full their bounded queue is: `waiting` requests / `waiting_tokens`
+    prompt tokens against `max_waiting_requests` / `max_waiting_tokens` (past either the engine
+    refuses with 503 `engine_overloaded`), and `tokens_per_s`, their recent rate (a queue's
+    expected drain time is waiting_tokens / tokens_per_s).
+    """
 
     service: Literal["gateway", "tokenizer", "engine", "tools"]
     instance: str
@@ -307,6 +313,10 @@ class Announcement(Message):
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    waiting_tokens: int = 0
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
+    tokens_per_s: float = 0.0
 
 
 class Ping(Message):
@@ -343,6 +353,11 @@ class EngineStats(Message):
     cached_prompt_tokens: int
     kv_blocks_total: int
     kv_blocks_used: int
+    waiting_tokens: int = 0  # queue state as in Announcement
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
+    tokens_per_s: float = 0.0
+    requests_failed: int = 0  # finished with an error of their own (the engine went on)
     active_request_ids: list[str] = Field(default_factory=list)
     aborted_request_ids: list[str] = Field(default_factory=list)
 

@@ -179,7 +179,11 @@ class EngineSettings(CommonSettings):
     kvcache_mem_mib: int | None = Field(None, ge=1, description="KV cache size; unset = measured")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory share to use")
     max_num_seqs: int = Field(256, ge=1, description="Cap on concurrently running sequences")
-    max_num_batched_tokens: int = Field(8192, ge=16, description="Token budget of one step")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=16, description="Token budget of one step, which also caps the prompt tokens a "
+        "step prefills beside the running decodes (chunked prefill); unset = 8192, on CPU 512 "
+        "(a long prompt then delays a running stream by ~one 512-token step, not its whole "
+        "prefill)")
     prefill_chunk_size: int = Field(8192, ge=0, description="Prefill chunk; 0 = no chunking")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs")
@@ -217,9 +221,26 @@ class EngineSettings(CommonSettings):
     admit_window_max_ms: float = Field(
         50.0, ge=0, le=1000, description="Longest wait for a burst's arrivals after the first "
         "woke an idle engine (see admit_window_ms)")
-    core_process: bool = Field(
-        False, description="Run the engine and its step loop in a child process, so the NATS "
-        "event loop never holds the GIL the step launches need")
+    max_waiting_requests: int = Field(
+        256, ge=1, description="Requests that may wait for their first step; past it (or "
+        "max_waiting_tokens) a request is refused with 503 and Retry-After")
+    max_waiting_tokens: int = Field(
+        65536, ge=1, description="Prompt tokens that may wait for their first step (a lone "
+        "request is always admitted); past it a request is refused with 503 and Retry-After")
+    grammar_cache_entries: int = Field(
+        64, ge=1, description="Compiled grammars (structured outputs) kept, least recently "
+        "used dropped first")
+    grammar_cache_mib: int = Field(
+        128, ge=1, description="Memory the compiled-grammar cache may hold, in MiB (a JSON "
+        "schema's compiled grammar takes ~1.2 MiB for a 49k-token vocabulary)")
+    grammar_compile_workers: int = Field(
+        2, ge=1, description="Threads compiling grammars (off the event loop and the step loop)")
+    grammar_max_pending: int = Field(
+        8, ge=1, description="Grammar compiles queued or running at once; more are refused "
+        "with 503 and Retry-After")
+    grammar_compile_timeout_s: float = Field(
+        5.0, gt=0, description="How long admission waits for a request's grammar to compile; "
+        "past it the request is refused with 503 (the compile goes on and is cached)")
     step_log: str | None = Field(
         None, description="File to append one JSON line per engine step to (timing, tokens "
         "scheduled, first tokens out); for looking at how bursts are admitted")

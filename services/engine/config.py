@@ -13,6 +13,14 @@ from services.engine.loader import CPU_DEFAULT
 # Steps up to here are host-bound on an H100 host with a Llama-3-8B (bench/shape_probe.py); past
 # it the GPU's share grows and each graph costs capture time.
 DEFAULT_STEP_GRAPH_TOKENS = 512
+# The step token budget when none is given. On CPU a step's time grows with its tokens, and a
+# running stream waits for every step: with 512 a 3,000-token prompt stalled another stream for
+# 4.6 s instead of 21 s (SmolLM2-135M, 1 thread on the shared 2-core box) at the same time to
+# first token for the long prompt (bench/cpu_engine.py, docs/benchmarks.md). 256 halved the
+# stall again, but the budget must stay above max_num_seqs (256): decodes are scheduled first,
+# one token each, and a full batch of them would leave no room for any prefill.
+DEFAULT_TOKEN_BUDGET = 8192
+DEFAULT_CPU_TOKEN_BUDGET = 512
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,7 +40,9 @@ class EngineConfig:
     kvcache_mem_mib: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # the step's token budget, which also caps the prefill tokens a step takes beside its decodes
+    # (0: DEFAULT_TOKEN_BUDGET, on CPU DEFAULT_CPU_TOKEN_BUDGET unless chunking is off)
+    max_num_batched_tokens: int = 0
     prefill_chunk_size: int = 8192
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -72,6 +82,9 @@ class EngineConfig:
     tp_all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens == 0:
+            cpu = self.resolved_device == "cpu" and self.prefill_chunk_size > 0
+            self.max_num_batched_tokens = DEFAULT_CPU_TOKEN_BUDGET if cpu else DEFAULT_TOKEN_BUDGET
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0 <= self.decode_short_context <= SHORT_SPLIT_KEYS:

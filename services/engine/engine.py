@@ -12,8 +12,18 @@ Rules:
   arrives wastes at most the one step already launched for it.
 - Single-threaded: add_request / abort / step / prompt_logits are called from one thread, between
   steps. `abort` frees the request's KV blocks at once; its final output comes with the next step.
-- A request finishes with 'stop' on an eos token (unless ignore_eos) or one of its stop ids,
-  'length' at max_tokens or at the context length (max_model_len), 'abort' when aborted.
+- A request finishes with 'stop' on an eos token (unless ignore_eos) or one of its stop ids
+  (not before min_tokens), 'length' at max_tokens or at the context length (max_model_len),
+  'abort' when aborted, 'error' when it failed on its own (its RequestOutput carries the
+  RequestError): its sampling, logit processors, grammar or logprobs raised (the executor
+  reports them per request), or its deadline passed (checked at the start of every step). The
+  other requests of the batch go on unchanged; only a failing forward raises from `step()`.
+- `add_request` checks what the engine itself relies on (token ids inside the vocabulary, room
+  in the context) and raises ValueError; the service checks the rest before (admission.py).
+- Priority (lower first) and arrival order decide which waiting request is admitted next
+  (waiting_queue.py).
+- With prompt_logprobs, the request's first output carries them (one entry per prompt token,
+  the first None).
 """
 
 from __future__ import annotations
@@ -26,12 +36,15 @@ from typing import Any
 import torch
 
 from libs.common.model_cache import resolve_model
+from services.engine import prompt_logprobs
 from services.engine.config import EngineConfig
+from services.engine.deadlines import Deadlines, deadline_error
 from services.engine.executor import make_executor
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import LaunchedStep
 from services.engine.request import Request, RequestStatus, TokenLogprobs
+from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import (
     PLACEHOLDER_TOKEN,
@@ -45,17 +58,20 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request (new_token_ids is empty for an abort)."""
+    """What one step produced for one request (new_token_ids is empty for an abort or error)."""
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # 'stop' | 'length' | 'abort' once finished
+    finish_reason: str | None  # 'stop' | 'length' | 'abort' | 'error' once finished
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list[TokenLogprobs] | None = None
     stop_token_id: int | None = None  # the eos / stop id that ended the request, if any
+    error: RequestError | None = None  # why it finished with 'error'
+    # with prompt_logprobs, on its first output: one entry per prompt token (the first None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -71,6 +87,7 @@ class _InFlight:
 class _Counters:
     finished: int = 0
     aborted: int = 0
+    failed: int = 0
     prompt_tokens: int = 0
     tokens_generated: int = 0
     steps: int = 0
@@ -101,7 +118,8 @@ class Engine:
             self.kv,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        self._pending: list[RequestOutput] = []  # abort outputs, returned by the next step
+        self._pending: list[RequestOutput] = []  # abort / error outputs, for the next step
+        self.deadlines = Deadlines()
         self._inflight: _InFlight | None = None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
@@ -121,9 +139,12 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+        priority: int = 0, deadline: float | None = None,
     ) -> None:
+        """Queue a request; `priority` lower first, `deadline` Unix time (see module rules)."""
         params = params or SamplingParams()
+        params.check_vocab(self.vocab_size)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -134,12 +155,17 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         room = self.max_model_len - n
         max_tokens = min(params.max_tokens or room, room)
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
+                             "this request may generate")
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         request = Request(request_id, list(prompt_token_ids), params, max_tokens,
-                          self.eos_token_ids, generator)
+                          self.eos_token_ids, generator, priority, deadline)
         self.scheduler.add_request(request)
+        if deadline is not None:
+            self.deadlines.add(request_id, deadline)
         self._counts.prompt_tokens += n
 
     def abort(self, request_id: str) -> bool:
@@ -153,6 +179,34 @@ class Engine:
         self._pending.append(self._output(request, []))
         return True
 
+    def fail(self, request_id: str, error: RequestError) -> bool:
+        """Finish a request with an error now (blocks freed; its output, carrying the error,
+        comes with the next step); False if it is unknown or already done."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        if request is None:
+            return False
+        self._counts.failed += 1
+        request.error = error
+        while request.token_ids[-1] == PLACEHOLDER_TOKEN:
+            request.token_ids.pop()
+        self._pending.append(self._output(request, []))
+        log.info("request %s failed: %s", request_id, error.message)
+        return True
+
+    def expire_deadlines(self, now: float | None = None) -> None:
+        """Fail every request whose deadline has passed (504); their outputs come with the
+        next step. One comparison when none is due."""
+        next_deadline = self.deadlines.next()
+        if next_deadline is None:
+            return
+        now = time.time() if now is None else now
+        if next_deadline > now:
+            return
+        for request_id in self.deadlines.due(now):
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.fail(request_id, deadline_error(request, now))
+
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending)
                 or self._inflight is not None)
@@ -161,6 +215,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.expire_deadlines()
         outputs, self._pending = self._pending, []
         if self._inflight is not None and not self._can_overlap():
             outputs.extend(self._postprocess())
@@ -169,7 +224,8 @@ class Engine:
         t1 = time.perf_counter()
         if not scheduled.is_empty:
             prev = self._inflight.launched if self._inflight is not None else None
-            launched = self.executor.launch(scheduled.requests, scheduled.is_decode_only, prev)
+            decode_only = scheduled.is_decode_only and not scheduled.has_prompt_logprobs
+            launched = self.executor.launch(scheduled.requests, decode_only, prev)
             inflight = _InFlight(launched, self._add_placeholders(scheduled.requests))
             self._counts.steps += 1
         t2 = time.perf_counter()
@@ -202,8 +258,17 @@ class Engine:
         assert self._inflight is not None
         inflight, self._inflight = self._inflight, None
         result = inflight.launched.result()
-        outputs = []
         live = self.scheduler.requests
+        if result.prompt_logprobs:
+            for part in result.prompt_logprobs:
+                if (request := live.get(part.request_id)) is not None:
+                    prompt_logprobs.store(request, part)
+        if result.failed:
+            for request_id, error in result.failed.items():
+                self.fail(request_id, error)
+            self._pending, outputs = [], self._pending
+        else:
+            outputs = []
         generated = 0
         # Runs for every sampled token: the unfinished case builds its output inline.
         for (request, index), token, logprobs in zip(inflight.slots, result.token_ids,
@@ -214,20 +279,27 @@ class Engine:
             generated += 1
             num_output = index + 1 - request.num_prompt_tokens
             status = None
-            if token in request.stop_ids:
+            if token in request.stop_ids and num_output >= request.min_tokens:
                 status = RequestStatus.FINISHED_STOPPED
             elif num_output >= request.max_tokens:
                 status = RequestStatus.FINISHED_LENGTH
             lps = None if logprobs is None else [logprobs]
+            prompt_lps = None
+            if num_output == 1 and request.wants_prompt_logprobs:
+                request.wants_prompt_logprobs = False
+                prompt_lps = request.prompt_logprobs
             if status is None:
                 outputs.append(RequestOutput(
                     request.request_id, [token], False, None, request.num_prompt_tokens,
-                    max(request.num_cached_tokens, 0), num_output, lps))
+                    max(request.num_cached_tokens, 0), num_output, lps,
+                    prompt_logprobs=prompt_lps))
                 continue
             del request.token_ids[index + 1:]  # a placeholder of a step launched since
             self.scheduler.finish_request(request.request_id, status)
             self._counts.finished += 1
-            outputs.append(self._output(request, [token], lps, num_output))
+            out = self._output(request, [token], lps, num_output)
+            out.prompt_logprobs = prompt_lps
+            outputs.append(out)
         self._counts.tokens_generated += generated
         return outputs
 
@@ -249,6 +321,7 @@ class Engine:
                                else num_output_tokens),
             logprobs=logprobs,
             stop_token_id=stop_id,
+            error=request.error,
         )
 
     # ------------------------------------------------------------------ extras
@@ -291,8 +364,10 @@ class Engine:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "waiting_tokens": self.scheduler.waiting.num_tokens,
             "finished": self._counts.finished,
             "aborted": self._counts.aborted,
+            "failed": self._counts.failed,
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,
             "kv_blocks_cached": pool.num_cached_blocks,

@@ -28,6 +28,7 @@ import torch
 from libs.common.model_cache import resolve_model
 from services.engine.engine import Engine, EngineConfig, RequestOutput
 from services.engine.request import TokenLogprobs
+from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -47,6 +48,9 @@ class Completion:
     num_cached_tokens: int
     text: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (the first None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: RequestError | None = None  # why it finished with "error" (it failed alone)
 
 
 class LLM:
@@ -105,8 +109,10 @@ class LLM:
                 res.num_cached_tokens = out.num_cached_tokens
                 if out.logprobs:
                     res.logprobs = (res.logprobs or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
-                    res.finish_reason = out.finish_reason
+                    res.finish_reason, res.error = out.finish_reason, out.error
         for res in results.values():
             res.text = self._decode(res.token_ids)
         return [results[rid] for rid in rids]

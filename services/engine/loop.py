@@ -13,7 +13,15 @@ Rules:
   engine takes what arrived at its next step. (Holding arrivals while busy too, until they
   pause, was measured worse on the H100: suite/engine 0.938-0.949 vs 0.956-0.964.)
 - A crash inside `step()` fails every request in flight (through `on_crash`) rather than
-  leaving them hanging.
+  leaving them hanging. A request the engine refuses when it is added (add_request raises)
+  fails alone: it comes back as an error output.
+- A step that scheduled nothing and produced nothing (everything waits for room) is followed
+  by a short wait for commands (IDLE_WAIT_S) rather than a busy spin; each step expires the
+  requests whose deadline passed, waiting ones included (Engine.expire_deadlines).
+- Queue state for admission (`queue_state`, any thread): the engine's waiting requests and
+  prompt tokens as of its last step, plus those handed to the loop since (counted when `add`
+  is called, so a burst between two steps is counted at once), and the engine's recent rate in
+  tokens per second (an average over steps that computed tokens).
 - Heartbeat: the thread notes the time every time round (each step, and every `idle_beat_s`
   while it waits for work); `stats()["heartbeat"]` carries it (monotonic clock, shared by the
   processes of one host), so a loop wedged inside a step is seen by /ready however healthy
@@ -38,8 +46,20 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from libs.common.settings import EngineSettings
+from services.engine.engine import RequestOutput
+from services.engine.request_error import RequestError
 
 log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.005
+RATE_WEIGHT = 0.2  # weight of the latest step in the tokens-per-second average
+
+
+@dataclass
+class QueueState:
+    waiting: int  # requests waiting for their first step
+    waiting_tokens: int  # their tokens still to compute
+    tokens_per_s: float  # the engine's recent rate (0: not measured yet)
 
 
 @dataclass
@@ -47,6 +67,8 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: Any
+    priority: int = 0
+    deadline: float | None = None
     t: float = field(default_factory=time.time)  # handed to the loop (step log)
 
 
@@ -81,6 +103,12 @@ class EngineLoop:
         self._gc_ms = 0.0  # garbage collection time (any thread) since the last step
         self._gc_start = 0.0
         self._beat = time.monotonic()
+        # requests / tokens given to `add` but not yet in the engine's stats (under the stats
+        # lock), and those the loop thread handed to the engine since its last stats refresh
+        self._queued = [0, 0]
+        self._handed = [0, 0]
+        self._rate = 0.0  # tokens per second, averaged over steps
+        self._idle = False  # the last step did nothing
 
     @classmethod
     def for_service(cls, engine: Any, loop: asyncio.AbstractEventLoop,
@@ -100,8 +128,12 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
-        self._commands.put(_Add(request_id, prompt_token_ids, params))
+    def add(self, request_id: str, prompt_token_ids: list[int], params: Any,
+            priority: int = 0, deadline: float | None = None) -> None:
+        with self._stats_lock:
+            self._queued[0] += 1
+            self._queued[1] += len(prompt_token_ids)
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, deadline))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -111,10 +143,28 @@ class EngineLoop:
         with self._stats_lock:
             return {**self._stats, "heartbeat": self._beat}
 
+    def queue_state(self) -> QueueState:
+        with self._stats_lock:
+            return QueueState(self._stats.get("waiting", 0) + self._queued[0],
+                              self._stats.get("waiting_tokens", 0) + self._queued[1],
+                              self._rate)
+
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
+        stats["tokens_per_s"] = self._rate
         with self._stats_lock:
             self._stats = stats
+            self._queued[0] -= self._handed[0]
+            self._queued[1] -= self._handed[1]
+        self._handed = [0, 0]
+
+    def _note_rate(self, dt: float) -> None:
+        sched = getattr(self.engine, "last_scheduled", None)
+        tokens = getattr(sched, "num_batched_tokens", 0)
+        if tokens and dt > 0:
+            rate = tokens / dt
+            self._rate = rate if not self._rate else (
+                RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self._rate)
 
     # ------------------------------------------------------------------ admission
 
@@ -125,6 +175,8 @@ class EngineLoop:
             for i, held in enumerate(self._held):
                 if held.request_id == cmd.request_id:
                     del self._held[i]  # never reached the engine: nothing to free
+                    self._handed[0] += 1
+                    self._handed[1] += len(held.prompt_token_ids)
                     return
             self.engine.abort(cmd.request_id)
             return
@@ -147,7 +199,17 @@ class EngineLoop:
             self._add(cmd)
 
     def _add(self, cmd: _Add) -> None:
-        self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+        self._handed[0] += 1
+        self._handed[1] += len(cmd.prompt_token_ids)
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                    cmd.priority, cmd.deadline)
+        except Exception as exc:  # noqa: BLE001 - one request the engine refuses fails alone
+            error = RequestError.of(exc, "adding the request")
+            out = RequestOutput(cmd.request_id, [], True, "error", len(cmd.prompt_token_ids),
+                                0, 0, error=error)
+            self._loop.call_soon_threadsafe(self._on_outputs, [out])
+            return
         if self._step_log is not None:
             self._arrivals.append(cmd.t)
 
@@ -158,7 +220,8 @@ class EngineLoop:
         while True:
             busy = self.engine.has_unfinished()
             if busy or not self._held:
-                timeout: float | None = 0.0 if busy else None  # None: sleep until a command
+                # None: sleep until a command
+                timeout: float | None = (IDLE_WAIT_S if self._idle else 0.0) if busy else None
             else:
                 timeout = self._window_closes() - time.monotonic()
             try:
@@ -221,6 +284,9 @@ class EngineLoop:
                 t0 = time.time()
                 outputs = self.engine.step()
                 dt = time.time() - t0
+                self._note_rate(dt)
+                sched = getattr(self.engine, "last_scheduled", None)
+                self._idle = not outputs and sched is not None and sched.is_empty
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
                 if self._step_log is not None:

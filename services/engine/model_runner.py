@@ -24,21 +24,24 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kernels import dense_attention
 from kernels.kv_quant import FP8_KV_DTYPE, KVScales
-from services.engine import step_graphs
+from services.engine import prompt_logprobs, step_graphs
 from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from services.engine.distributed import tp_min
 from services.engine.forward_context import forward_context
 from services.engine.layers.attention import Attention
 from services.engine.loader import load_model
+from services.engine.prompt_logprobs import PromptLogprobsPart
 from services.engine.quant.base import set_gemv_backend
+from services.engine.request_error import RequestError
 from services.engine.row_buckets import token_buckets, warm_up_gemms
-from services.engine.sampler import Sampler, SamplingBatch
+from services.engine.sampler import Sampler, SamplingBatch, sample_isolated
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
 from services.engine.step_graphs import StepGraphs
@@ -53,7 +56,17 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KVCACHE_MIB = 512
 
 
-__all__ = ["LaunchedStep", "ModelRunner", "RunnerOutput"]
+__all__ = ["LaunchedStep", "ModelRunner", "RunnerOutput", "StepLogits"]
+
+
+@dataclass
+class StepLogits:
+    """A step's forward: the logits of its sampling rows, float32 [S, vocab], and the prompt
+    logprobs of its prompt rows (with the requests whose gathering failed)."""
+
+    logits: torch.Tensor
+    prompt: list[PromptLogprobsPart] = field(default_factory=list)
+    failed: dict[str, RequestError] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -310,31 +323,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_step(self, requests: list[ScheduledRequest], decode_only: bool,
-                     prev: LaunchedStep | None = None) -> torch.Tensor:
+                     prev: LaunchedStep | None = None, gather: bool = False) -> StepLogits:
         """The step's forward up to the logits of its sampling rows, without sampling (what a
-        tensor-parallel worker runs; `launch` samples them)."""
+        tensor-parallel worker runs; `launch` samples them), and the prompt logprobs of its
+        prompt rows (prompt_logprobs.py; gathered only with `gather`, on rank 0). A step with
+        prompt rows runs eagerly: graphs keep only the sampled rows' hidden states."""
         inputs = self.inputs.build(requests)
-        return self._logits(self._input_ids(inputs, requests, prev), inputs, decode_only)
+        input_ids = self._input_ids(inputs, requests, prev)
+        if decode_only or not any(r.prompt_logprob_rows for r in requests):
+            return StepLogits(self._logits(input_ids, inputs, decode_only))
+        with forward_context(inputs.meta):
+            hidden = self.model(input_ids, inputs.positions)
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])[: inputs.num_logits]
+        failed: dict[str, RequestError] = {}
+        parts = prompt_logprobs.compute(self.model.compute_logits, hidden,
+                                        inputs.meta.query_start_loc_cpu, requests, gather,
+                                        failed)
+        return StepLogits(logits, parts, failed)
 
     @torch.inference_mode()
     def launch(self, requests: list[ScheduledRequest], decode_only: bool,
                prev: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue one step on the device; its tokens come from the returned LaunchedStep."""
-        logits = self.forward_step(requests, decode_only, prev)
+        """Queue one step on the device; its tokens come from the returned LaunchedStep. A
+        request whose sampling fails is reported in the step's `failed`; the others sample."""
+        step = self.forward_step(requests, decode_only, prev, gather=True)
         sampling = [r for r in requests if r.samples]
         if not sampling:
-            return LaunchedStep.empty()
-        batch = SamplingBatch.build(
-            [r.sampling_params for r in sampling],
-            [r.generator for r in sampling],
-            [r.all_token_ids for r in sampling],
-            [r.prompt_len for r in sampling],
-            self.vocab_size,
-            self.device,
-        )
-        out = self.sampler(logits, batch)
+            return LaunchedStep.start([], [], None, step.failed, step.prompt)
+        out = sample_isolated(self.sampler, step.logits, sampling, self.vocab_size)
+        failed = step.failed
+        failed.update({sampling[row].request_id: err for row, err in out.failed.items()})
         return LaunchedStep.start([r.request_id for r in sampling],
-                                  [r.sampling_params.logprobs for r in sampling], out)
+                                  [r.sampling_params.logprobs for r in sampling], out, failed,
+                                  step.prompt)
 
     @torch.inference_mode()
     def all_logits(self, request: ScheduledRequest) -> torch.Tensor:

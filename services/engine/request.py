@@ -7,15 +7,22 @@ Rules:
 - Preemption (recompute) drops the blocks and resets `num_computed_tokens` to 0; the generated
   tokens are kept and recomputed as part of the next prefill.
 - A seeded request owns its `torch.Generator`, so its samples do not depend on its batch companions.
+- `priority` (lower first) and `arrival` (a counter the scheduler sets: first come, first served
+  within a level) order the waiting queue; `deadline` (Unix time) is when the engine gives up on
+  it. `error` says why a request finished with status FINISHED_ERROR.
+- With `prompt_logprobs`, `prompt_logprobs` collects one entry per prompt position (entry 0 stays
+  None) until the request's first output carries them; `wants_prompt_logprobs` is cleared then.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from typing import NamedTuple
 
 import torch
 
+from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams
 
 
@@ -26,18 +33,19 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # request.error says why; the engine goes on
 
     @property
     def is_finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
+
+
+_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR))
 
 
 class TokenLogprobs(NamedTuple):
@@ -57,6 +65,8 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
         generator: torch.Generator | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
@@ -70,6 +80,16 @@ class Request:
             frozenset() if sampling_params.ignore_eos else eos_token_ids
         )
         self.generator = generator
+        self.priority = priority
+        self.deadline = deadline
+        self.arrival = 0  # set by the scheduler when it takes the request
+        self.arrival_time = time.time()
+        self.first_scheduled_time: float | None = None
+        self.min_tokens = sampling_params.min_tokens
+        self.wants_prompt_logprobs = sampling_params.prompt_logprobs is not None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * len(prompt_token_ids) if self.wants_prompt_logprobs else None)
+        self.error: RequestError | None = None
         # Sampling reads the generated tokens on the host (penalties, a grammar): no async
         # overlap for the step after one of its tokens. The params are fixed once added.
         self.samples_from_host_tokens = (sampling_params.has_penalties
@@ -108,7 +128,7 @@ class Request:
     def append_token(self, token_id: int) -> RequestStatus | None:
         """Record a sampled token; return the finished status it causes, if any."""
         self.token_ids.append(token_id)
-        if token_id in self.stop_ids:
+        if token_id in self.stop_ids and self.num_output_tokens >= self.min_tokens:
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -1,13 +1,13 @@
-"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds.
+"""Batched token sampling: logits processors, temperature, top-k / top-p / min-p, seeds.
 
 Rules:
 - One `SamplingBatch` per step describes the rows of the logits matrix (one per sequence that
   samples). It is built on the host from the sampling params; `Sampler.__call__` then runs only
   tensor ops on the logits' device, with no host synchronisation (on CPU one cheap check may
   widen the top-p candidate set; syncs cost nothing there).
-- Order: penalties -> structured-output bitmask (structured.py: disallowed tokens of constrained
-  rows to -inf) -> greedy argmax | (temperature -> top-k -> top-p -> min-p -> sample).
-- Greedy rows (temperature 0) take the exact argmax of the penalised logits (`kernels.argmax`:
+- Order: logits processors (logits_processors.py: logit_bias -> penalties -> min_tokens ->
+  grammar bitmask) -> greedy argmax | (temperature -> top-k -> top-p -> min-p -> sample).
+- Greedy rows (temperature 0) take the exact argmax of the processed logits (`kernels.argmax`:
   the lowest index on ties, like torch.argmax; on CUDA a two-launch Triton argmax, torch's being
   one thread block per row). It is skipped when one sampling group holds every row (all plain
   or all filtered); a batch mixing plain and filtered rows runs it even without greedy rows.
@@ -18,17 +18,30 @@ Rules:
 - Sampling is by inverse CDF with one uniform draw per row. A seeded row draws from its own
   generator, so its tokens do not depend on its batch companions.
 - Log-probabilities come from the raw logits (the model's distribution), before any processing.
+- One row's failure is that row's: its per-request host work (processors) and its generator's
+  draw run on their own, and what they raise lands in `SamplingBatch.failed` / `SamplerOutput.
+  failed` (row -> RequestError) while the other rows are sampled as usual. A failed row still
+  gets a token (greedy, unprocessed), which the engine discards.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 import kernels
+from services.engine.logits_processors import LogitsProcessors
+from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams
-from services.engine.structured import GuidedBatch
+
+if TYPE_CHECKING:
+    from services.engine.scheduler import ScheduledRequest
+
+log = logging.getLogger(__name__)
 
 CPU_CANDIDATES = (256, 2048)  # candidate widths tried on CPU before a full sort
 
@@ -39,6 +52,29 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # float32 [B], of the sampled tokens
     top_token_ids: torch.Tensor | None = None  # int64 [B, n]
     top_logprobs: torch.Tensor | None = None  # float32 [B, n]
+    failed: dict[int, RequestError] = field(default_factory=dict)  # row -> why it failed
+
+    @classmethod
+    def stack(cls, rows: list[tuple[SamplerOutput, RequestError | None]]) -> SamplerOutput:
+        """One output from one-row outputs (each with its row's failure, if any); top-n
+        columns padded to the widest row (a row's own n never reads the padding)."""
+        tokens = torch.cat([out.token_ids for out, _ in rows])
+        failed = {i: err for i, (_, err) in enumerate(rows) if err is not None}
+        if all(out.logprobs is None for out, _ in rows):
+            return cls(tokens, failed=failed)
+        device = tokens.device
+        width = max((out.top_token_ids.shape[1] for out, _ in rows
+                     if out.top_token_ids is not None), default=0)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64, device=device)
+        lps = torch.zeros(len(rows), width, device=device)
+        logprobs = torch.zeros(len(rows), device=device)
+        for i, (out, _) in enumerate(rows):
+            if out.logprobs is not None:
+                logprobs[i] = out.logprobs[0]
+            if out.top_token_ids is not None and out.top_logprobs is not None:
+                n = out.top_token_ids.shape[1]
+                ids[i, :n], lps[i, :n] = out.top_token_ids[0], out.top_logprobs[0]
+        return cls(tokens, logprobs, ids if width else None, lps if width else None, failed)
 
 
 @dataclass
@@ -52,49 +88,46 @@ class RowGroup:
     min_p: torch.Tensor | None  # float32 [n], 0.0 where off
     generators: dict[int, torch.Generator]  # position in the group -> the request's generator
     width: int  # candidates to sort (filtered group); the vocab size means all
+    batch_rows: list[int] = field(default_factory=list)  # position in the group -> batch row
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.rows is None else t[self.rows]
 
 
 @dataclass
-class Penalties:
-    rows: torch.Tensor  # int64 [P]
-    prompt_ids: torch.Tensor  # int64 [P, Lp], padded with the vocab size
-    output_ids: torch.Tensor  # int64 [P, Lo], padded with the vocab size
-    presence: torch.Tensor  # float32 [P, 1]
-    frequency: torch.Tensor  # float32 [P, 1]
-    repetition: torch.Tensor  # float32 [P, 1]
-
-
-@dataclass
 class SamplingBatch:
     plain: RowGroup | None
     filtered: RowGroup | None
-    penalties: Penalties | None
     max_logprobs: int | None  # the largest top-n asked for in the batch (None: no logprobs)
-    guided: GuidedBatch | None = None  # bitmask rows of requests under a grammar
+    processors: LogitsProcessors | None = None  # bias, penalties, min_tokens, grammar bitmask
+    failed: dict[int, RequestError] = field(default_factory=dict)  # row -> why it failed
 
     @classmethod
     def build(
         cls,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-        token_ids: list[list[int]],
-        prompt_lens: list[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        token_ids: Sequence[list[int]],
+        prompt_lens: Sequence[int],
         vocab_size: int,
         device: torch.device,
+        stop_ids: Sequence[frozenset[int]] | None = None,
     ) -> SamplingBatch:
-        """params/generators/token_ids (prompt + generated)/prompt_lens: one entry per row."""
+        """params/generators/token_ids (prompt + generated)/prompt_lens/stop_ids (the tokens
+        min_tokens holds back; default: each row's stop_token_ids): one entry per row."""
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        failed: dict[int, RequestError] = {}
+        processors = LogitsProcessors.build(params, token_ids, prompt_lens, stop_ids,
+                                            vocab_size, tensor, failed)
 
         def group(rows: list[int], filtered: bool) -> RowGroup | None:
             if not rows:
                 return None
             ps = [params[i] for i in rows]
-            ks = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
+            ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in ps]
             return RowGroup(
                 rows=None if len(rows) == len(params) else tensor(rows, torch.int64),
                 temperature=tensor([[p.temperature] for p in ps], torch.float32),
@@ -105,58 +138,39 @@ class SamplingBatch:
                 if any(p.min_p > 0.0 for p in ps) else None,
                 generators={j: g for j, i in enumerate(rows) if (g := generators[i]) is not None},
                 width=min(max(ks), vocab_size),
+                batch_rows=rows,
             )
 
-        random = [i for i, p in enumerate(params) if not p.is_greedy]
+        random = [i for i, p in enumerate(params) if not p.is_greedy and i not in failed]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             plain=group([i for i in random if not params[i].needs_top_k_top_p], False),
             filtered=group([i for i in random if params[i].needs_top_k_top_p], True),
-            penalties=_penalties(params, token_ids, prompt_lens, vocab_size, tensor),
-            max_logprobs=max(logprobs) if logprobs else None,
-            guided=GuidedBatch.build(params, token_ids, prompt_lens, vocab_size),
+            max_logprobs=min(max(logprobs), vocab_size) if logprobs else None,
+            processors=processors,
+            failed=failed,
         )
-
-
-def _penalties(params, token_ids, prompt_lens, vocab_size, tensor) -> Penalties | None:  # type: ignore[no-untyped-def]
-    rows = [i for i, p in enumerate(params) if p.has_penalties]
-    if not rows:
-        return None
-
-    def padded(seqs: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(s) for s in seqs))
-        return tensor([s + [vocab_size] * (width - len(s)) for s in seqs], torch.int64)
-
-    return Penalties(
-        rows=tensor(rows, torch.int64),
-        prompt_ids=padded([token_ids[i][: prompt_lens[i]] for i in rows]),
-        output_ids=padded([token_ids[i][prompt_lens[i] :] for i in rows]),
-        presence=tensor([[params[i].presence_penalty] for i in rows], torch.float32),
-        frequency=tensor([[params[i].frequency_penalty] for i in rows], torch.float32),
-        repetition=tensor([[params[i].repetition_penalty] for i in rows], torch.float32),
-    )
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: float32 [B, vocab], one row per sampling sequence (not modified)."""
         raw = logits
-        if batch.penalties is not None:
-            logits = apply_penalties(logits.clone(), batch.penalties)
-        if batch.guided is not None:
-            logits = batch.guided.apply(logits)
+        if batch.processors is not None:
+            logits = batch.processors.apply(logits)
         groups = [(g, fn) for g, fn in ((batch.plain, _sample_plain),
                                         (batch.filtered, _sample_filtered)) if g is not None]
         # rows None: one group holds every row (then it is the only group) and nothing is greedy
         tokens = None if groups and groups[0][0].rows is None else kernels.argmax(logits)
         for grp, fn in groups:
-            sampled = fn(grp.take(logits) / grp.temperature, grp)
+            u = _uniform(grp, logits.device, batch.failed)
+            sampled = fn(grp.take(logits) / grp.temperature, grp, u)
             if tokens is None:
                 tokens = sampled
             else:
                 tokens[grp.rows] = sampled
         assert tokens is not None
-        out = SamplerOutput(token_ids=tokens)
+        out = SamplerOutput(token_ids=tokens, failed=batch.failed)
         if batch.max_logprobs is not None:
             logprobs = raw.log_softmax(dim=-1)
             out.logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -165,10 +179,43 @@ class Sampler:
         return out
 
 
-def _uniform(grp: RowGroup, n: int, device: torch.device) -> torch.Tensor:
-    u = torch.rand(n, 1, device=device)
+def batch_of(requests: Sequence[ScheduledRequest], vocab_size: int,
+             device: torch.device) -> SamplingBatch:
+    """The SamplingBatch of a step's sampling requests."""
+    return SamplingBatch.build(
+        [r.sampling_params for r in requests], [r.generator for r in requests],
+        [r.all_token_ids for r in requests], [r.prompt_len for r in requests], vocab_size,
+        device, [r.stop_ids for r in requests])
+
+
+def sample_isolated(sampler: Sampler, logits: torch.Tensor,
+                    requests: Sequence[ScheduledRequest], vocab_size: int) -> SamplerOutput:
+    """Sample a step's requests; if the batch raises (its per-row parts isolate what they can
+    already), sample row by row, so that only the rows that fail on their own are failed.
+    Seeded rows drawn before such a batch failure have advanced their generators."""
+    try:
+        return sampler(logits, batch_of(requests, vocab_size, logits.device))
+    except Exception:  # noqa: BLE001 - find the request that broke it; fail only that one
+        log.exception("sampling a batch of %d rows failed: sampling row by row", len(requests))
+    rows = []
+    for i, r in enumerate(requests):
+        try:
+            out = sampler(logits[i : i + 1], batch_of([r], vocab_size, logits.device))
+            rows.append((out, out.failed.get(0)))
+        except Exception as exc:  # noqa: BLE001
+            rows.append((SamplerOutput(logits[i : i + 1].argmax(dim=-1)), RequestError.of(exc)))
+    return SamplerOutput.stack(rows)
+
+
+def _uniform(grp: RowGroup, device: torch.device,
+             failed: dict[int, RequestError]) -> torch.Tensor:
+    """One uniform per row of the group: a seeded row's from its own generator."""
+    u = torch.rand(len(grp.batch_rows), 1, device=device)
     for j, gen in grp.generators.items():
-        u[j] = torch.rand(1, generator=gen, device=device)
+        try:
+            u[j] = torch.rand(1, generator=gen, device=device)
+        except Exception as exc:  # noqa: BLE001 - one request's generator fails that request
+            failed[grp.batch_rows[j]] = RequestError.of(exc, "drawing from the seeded generator")
     return u
 
 
@@ -179,16 +226,15 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
-def _sample_plain(logits: torch.Tensor, grp: RowGroup) -> torch.Tensor:
+def _sample_plain(logits: torch.Tensor, grp: RowGroup, u: torch.Tensor) -> torch.Tensor:
     if grp.min_p is not None:
         logits = apply_min_p(logits, grp.min_p)
-    probs = logits.softmax(dim=-1)
-    return _inverse_cdf(probs, _uniform(grp, logits.shape[0], logits.device))
+    return _inverse_cdf(logits.softmax(dim=-1), u)
 
 
-def _sample_filtered(logits: torch.Tensor, grp: RowGroup) -> torch.Tensor:
+def _sample_filtered(logits: torch.Tensor, grp: RowGroup, u: torch.Tensor) -> torch.Tensor:
     masked, order = filter_sorted(logits, grp)
-    idx = _inverse_cdf(masked.softmax(dim=-1), _uniform(grp, logits.shape[0], logits.device))
+    idx = _inverse_cdf(masked.softmax(dim=-1), u)
     return order.gather(1, idx.unsqueeze(1)).squeeze(1)
 
 
@@ -241,20 +287,3 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask tokens whose probability is below min_p times the row's top probability."""
     ratio = (logits - logits.amax(dim=-1, keepdim=True)).exp()
     return logits.masked_fill(ratio < min_p.unsqueeze(1), float("-inf"))
-
-
-def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
-    """OpenAI presence/frequency over generated tokens; CTRL repetition over prompt + generated."""
-    vocab = logits.shape[1]
-    sub = logits[pen.rows]
-    counts = torch.zeros(sub.shape[0], vocab + 1, device=sub.device, dtype=sub.dtype)
-    counts.scatter_add_(1, pen.output_ids, torch.ones_like(pen.output_ids, dtype=sub.dtype))
-    counts = counts[:, :vocab]
-    seen = torch.zeros(sub.shape[0], vocab + 1, device=sub.device, dtype=torch.bool)
-    seen.scatter_(1, pen.prompt_ids, True)
-    seen = seen[:, :vocab] | (counts > 0)
-    rep = pen.repetition
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - pen.frequency * counts - pen.presence * (counts > 0).to(sub.dtype)
-    logits[pen.rows] = sub
-    return logits

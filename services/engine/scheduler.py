@@ -2,15 +2,20 @@
 
 Rules:
 - Each step has a token budget (max_num_batched_tokens). Running decodes are served first, then
-  running requests that are part-way through a chunked prefill, then waiting requests in arrival
-  order (first come, first served: a waiting request that does not fit blocks those behind it).
+  running requests that are part-way through a chunked prefill, then waiting requests by
+  priority, first come first served within a level (waiting_queue.py; a waiting request that
+  does not fit blocks those behind it).
 - A prefill is split into chunks of at most prefill_chunk_size tokens (0: the whole prompt in one
   step), and a chunk also shrinks to the budget left; decodes and prefill chunks share a step.
 - At most max_num_seqs requests run at once.
-- When the KV pool cannot hold a running request's next tokens, the newest running request not
-  yet scheduled in this step is preempted: its blocks are freed and it goes back to the front of
-  the waiting queue, to be recomputed (prompt + generated tokens) when it is admitted again.
-  No waiting request is admitted in a step that preempted.
+- When the KV pool cannot hold a running request's next tokens, a running request not yet
+  scheduled in this step is preempted (the lowest priority, the newest within it): its blocks
+  are freed and it goes back to the waiting queue at its place (its priority and arrival), to be
+  recomputed (prompt + generated tokens) when it is admitted again. No waiting request is
+  admitted in a step that preempted.
+- A request with prompt_logprobs takes no prefix-cache hit (cached positions have no logits);
+  each of its prompt chunks tells the runner how many of its rows give prompt logprobs
+  (`prompt_logprob_rows`: rows whose next token is a prompt token) until its first output.
 - The scheduler advances num_computed_tokens when it schedules; the Engine appends sampled tokens
   (PLACEHOLDER_TOKEN until a step's results arrive: the next step may be scheduled before, with
   the placeholder as a decode's input) and calls finish_request. Finishing (stop, length or
@@ -19,14 +24,15 @@ Rules:
 
 from __future__ import annotations
 
-from collections import deque
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
+from services.engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -60,6 +66,8 @@ class ScheduledRequest:
     generator: torch.Generator | None
     prompt_len: int
     all_token_ids: list[int]  # prompt + generated so far (read-only; for penalties)
+    stop_ids: frozenset[int] = frozenset()  # what min_tokens holds back (eos, stop ids)
+    prompt_logprob_rows: int = 0  # leading rows of this chunk that give prompt logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +79,7 @@ class SchedulerOutput:
     requests: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
+    has_prompt_logprobs: bool = False  # some request has prompt_logprob_rows in this step
 
     @property
     def is_empty(self) -> bool:
@@ -85,7 +94,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -96,7 +105,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request, new=True)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -135,14 +144,17 @@ class Scheduler:
             return out
         # Waiting requests, in order, while they fit.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            hit = self.kv.get_computed_blocks(request)
+            request = self.waiting.peek()
+            hit = (PrefixHit([], 0) if request.wants_prompt_logprobs
+                   else self.kv.get_computed_blocks(request))
             num_new = self._num_new_tokens(request, hit.num_tokens, budget)
             if num_new == 0:  # the whole remaining prompt must fit and does not
                 break
             if not self.kv.allocate_slots(request, num_new, hit.block_ids):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             request.num_computed_tokens = hit.num_tokens
             self.prefix_hit_tokens += hit.num_tokens
             self.prefix_query_tokens += request.num_tokens
@@ -166,7 +178,8 @@ class Scheduler:
     ) -> bool:
         """Allocate, preempting the newest unscheduled running request until it fits."""
         while not self.kv.allocate_slots(request, num_new):
-            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            candidates = [r for r in reversed(self.running) if r.request_id not in scheduled]
+            victim = max(candidates, key=lambda r: r.priority)  # the first (newest) of the max
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
@@ -180,7 +193,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push(request)
 
     def _schedule(
         self, request: Request, num_new: int, out: SchedulerOutput, scheduled: set[str]
@@ -188,6 +201,10 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         tokens = request.token_ids
+        rows = 0
+        if request.wants_prompt_logprobs:
+            rows = max(0, min(end, request.num_prompt_tokens - 1) - start)
+            out.has_prompt_logprobs |= rows > 0
         out.requests.append(
             ScheduledRequest(
                 request_id=request.request_id,
@@ -200,6 +217,8 @@ class Scheduler:
                 generator=request.generator,
                 prompt_len=request.num_prompt_tokens,
                 all_token_ids=tokens,
+                stop_ids=request.stop_ids,
+                prompt_logprob_rows=rows,
             )
         )
         out.num_batched_tokens += num_new
@@ -207,7 +226,7 @@ class Scheduler:
         scheduled.add(request.request_id)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request (stop, length or abort) and free its blocks; None if unknown."""
+        """End a request (stop, length, abort or error) and free its blocks; None if unknown."""
         assert status.is_finished
         request = self.requests.pop(request_id, None)
         if request is None:

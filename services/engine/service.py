@@ -1,9 +1,14 @@
 """The engine service: a thin NATS adapter over `Engine` (services/engine/engine.py).
 
-Per request: the tokenizer asks on `engine_generate(model)`; we validate, reply Admission, and
-stream TokenFrames on the request's `stream_subject` until a final or error frame. Cancels (client
-gone, stop string) arrive as broadcasts and free the request's KV blocks at once. The Engine itself
-runs on the EngineLoop thread; this module never blocks the event loop.
+Per request: the tokenizer asks on `engine_generate(model)`; we check it (admission.py: every
+sampling value against the engine's ranges -> 400 naming it; a passed deadline -> 504; a full
+queue -> 503 with retry_after_s), compile its grammar if it has one (structured.py, off the
+event loop, bounded in time: 503 past it, 400 for a grammar that cannot compile), reply
+Admission, and stream TokenFrames on the request's `stream_subject` until a final or error
+frame. A request that fails on its own in the engine (its deadline, its sampling, its grammar)
+gets an error frame with the engine's status; the others go on. Cancels (client gone, stop
+string) arrive as broadcasts and free the request's KV blocks at once. The Engine itself runs on
+the EngineLoop thread; this module never blocks the event loop.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from libs.common.messages import (
     Cancel,
     EngineStats,
     ErrorInfo,
+    GuidedDecoding,
     StatsRequest,
     TokenDelta,
     TokenFinal,
@@ -36,9 +42,12 @@ from libs.common.messages import (
 from libs.common.model_cache import resolve_model, served_name
 from libs.common.service import Announcer, instance_id
 from libs.common.settings import EngineSettings
-from services.engine.core_process import CoreProcess
-from services.engine.factory import build_engine, to_sampling_params
+from services.engine.admission import QueueLimits, check_deadline, to_sampling_params
+from services.engine.factory import build_engine
 from services.engine.loop import EngineLoop
+from services.engine.request_error import InvalidParameter, RequestError
+from services.engine.sampling_params import SamplingParams
+from services.engine.structured import GrammarCompileTimeout, StructuredOutputs
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("flotilla.engine")
@@ -71,8 +80,9 @@ class EngineService:
         self._outbox: asyncio.Queue[Coroutine[Any, Any, None]] = asyncio.Queue()
         self._sender: asyncio.Task[Any] | None = None
         self.model_name = settings.served_model_name or ""
-        self.loop: EngineLoop | CoreProcess | None = None
-        self._core: CoreProcess | None = None  # FLOTILLA_CORE_PROCESS: engine + loop elsewhere
+        self.loop: EngineLoop | None = None
+        self.structured: StructuredOutputs | None = None
+        self.limits = QueueLimits(settings.max_waiting_requests, settings.max_waiting_tokens)
         self.announcer: Announcer | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -82,20 +92,20 @@ class EngineService:
             path = await asyncio.to_thread(resolve_model, self.settings.model)
             self.model_name = self.settings.served_model_name or served_name(self.settings.model,
                                                                              path)
-            if self.settings.core_process:  # the engine and its loop live in a child process
-                core = CoreProcess(self.settings, path, asyncio.get_running_loop(),
-                                   self._on_outputs, self._on_crash, self._on_refused)
-                await core.start()
-                self._engine = self.loop = self._core = core
-            else:
-                self._engine = await asyncio.to_thread(build_engine, self.settings, path)
+            self._engine = await asyncio.to_thread(build_engine, self.settings, path)
         elif not self.model_name:
             raise ValueError("an injected engine needs settings.served_model_name")
-        if self._core is None:
-            stepper = EngineLoop.for_service(self._engine, asyncio.get_running_loop(),
-                                             self._on_outputs, self._on_crash, self.settings)
-            stepper.start()
-            self.loop = stepper
+        self.loop = EngineLoop.for_service(self._engine, asyncio.get_running_loop(),
+                                           self._on_outputs, self._on_crash, self.settings)
+        self.loop.start()
+        s, engine = self.settings, self._engine
+        assert engine is not None
+        self.structured = StructuredOutputs(
+            engine.config.model, engine.vocab_size, sorted(engine.eos_token_ids),
+            s.grammar_cache_entries, s.grammar_cache_mib << 20, s.grammar_compile_workers,
+            s.grammar_max_pending, s.grammar_compile_timeout_s)
+        # the compiler's vocabulary and xgrammar itself load now, not in a user's first request
+        self.structured.compile_async(GuidedDecoding(kind="json_object"))
         self._sender = self.bus.spawn(self._drain_outbox())
         executor = getattr(self._engine, "executor", None)
         if executor is not None:  # a dead tensor-parallel rank fails the pod at once
@@ -121,6 +131,8 @@ class EngineService:
                                             message="the engine is shutting down"))
         if self.loop:
             await asyncio.to_thread(self.loop.stop)
+        if self.structured is not None:
+            self.structured.shutdown()
         shutdown = getattr(self._engine, "shutdown", None)
         if self._owns_engine and shutdown is not None:
             await asyncio.to_thread(shutdown)
@@ -130,44 +142,71 @@ class EngineService:
     async def _on_generate(self, req: TokenRequest) -> Admission:
         assert self.loop is not None and self._engine is not None
         if self.crashed is not None:
-            return self._refuse(req, 503, f"the engine failed: {self.crashed}")
-        vocab = self._engine.vocab_size
-        if not req.prompt_token_ids:
-            return self._refuse(req, 400, "the prompt is empty")
-        if max(req.prompt_token_ids) >= vocab or min(req.prompt_token_ids) < 0:
-            return self._refuse(req, 400, f"prompt token ids must be in [0, {vocab})")
-        if req.request_id in self._live:
-            return self._refuse(req, 400, f"request id {req.request_id} is already running")
-        params: Any
-        try:
-            if self._core is not None:  # checked here, converted (a grammar compiled) there
-                to_sampling_params(req.sampling.model_copy(update={"guided": None}),
-                                   len(req.prompt_token_ids), self._engine.max_model_len)
-                params = req.sampling
-            else:
-                params = to_sampling_params(req.sampling, len(req.prompt_token_ids),
-                                            self._engine.max_model_len, self._engine)
-        except ValueError as exc:
-            return self._refuse(req, 400, str(exc))
+            return self._refuse(req, RequestError(f"the engine failed: {self.crashed}", 503,
+                                                  "service_unavailable", "engine_failed"))
+        refusal = self._check(req)
+        if isinstance(refusal, RequestError):
+            return self._refuse(req, refusal)
+        params = refusal
+        if req.sampling.guided is not None:
+            try:
+                params.guided = await self._guided(req)
+            except RequestError as exc:
+                return self._refuse(req, exc)
+            if req.request_id in self._live:  # the same id came again while this one compiled
+                return self._refuse(req, _invalid(f"request id {req.request_id} is already "
+                                                  "running", "request_id"))
         span = _tracer.start_span("engine.request", attributes={
             "flotilla.request_id": req.request_id, "flotilla.engine": self.instance,
             "flotilla.prompt_tokens": len(req.prompt_token_ids)})
         writer = self.bus.writer(req.stream_subject, req.request_id, TokenFrame,
                                  self.settings.heartbeat_interval_s)
         self._live[req.request_id] = _Live(writer, span, len(req.prompt_token_ids))
-        self.loop.add(req.request_id, req.prompt_token_ids, params)
+        self.loop.add(req.request_id, req.prompt_token_ids, params, req.priority, req.deadline)
         return Admission(request_id=req.request_id, accepted=True, instance=self.instance,
                          prompt_tokens=len(req.prompt_token_ids))
 
-    def _on_refused(self, request_id: str, message: str) -> None:
-        """The core process could not take an admitted request (its grammar did not compile)."""
-        self.bus.spawn(self._fail(request_id, ErrorInfo(
-            status=400, type="invalid_request_error", message=message)))
+    def _check(self, req: TokenRequest) -> SamplingParams | RequestError:
+        """The request's params, or why it is refused (see admission.py)."""
+        assert self.loop is not None and self._engine is not None
+        vocab, ids = self._engine.vocab_size, req.prompt_token_ids
+        if not ids:
+            return _invalid("the prompt is empty", "prompt")
+        if max(ids) >= vocab or min(ids) < 0:
+            return _invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if req.request_id in self._live:
+            return _invalid(f"request id {req.request_id} is already running", "request_id")
+        late = check_deadline(req.deadline)
+        if late is not None:
+            return late
+        try:
+            params = to_sampling_params(req.sampling, len(ids), self._engine.max_model_len,
+                                        vocab)
+        except InvalidParameter as exc:
+            return _invalid(str(exc), exc.param)
+        queue = self.loop.queue_state()
+        full = self.limits.check(queue.waiting, queue.waiting_tokens, len(ids),
+                                 queue.tokens_per_s)
+        return params if full is None else full
 
-    def _refuse(self, req: TokenRequest, status: int, message: str) -> Admission:
-        kind = "invalid_request_error" if status == 400 else "server_error"
+    async def _guided(self, req: TokenRequest) -> Any:
+        """The request's grammar state, compiled off the event loop within its time limit."""
+        assert self.structured is not None and req.sampling.guided is not None
+        future = self.structured.compile_async(req.sampling.guided)
+        timeout = self.settings.grammar_compile_timeout_s
+        try:  # shielded: a timeout must not cancel the compile (its result gets cached)
+            compiled = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                              timeout)
+        except TimeoutError:
+            raise GrammarCompileTimeout(timeout, timeout) from None
+        return self.structured.guided(compiled, req.sampling.stop_token_ids,
+                                      req.sampling.ignore_eos)
+
+    def _refuse(self, req: TokenRequest, error: RequestError) -> Admission:
+        if error.status >= 500:
+            self._counts["refused"] += 1
         return Admission(request_id=req.request_id, accepted=False, instance=self.instance,
-                         error=ErrorInfo(status=status, type=kind, message=message))
+                         error=_error_info(error))
 
     async def _on_cancel(self, msg: Cancel) -> None:
         live = self._live.pop(msg.request_id, None)
@@ -197,9 +236,18 @@ class EngineService:
                     live.t_first = now
                     live.span.add_event("first_token")
                 live.generated += len(out.new_token_ids)
-                logprobs = _logprobs(out)
-                self._outbox.put_nowait(live.writer.data(
-                    TokenDelta(token_ids=list(out.new_token_ids), logprobs=logprobs)))
+                delta = TokenDelta(token_ids=list(out.new_token_ids), logprobs=_logprobs(out))
+                if out.prompt_logprobs is not None:
+                    delta.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs)
+                self._outbox.put_nowait(live.writer.data(delta))
+            if out.error is not None:
+                self._live.pop(out.request_id, None)
+                self._counts["failed"] += 1
+                info = _error_info(out.error)
+                self._outbox.put_nowait(live.writer.error(info))
+                live.span.set_status(trace.StatusCode.ERROR, info.message)
+                self._end_span(live, now)
+                continue
             if out.finished:
                 self._live.pop(out.request_id, None)
                 self._counts["finished"] += 1
@@ -261,6 +309,10 @@ class EngineService:
             tokens_generated=s.get("tokens_generated", 0), prompt_tokens=s.get("prompt_tokens", 0),
             cached_prompt_tokens=s.get("cached_prompt_tokens", 0),
             kv_blocks_total=s.get("kv_blocks_total", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
+            waiting_tokens=s.get("waiting_tokens", 0),
+            max_waiting_requests=self.limits.max_waiting_requests,
+            max_waiting_tokens=self.limits.max_waiting_tokens,
+            tokens_per_s=s.get("tokens_per_s", 0.0), requests_failed=self._counts["failed"],
             active_request_ids=sorted(self._live), aborted_request_ids=list(self._aborted))
 
     def _announcement(self) -> Announcement:
@@ -269,7 +321,11 @@ class EngineService:
         return Announcement(service="engine", instance=self.instance, model=self.model_name,
                             max_model_len=self._engine.max_model_len if self._engine else None,
                             running=s.get("running", 0), waiting=s.get("waiting", 0),
-                            kv_usage=s.get("kv_blocks_used", 0) / total)
+                            kv_usage=s.get("kv_blocks_used", 0) / total,
+                            waiting_tokens=s.get("waiting_tokens", 0),
+                            max_waiting_requests=self.limits.max_waiting_requests,
+                            max_waiting_tokens=self.limits.max_waiting_tokens,
+                            tokens_per_s=s.get("tokens_per_s", 0.0))
 
     async def _health(self) -> dict[str, Any]:
         return self._engine_stats().model_dump()
@@ -278,6 +334,20 @@ class EngineService:
         """Seconds since the step loop last went round (loop.py: it beats while idle too)."""
         beat = self.loop.stats().get("heartbeat") if self.loop else None
         return None if beat is None else max(0.0, time.monotonic() - beat)
+
+
+def _invalid(message: str, param: str | None = None) -> RequestError:
+    return RequestError(message, 400, "invalid_request_error", param=param)
+
+
+def _error_info(error: RequestError) -> ErrorInfo:
+    return ErrorInfo(status=error.status, type=error.type, message=error.message,
+                     param=error.param, code=error.code, retry_after_s=error.retry_after_s)
+
+
+def _prompt_logprobs(entries: list[Any]) -> list[TokenLogprob | None]:
+    return [None if e is None else TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                                                top=list(e.top)) for e in entries]
 
 
 def _logprobs(out: Any) -> list[TokenLogprob] | None:

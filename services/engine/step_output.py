@@ -6,6 +6,10 @@ Rules:
 - Right after sampling, the sampler's outputs are copied to pinned host memory and an event is
   recorded; `result()` waits for that event only, not for work launched after it on the stream
   (which is what lets the host prepare step N+1 while the device runs step N).
+- Per-request failures travel with the step: `failed` (request id -> RequestError) from
+  sampling, and any raised while turning a request's logprobs into host values; the engine
+  finishes those requests with their error. Prompt logprob parts (prompt_logprobs.py) come back
+  as host tensors.
 """
 
 from __future__ import annotations
@@ -15,16 +19,20 @@ from functools import cached_property
 
 import torch
 
+from services.engine.prompt_logprobs import PromptLogprobsPart
 from services.engine.request import TokenLogprobs
+from services.engine.request_error import RequestError
 from services.engine.sampler import SamplerOutput
 
 
 @dataclass
 class RunnerOutput:
-    """Per sampling request of the step, in SchedulerOutput order."""
+    """Per sampling request of the step, in SchedulerOutput order; then per-request extras."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    failed: dict[str, RequestError] = field(default_factory=dict)
+    prompt_logprobs: list[PromptLogprobsPart] = field(default_factory=list)
 
 
 @dataclass
@@ -34,13 +42,20 @@ class LaunchedStep:
     num_logprobs: list[int | None] = field(default_factory=list)  # each request's `logprobs`
     _host: SamplerOutput | None = None  # pinned host copies of the sampler's outputs
     _event: torch.cuda.Event | None = None
+    failed: dict[str, RequestError] = field(default_factory=dict)
+    prompt: list[PromptLogprobsPart] = field(default_factory=list)  # host copies once there
 
     @classmethod
     def start(cls, request_ids: list[str], num_logprobs: list[int | None],
-              out: SamplerOutput) -> LaunchedStep:
-        """Queue the copies of `out` to the host behind the step's work; returns at once."""
+              out: SamplerOutput | None, failed: dict[str, RequestError] | None = None,
+              prompt: list[PromptLogprobsPart] | None = None) -> LaunchedStep:
+        """Queue the copies of `out` (None: nothing sampled) and `prompt` to the host behind
+        the step's work; returns at once."""
+        failed, prompt = failed or {}, prompt or []
+        if out is None:
+            return cls([], None, [], None, None, failed, prompt)
         if out.token_ids.device.type != "cuda":
-            return cls(request_ids, out.token_ids, num_logprobs, out)
+            return cls(request_ids, out.token_ids, num_logprobs, out, None, failed, prompt)
 
         def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
@@ -50,9 +65,10 @@ class LaunchedStep:
 
         host = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs),  # type: ignore[arg-type]
                              to_host(out.top_token_ids), to_host(out.top_logprobs))
+        prompt = [part.map(to_host) for part in prompt]  # type: ignore[arg-type]
         event = torch.cuda.Event()
         event.record()
-        return cls(request_ids, out.token_ids, num_logprobs, host, event)
+        return cls(request_ids, out.token_ids, num_logprobs, host, event, failed, prompt)
 
     @classmethod
     def empty(cls) -> LaunchedStep:
@@ -65,12 +81,12 @@ class LaunchedStep:
 
     def result(self) -> RunnerOutput:
         """The sampled tokens (and logprobs) as host values; blocks until they are there."""
-        if self._host is None:
-            return RunnerOutput([], [])
         if self._event is not None:
             self._event.synchronize()
+        if self._host is None:
+            return RunnerOutput([], [], self.failed, self.prompt)
         token_ids = self._host.token_ids.tolist()
-        return RunnerOutput(token_ids, self._logprobs(token_ids))
+        return RunnerOutput(token_ids, self._logprobs(token_ids), self.failed, self.prompt)
 
     def _logprobs(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
         host = self._host
@@ -85,8 +101,12 @@ class LaunchedStep:
             if n is None:
                 result.append(None)
                 continue
-            top = []
-            if n and top_ids is not None and top_lps is not None:
-                top = list(zip(top_ids[i][:n], top_lps[i][:n], strict=True))
-            result.append(TokenLogprobs(token_ids[i], logprobs[i], top))
+            try:
+                top = []
+                if n and top_ids is not None and top_lps is not None:
+                    top = list(zip(top_ids[i][:n], top_lps[i][:n], strict=True))
+                result.append(TokenLogprobs(token_ids[i], logprobs[i], top))
+            except Exception as exc:  # noqa: BLE001 - one request's failure ends that request
+                self.failed[self.request_ids[i]] = RequestError.of(exc, "gathering logprobs")
+                result.append(None)
         return result

@@ -3,7 +3,9 @@
 Rules:
 - A plan carries what the workers' StepInputBuilder and input-id resolution read: per scheduled
   request its token ids (PLACEHOLDER_TOKEN included), num_computed_tokens, is_prefill, whether
-  it samples, and its KV block ids; plus the step's decode_only and share_tokens flags.
+  it samples, and its KV block ids; plus the step's decode_only and share_tokens flags; and,
+  only in steps that have them, each request's prompt_logprob_rows (the LM head's all-gather
+  runs for those rows on every rank).
   Sampling parameters, generators and token histories stay on rank 0: only it samples.
 - Block ids travel as deltas. The encoder remembers the block list it sent for each request of
   the previous step; a request scheduled again with the same list object sends only the new tail
@@ -33,6 +35,7 @@ class StepPlan(NamedTuple):
     samples: list[bool]
     new_blocks: list[list[int]]
     replace: list[bool]  # new_blocks is the whole list, not a tail
+    prompt_rows: list[int] | None = None  # prompt_logprob_rows per request (None: all 0)
 
 
 class LogitsPlan(NamedTuple):
@@ -84,10 +87,11 @@ class PlanEncoder:
             ids[i] = index
             now[r.request_id] = _Sent(index, blocks, len(blocks), blocks[-1] if blocks else -1)
         self._sent = now
+        rows = [r.prompt_logprob_rows for r in requests]
         plan = StepPlan(decode_only, share_tokens, ids, [r.token_ids for r in requests],
                         [r.num_computed_tokens for r in requests],
                         [r.is_prefill for r in requests], [r.samples for r in requests],
-                        new_blocks, replace)
+                        new_blocks, replace, rows if any(rows) else None)
         return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
 
     def _new_index(self) -> int:
@@ -108,11 +112,11 @@ _PARAMS = SamplingParams()  # workers never sample; the builder ignores sampling
 
 
 def _request(request_id: str, token_ids: list[int], num_computed: int, block_ids: list[int],
-             is_prefill: bool, samples: bool) -> ScheduledRequest:
+             is_prefill: bool, samples: bool, prompt_rows: int = 0) -> ScheduledRequest:
     return ScheduledRequest(
         request_id=request_id, token_ids=token_ids, num_computed_tokens=num_computed,
         block_ids=block_ids, is_prefill=is_prefill, samples=samples, sampling_params=_PARAMS,
-        generator=None, prompt_len=0, all_token_ids=[],
+        generator=None, prompt_len=0, all_token_ids=[], prompt_logprob_rows=prompt_rows,
     )
 
 
@@ -138,15 +142,16 @@ class PlanDecoder:
                             plan.block_ids, True, False)
         known, now = self._blocks, {}
         requests = []
-        for index, tokens, computed, prefill, samples, blocks, whole in zip(
+        prompt_rows = plan.prompt_rows or [0] * len(plan.ids)
+        for index, tokens, computed, prefill, samples, blocks, whole, rows in zip(
                 plan.ids, plan.token_ids, plan.num_computed, plan.is_prefill, plan.samples,
-                plan.new_blocks, plan.replace, strict=True):
+                plan.new_blocks, plan.replace, prompt_rows, strict=True):
             if whole:
                 mine = blocks
             else:
                 mine = known[index]
                 mine.extend(blocks)
             now[index] = mine
-            requests.append(_request(str(index), tokens, computed, mine, prefill, samples))
+            requests.append(_request(str(index), tokens, computed, mine, prefill, samples, rows))
         self._blocks = now
         return DecodedStep(requests, plan.decode_only, plan.share_tokens)

@@ -102,8 +102,8 @@ def decode_logits(runner: ModelRunner, seq_lens: list[int], seed: int
                     for i, (p, b) in enumerate(zip(prompts, blocks, strict=True))], False)
     step = [_request(f"p{i}", p, len(p) - 1, b)
             for i, (p, b) in enumerate(zip(prompts, blocks, strict=True))]
-    graph = runner.forward_step(step, decode_only=True).clone()
-    eager = runner.forward_step(step, decode_only=False).clone()
+    graph = runner.forward_step(step, decode_only=True).logits.clone()
+    eager = runner.forward_step(step, decode_only=False).logits.clone()
     return graph, eager
 
 

@@ -22,7 +22,8 @@ class StepRecorder:
         self.steps: list[list[str]] = []
         self.stepped = threading.Event()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                    priority: int = 0, deadline: float | None = None) -> None:
         self.pending.append(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -208,3 +209,56 @@ def test_step_log_has_a_line_per_step(tmp_path: Any) -> None:
             row["first_tokens"]) == (2, 32, 2, 2, 2, 2)
     assert row["step_ms"] >= 0 and abs(row["t"] - time.time()) < 60
     assert row["gc_ms"] > 0 and len(row["arrivals"]) == 2
+
+
+class Refuser(StepRecorder):
+    """Refuses request "bad" when it is added, as an Engine raises on a bad request."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                    priority: int = 0, deadline: float | None = None) -> None:
+        if request_id == "bad":
+            raise ValueError("logit_bias: token id 99999 is outside the vocabulary")
+        super().add_request(request_id, prompt_token_ids, params, priority, deadline)
+
+
+def test_a_request_the_engine_refuses_comes_back_as_an_error_and_the_loop_goes_on() -> None:
+    engine = Refuser()
+    outputs: list[Any] = []
+    crashes: list[BaseException] = []
+    aio = asyncio.new_event_loop()
+    loop = EngineLoop(engine, aio, outputs.extend, crashes.append)
+    loop.start()
+    try:
+        loop.add("bad", [1], None)
+        loop.add("good", [1], None)
+        assert engine.stepped.wait(5)
+        aio.run_until_complete(asyncio.sleep(0.05))  # runs the callbacks the thread scheduled
+    finally:
+        loop.stop()
+        aio.close()
+    assert engine.steps == [["good"]] and not crashes
+    (out,) = outputs
+    assert out.request_id == "bad" and out.finish_reason == "error"
+    assert out.error.status == 400 and "logit_bias" in out.error.message
+
+
+def test_queue_state_counts_arrivals_at_once_and_hands_them_to_the_engine_count() -> None:
+    """Admission reads queue_state: requests given to `add` count before the loop thread
+    takes them (a burst between two steps is seen whole); once the engine has them, its own
+    stats (here: nothing waiting, the stand-in runs everything at once) take over."""
+    engine = StepRecorder()
+    loop = EngineLoop(engine, asyncio.new_event_loop(), lambda _: None, lambda exc: None)
+    for i in range(3):
+        loop.add(f"r{i}", [1] * (10 + i), None)
+    state = loop.queue_state()
+    assert (state.waiting, state.waiting_tokens) == (3, 33)
+    loop.start()
+    try:
+        assert engine.stepped.wait(5)
+        deadline = time.monotonic() + 5
+        while loop.queue_state().waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    state = loop.queue_state()
+    assert (state.waiting, state.waiting_tokens) == (0, 0)

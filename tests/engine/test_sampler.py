@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+from services.engine.logits_processors import apply_penalties
 from services.engine.sampler import (
     Sampler,
     SamplingBatch,
     apply_min_p,
-    apply_penalties,
     filter_sorted,
 )
 from services.engine.sampling_params import SamplingParams
@@ -188,8 +188,8 @@ def test_penalties_match_hand_computation() -> None:
     )
     # prompt [0, 1]; generated [3, 3, 5]
     batch = batch_for([p], tokens=[[0, 1, 3, 3, 5]], prompt_lens=[2])
-    assert batch.penalties is not None
-    out = apply_penalties(logits.clone(), batch.penalties)
+    assert batch.processors is not None and batch.processors.penalties is not None
+    out = apply_penalties(logits.clone(), batch.processors.penalties)
     expected = [
         2.0 / 2,  # prompt token: repetition only
         -1.0 * 2,

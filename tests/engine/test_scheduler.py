@@ -173,3 +173,86 @@ def test_random_workload_keeps_block_accounting_consistent() -> None:
         s.finish_request(rid, RequestStatus.FINISHED_ABORTED)
     assert s.kv.num_free_blocks == 10 and sum(s.kv.pool.ref_cnt) == 0
     assert s.num_preemptions > 0 and done
+
+
+def add_with(s: Scheduler, rid: str, n: int, priority: int = 0, first: int = 0) -> Request:
+    req = Request(rid, list(range(first, first + n)), SamplingParams(), max_tokens=100,
+                  priority=priority)
+    s.add_request(req)
+    return req
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
+    s = make_scheduler(max_seqs=1, budget=64, chunk=0, caching=False)
+    for rid, priority in [("a", 0), ("b", 5), ("c", -1), ("d", 5), ("e", 0), ("f", -1)]:
+        add_with(s, rid, 3, priority)
+    order = []
+    while s.requests:
+        out = step(s)
+        admitted = [r.request_id for r in out.requests if r.num_computed_tokens == 0]
+        order += admitted
+        for rid in admitted:
+            s.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+    assert order == ["c", "f", "a", "e", "b", "d"]
+
+
+def test_a_preempted_request_goes_back_to_its_place_by_priority() -> None:
+    s = make_scheduler(num_blocks=4, budget=64, chunk=0)
+    add_with(s, "a", 7, priority=1)
+    b = add_with(s, "b", 8, priority=0, first=100)
+    assert plan(step(s)) == [("b", 8), ("a", 7)]  # b first: the higher priority
+    late_high = add_with(s, "late-high", 3, priority=-1, first=200)
+    late_low = add_with(s, "late-low", 3, priority=2, first=300)
+    out = step(s)  # b's 9th token needs a fifth block: a, of the lower priority, gives way
+    assert out.preempted_ids == ["a"]
+    assert [r.request_id for r in s.waiting] == ["late-high", "a", "late-low"]
+    assert plan(out) == [("b", 1)]
+    assert b.status is RequestStatus.RUNNING and late_high.status is RequestStatus.WAITING
+    assert late_low.status is RequestStatus.WAITING
+
+
+def test_a_long_prompt_never_stalls_running_decodes_for_more_than_the_step_budget() -> None:
+    """Chunked prefill under the step budget: with a long prompt waiting, every step serves
+    every running decode and at most the budget's remaining tokens of prefill."""
+    budget = 16
+    s = make_scheduler(num_blocks=256, max_seqs=8, budget=budget, chunk=8192)
+    for i in range(3):
+        add(s, f"d{i}", 2, first=10 * i)
+    step(s)  # the three short prompts
+    long = add(s, "long", 200, first=500)
+    steps = 0
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        out = step(s)
+        steps += 1
+        decodes = [r.request_id for r in out.requests if not r.is_prefill]
+        prefill = sum(r.num_tokens for r in out.requests if r.is_prefill)
+        assert decodes == ["d0", "d1", "d2"]
+        assert prefill <= budget - 3 and out.num_batched_tokens <= budget
+    assert steps == -(-200 // (budget - 3))
+
+
+def test_cpu_engines_default_to_a_small_step_budget() -> None:
+    from services.engine.config import DEFAULT_CPU_TOKEN_BUDGET, DEFAULT_TOKEN_BUDGET, EngineConfig
+
+    assert EngineConfig(device="cpu").max_num_batched_tokens == DEFAULT_CPU_TOKEN_BUDGET
+    assert EngineConfig(device="cuda").max_num_batched_tokens == DEFAULT_TOKEN_BUDGET
+    assert EngineConfig(device="cpu", max_num_batched_tokens=1024).max_num_batched_tokens == 1024
+    # without chunking a step must hold a whole prompt: the budget stays large
+    assert EngineConfig(device="cpu", prefill_chunk_size=0).max_num_batched_tokens == 8192
+
+
+def test_prompt_logprob_requests_skip_prefix_hits_and_report_their_rows() -> None:
+    s = make_scheduler(budget=8, chunk=8)
+    add(s, "a", 13)
+    step(s), step(s)
+    req = Request("b", list(range(13)), SamplingParams(prompt_logprobs=1), max_tokens=5)
+    s.add_request(req)
+    out = s.schedule()
+    chunk = next(r for r in out.requests if r.request_id == "b")
+    assert chunk.num_computed_tokens == 0  # a's cached blocks are not used
+    assert chunk.prompt_logprob_rows == chunk.num_tokens and out.has_prompt_logprobs
+    while req.num_computed_tokens < 13:
+        out = s.schedule()
+        chunk = next(r for r in out.requests if r.request_id == "b")
+    # the last chunk's last row predicts the first output, not a prompt token
+    assert chunk.prompt_logprob_rows == chunk.num_tokens - 1

@@ -52,26 +52,38 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def run_greedy(engine: Engine) -> dict[str, list[int]]:
+def run_greedy(engine: Engine, prompt_logprobs: list[Any] | None = None
+               ) -> dict[str, list[int]]:
+    """Greedy tokens per request; r2 (33 prompt tokens: three chunks) also asks for prompt
+    logprobs, its (logprob, top-2) per prompt token go to `prompt_logprobs`."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with_prompt = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                 prompt_logprobs=2)
     for i, n in enumerate(PROMPT_LENS):
-        engine.add_request(f"r{i}", list(range(7 + i, 7 + i + n)), params)
+        engine.add_request(f"r{i}", list(range(7 + i, 7 + i + n)),
+                           with_prompt if i == 2 else params)
     out: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.prompt_logprobs is not None and prompt_logprobs is not None:
+                prompt_logprobs.extend(None if e is None else (e.logprob, *e.top)
+                                       for e in o.prompt_logprobs)
     return out
 
 
-def reference(path: Path) -> tuple[torch.Tensor, dict[str, list[int]]]:
+def reference(path: Path, prompt_logprobs: list[Any]
+              ) -> tuple[torch.Tensor, dict[str, list[int]]]:
     engine = Engine(EngineConfig(model=str(path), **ENGINE))
-    result = engine.prompt_logits(PROMPT), run_greedy(engine)
+    result = engine.prompt_logits(PROMPT), run_greedy(engine, prompt_logprobs)
     assert engine.stats()["preemptions"] > 0  # the pool is small enough to preempt
     return result
 
 
 def check_tp(path: Path, tp: int, **overrides: Any) -> None:
-    ref_logits, ref_tokens = reference(path)
+    ref_prompt: list[Any] = []
+    ref_logits, ref_tokens = reference(path, ref_prompt)
+    assert len(ref_prompt) == PROMPT_LENS[2] and ref_prompt[0] is None
     engine = Engine(EngineConfig(model=str(path), tp=tp, **{**ENGINE, **overrides}))
     try:
         assert isinstance(engine.executor, MultiProcExecutor)
@@ -79,8 +91,12 @@ def check_tp(path: Path, tp: int, **overrides: Any) -> None:
         assert engine.runner.model.model.embed_tokens.weight.shape[0] == 256 // tp  # a shard
         err = rel_error(engine.prompt_logits(PROMPT), ref_logits)
         assert err < 1e-5, f"TP={tp}: prompt logits rel. error {err:.2e}"
-        assert run_greedy(engine) == ref_tokens
+        prompt: list[Any] = []
+        assert run_greedy(engine, prompt) == ref_tokens
         assert engine.stats()["preemptions"] > 0
+        for ours, ref in zip(prompt[1:], ref_prompt[1:], strict=True):
+            assert ours[0] == pytest.approx(ref[0], abs=1e-4)
+            assert [t for t, _ in ours[1:]] == [t for t, _ in ref[1:]]
     finally:
         engine.shutdown()
 

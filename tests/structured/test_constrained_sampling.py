@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from libs.common.messages import GuidedDecoding, TextRequest
+from services.engine.request_error import RequestError
 from services.engine.sampler import Sampler, SamplingBatch
 from services.engine.sampling_params import SamplingParams
 from services.engine.structured import StructuredOutputs
@@ -124,26 +125,31 @@ def test_forced_tool_calls_always_parse(outputs: StructuredOutputs, smollm2: Tok
             jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
 
 
-def test_a_grammar_that_fails_in_the_engine_only_lets_the_request_stop(
-        outputs: StructuredOutputs, smollm2: Tokenizer) -> None:
-    """Specs are validated before admission; if one still fails to compile, the engine neither
-    crashes nor generates unconstrained text: the request ends."""
+def test_a_grammar_that_fails_to_compile_in_the_engine_is_a_400(
+        outputs: StructuredOutputs) -> None:
+    """Specs are validated before admission; if one still fails to compile, the engine refuses
+    the request (a 400 naming the grammar) instead of generating unconstrained text."""
     bad = GuidedDecoding(kind="json_schema", value='{"type": "no-such-type"}')
-    ids, stopped = generate(outputs, smollm2, bad, seed=0)
-    assert stopped and ids == []
+    with pytest.raises(RequestError) as err:
+        outputs.compile(bad)
+    assert err.value.status == 400 and err.value.code == "invalid_grammar"
 
 
-def test_a_token_outside_the_grammar_ends_the_request(outputs: StructuredOutputs,
-                                                      smollm2: Tokenizer) -> None:
+def test_a_token_outside_the_grammar_fails_only_that_row(outputs: StructuredOutputs,
+                                                         smollm2: Tokenizer) -> None:
+    """A matcher that rejects a token already generated fails its request (500, the engine's
+    fault), and the row beside it samples as if alone."""
     spec = spec_of(response_format={"type": "json_object"})
     stops = smollm2.end_of_generation_ids()
-    params = SamplingParams(temperature=0.0)
+    params, free = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)
     params.guided = outputs.request(spec, stops)
     off_grammar = smollm2.encode("hello", add_special_tokens=False)
-    batch = SamplingBatch.build([params], [None], [PROMPT + off_grammar], [len(PROMPT)],
-                                smollm2.vocab_size, torch.device("cpu"))
-    token = int(Sampler()(torch.randn(1, smollm2.vocab_size), batch).token_ids[0])
-    assert token in stops
+    batch = SamplingBatch.build([params, free], [None, None], [PROMPT + off_grammar, PROMPT],
+                                [len(PROMPT)] * 2, smollm2.vocab_size, torch.device("cpu"))
+    logits = torch.randn(2, smollm2.vocab_size)
+    out = Sampler()(logits, batch)
+    assert list(out.failed) == [0] and out.failed[0].status == 500
+    assert int(out.token_ids[1]) == int(logits[1].argmax())
 
 
 def test_unconstrained_rows_are_untouched(outputs: StructuredOutputs,
