@@ -10,6 +10,9 @@ Rules:
 - Sliding windows: `sliding_window` (None when `use_sliding_window` is false) applies to every
   layer unless `layer_types` (or a legacy `sliding_window_pattern`, or qwen2's
   `max_window_layers`) says which layers slide; `layer_sliding_window(i)` answers per layer.
+- NoPE layers (smollm3, llama4): `no_rope_layers[i]` is 1 where layer i applies the rotary and 0
+  where it does not (transformers' naming); absent or empty, every `no_rope_layer_interval`-th
+  layer skips it when the config names an interval, else every layer rotates.
 - `eos_token_ids` is always a list: config.json's eos (int or list) merged with
   generation_config.json's, or GGUF's eos/eot/eom ids.
 """
@@ -81,6 +84,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
+    no_rope_layers: list[int] | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -98,6 +102,9 @@ class ModelConfig:
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_window if self.is_sliding_layer(layer) else None
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
 
     def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of layer `layer`."""
@@ -168,6 +175,7 @@ class ModelConfig:
             attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping")),
             final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
             query_pre_attn_scalar=_optional_float(cfg.get("query_pre_attn_scalar")),
+            no_rope_layers=_no_rope_layers(cfg, num_layers),
             hf_config=cfg,
         )
 
@@ -299,6 +307,15 @@ def _layer_types(cfg: dict[str, Any], num_layers: int, sliding_window: Any) -> l
         return ["sliding_attention" if i >= first else "full_attention"
                 for i in range(num_layers)]
     return None
+
+
+def _no_rope_layers(cfg: dict[str, Any], num_layers: int) -> list[int] | None:
+    if cfg.get("no_rope_layers"):
+        return [int(v) for v in cfg["no_rope_layers"]]
+    interval = cfg.get("no_rope_layer_interval")
+    if not interval:
+        return None
+    return [int((i + 1) % int(interval) != 0) for i in range(num_layers)]
 
 
 def _optional_float(value: Any) -> float | None:

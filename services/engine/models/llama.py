@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, ...) built from the shared layers.
+"""Llama-family decoder (Llama 2/3, SmolLM 1-3, TinyLlama, ...) built from the shared layers.
 
 It is also the base the other dense architectures specialise (STYLE rule 8: variants are flags or
 subclasses). The hooks, each a class attribute or small method:
@@ -7,7 +7,8 @@ subclasses). The hooks, each a class attribute or small method:
   GLM); `rotate` (what happens between projection and attention: rotary, plus e.g. ministral3's
   query scaling). Sliding window, softcap, scale, partial rotary and per-layer rope come from
   `ModelConfig` (`layer_sliding_window`, `attn_logit_softcapping`, `attention_scale`,
-  `rotary_dim`, `layer_rope`).
+  `rotary_dim`, `layer_rope`); NoPE layers (`layer_uses_rope` false: smollm3, llama4) skip
+  `rotate`.
 - `LlamaDecoderLayer.norm_names`: checkpoint names of the four norm slots (before attention,
   after attention, before the MLP, after the MLP); None leaves a slot out. Llama uses the first
   and third; gemma2/glm4 all four. `norm_cls` picks RMSNorm / GemmaRMSNorm / LayerNorm.
@@ -63,6 +64,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm_cls is not None:
             self.q_norm = self.qk_norm_cls(d, config.rms_norm_eps)
             self.k_norm = self.qk_norm_cls(d, config.rms_norm_eps)
+        self.use_rope = config.layer_uses_rope(layer)  # NoPE layers skip it
         theta, scaling = config.layer_rope(layer)
         self.rotary_emb = get_rope(d, config.rotary_dim, config.max_position_embeddings, theta,
                                    scaling, self.rope_is_neox)
@@ -92,14 +94,15 @@ class LlamaAttention(nn.Module):
         q, k = self.norm_qk(q.reshape(t, self.num_heads, -1), k.reshape(t, self.num_kv_heads, -1))
         if self.fused_rotary:  # one kernel rotates q, k and writes the KV cache
             return self.o_proj(self.attn(q, k, v, self.rotary_emb, positions))
-        q, k = self.rotate(positions, q, k)
+        if self.use_rope:
+            q, k = self.rotate(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
     @property
     def fused_rotary(self) -> bool:
         """The plain rotary with nothing else in `rotate`: Attention may fuse it."""
         plain_rope = type(self.rotary_emb) is RotaryEmbedding
-        return plain_rope and type(self).rotate is LlamaAttention.rotate
+        return self.use_rope and plain_rope and type(self).rotate is LlamaAttention.rotate
 
 
 class LlamaMLP(nn.Module):

@@ -9,6 +9,8 @@ from services.engine.models.base import CausalLM
 # name -> (module, class). Adding an architecture = one line here + one small model file.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("services.engine.models.llama", "LlamaForCausalLM"),
+    # SmolLM3: llama with NoPE layers (ModelConfig.no_rope_layers), nothing else of its own.
+    "SmolLM3ForCausalLM": ("services.engine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("services.engine.models.mistral", "MistralForCausalLM"),
     "MinistralForCausalLM": ("services.engine.models.mistral", "MistralForCausalLM"),
     "Ministral3ForCausalLM": ("services.engine.models.mistral", "Ministral3ForCausalLM"),
