@@ -37,7 +37,10 @@ GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
+# llama.cpp hard-codes the NoPE rhythm of these archs (no GGUF key holds it).
+GGUF_NO_ROPE_INTERVAL = {"smollm3": 4}
 # llama.cpp's routing per MoE arch when the file does not say (`expert_weights_norm`): top-k
 # weights renormalised for qwen3moe, not for qwen2moe.
 GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
@@ -211,6 +214,7 @@ class ModelConfig:
                            get("rope.scaling.original_context_length", context)),
                        "attention_factor": get("rope.scaling.attn_factor")}
         moe = _gguf_moe_config(arch, get)
+        num_layers = int(get("block_count"))
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if k in meta]
         return cls(
@@ -219,7 +223,7 @@ class ModelConfig:
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=head_dim,
@@ -235,6 +239,8 @@ class ModelConfig:
             sliding_window=int(get("attention.sliding_window", 0)) or None,
             attn_logit_softcapping=_optional_float(get("attn_logit_softcapping")),
             final_logit_softcapping=_optional_float(get("final_logit_softcapping")),
+            no_rope_layers=_no_rope_layers(
+                {"no_rope_layer_interval": GGUF_NO_ROPE_INTERVAL.get(arch)}, num_layers),
             hf_config=moe,
         )
 

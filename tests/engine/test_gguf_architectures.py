@@ -1,6 +1,6 @@
 """GGUF files made by llama.cpp's own converter load and match the safetensors they came from.
 
-Tiny random transformers models (llama, qwen2, qwen3, phi3) are converted with the
+Tiny random transformers models (llama, qwen2, qwen3, phi3, smollm3) are converted with the
 `convert_hf_to_gguf.py` that the llama-cpp-python source distribution ships (downloaded once from
 PyPI and cached), so the tensor names, the llama q/k row permutation, fused phi3 tensors, LongRoPE
 factor tensors and the metadata are llama.cpp's, not ours. The converter wants a tokenizer in the
@@ -50,6 +50,8 @@ CASES: dict[str, tuple[Case, str, float]] = {
     "qwen2": (Case("qwen2", {}), "f32", 1e-5),
     "qwen2_f16": (Case("qwen2", {}), "f16", 5e-3),
     "qwen3": (Case("qwen3", dict(head_dim=32)), "f32", 1e-5),
+    # llama.cpp's smollm3 skips the rotary on every 4th layer (hard-coded, no GGUF key)
+    "smollm3": (Case("smollm3", dict(num_hidden_layers=4)), "f32", 1e-5),
     "phi3_longrope": (Case("phi3", dict(
         original_max_position_embeddings=16, sliding_window=8, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,

@@ -3,7 +3,7 @@
 llama.cpp's converter renames every tensor (blk.N.attn_q.weight, ...). Most architectures share
 the llama map; an architecture whose converter gives a GGUF name another meaning overrides it
 (phi3 fuses q/k/v into attn_qkv and gate/up into ffn_up). Only the llama family (llama,
-mistral) has its q/k rows permuted by the converter (interleaved rotary pairs), which the loader
+mistral, smollm3) has its q/k rows permuted by the converter (interleaved rotary pairs), which the loader
 undoes. Gemma GGUFs are not mapped: llama.cpp stores their norms as 1 + w and hard-codes their
 attention scale and sliding pattern per model size.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 
 # Architectures whose llama.cpp converter applies the q/k row permutation.
-PERMUTED_ARCHS = frozenset({"llama", "mistral"})
+PERMUTED_ARCHS = frozenset({"llama", "mistral", "smollm3"})
 EXPERT = "{e}"  # stands for the expert index in the HF names of stacked expert tensors
 
 GLOBAL_NAMES = {
@@ -81,7 +81,7 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 # Architectures with a verified map (the loader refuses others rather than guess).
 MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe",
-                         "deepseek2"})
+                         "deepseek2", "smollm3"})
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
