@@ -49,6 +49,7 @@ GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # Defaults of transformers' config classes that published config.json files rely on (the
 # text_config of gemma-3-4b-it names only its sizes), by the text model_type.
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": dict(partial_rotary_factor=0.5),
     "gemma3_text": dict(
         vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
         hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,

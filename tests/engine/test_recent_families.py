@@ -45,6 +45,14 @@ FAMILIES: dict[str, Family] = {
     # NoPE on every 4th layer (the default no_rope_layers), plus an explicit pattern.
     "smollm3": Family("smollm3", {}),
     "smollm3_pattern": Family("smollm3", dict(no_rope_layers=[0, 1, 1, 0])),
+    # GLM-4.5: one dense layer, then sigmoid routing with correction bias over 2 groups, a shared
+    # expert, q/k norms, q/k/v biases, rotary on a quarter of each head; an MTP layer in the
+    # checkpoint (layer 3 of 3) that generation skips.
+    "glm4_moe": Family("glm4_moe", dict(
+        num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+        partial_rotary_factor=0.25, num_nextn_predict_layers=1)),
 }
 
 
@@ -59,8 +67,22 @@ def save_tiny(path: Path, family: Family, seed: int = 0) -> Any:
             if tensor.dim() == 1 and tensor.is_floating_point() and "inv_freq" not in name:
                 tensor.add_(torch.randn_like(tensor) * 0.2)
     hf.save_pretrained(path)
+    if getattr(config, "num_nextn_predict_layers", 0):
+        _add_mtp_layer(path, config)
     hf.generation_config.eos_token_id = None  # a random model must not stop early
     return hf.eval()
+
+
+def _add_mtp_layer(path: Path, config: Any) -> None:
+    """GLM's multi-token-prediction layer as published checkpoints store it (the layer after
+    the last; transformers does not build it)."""
+    from safetensors.torch import save_file
+
+    layer, h = f"model.layers.{config.num_hidden_layers}", config.hidden_size
+    save_file({f"{layer}.eh_proj.weight": torch.randn(h, 2 * h),
+               f"{layer}.enorm.weight": torch.ones(h),
+               f"{layer}.self_attn.q_proj.weight": torch.randn(h, h)},
+              path / "model-mtp.safetensors")
 
 
 def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:

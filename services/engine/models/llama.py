@@ -3,7 +3,8 @@
 It is also the base the other dense architectures specialise (STYLE rule 8: variants are flags or
 subclasses). The hooks, each a class attribute or small method:
 - `LlamaAttention.biases(config)` -> (qkv bias, o_proj bias); `qk_norm_cls` (per-head norm of
-  q and k before the rotary, e.g. qwen3) and `norm_qk`; `rope_is_neox` (False: interleaved pairs,
+  q and k before the rotary, e.g. qwen3; `qk_norm(config)` where a config flag decides) and
+  `norm_qk`; `rope_is_neox` (False: interleaved pairs,
   GLM); `rotate` (what happens between projection and attention: rotary, plus e.g. ministral3's
   query scaling). Sliding window, softcap, scale, partial rotary and per-layer rope come from
   `ModelConfig` (`layer_sliding_window`, `attn_logit_softcapping`, `attention_scale`,
@@ -61,9 +62,11 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, o_bias,
                                         quant_config, f"{prefix}.o_proj")
-        if self.qk_norm_cls is not None:
-            self.q_norm = self.qk_norm_cls(d, config.rms_norm_eps)
-            self.k_norm = self.qk_norm_cls(d, config.rms_norm_eps)
+        qk_norm_cls = self.qk_norm(config)
+        self.has_qk_norm = qk_norm_cls is not None
+        if qk_norm_cls is not None:
+            self.q_norm = qk_norm_cls(d, config.rms_norm_eps)
+            self.k_norm = qk_norm_cls(d, config.rms_norm_eps)
         self.use_rope = config.layer_uses_rope(layer)  # NoPE layers skip it
         theta, scaling = config.layer_rope(layer)
         self.rotary_emb = get_rope(d, config.rotary_dim, config.max_position_embeddings, theta,
@@ -76,9 +79,15 @@ class LlamaAttention(nn.Module):
     def biases(config: ModelConfig) -> tuple[bool, bool]:
         return config.attention_bias, config.attention_bias
 
+    @classmethod
+    def qk_norm(cls, config: ModelConfig) -> type[nn.Module] | None:
+        """The per-head q/k norm of this config (None: none); `qk_norm_cls` unless a flag of
+        the config decides (glm4_moe's use_qk_norm)."""
+        return cls.qk_norm_cls
+
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] -> per-head normalised (when the model has q/k norms)."""
-        if self.qk_norm_cls is None:
+        if not self.has_qk_norm:
             return q, k
         d = self.head_dim
         return self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(
