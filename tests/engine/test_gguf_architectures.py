@@ -16,6 +16,10 @@ DeepSeek-V2 (no q_lora_rank, grouped softmax routing, YaRN with mscale) and Deep
 (q_lora_rank, sigmoid routing with correction bias) both convert to arch "deepseek2" with
 kv_b_proj split per head into attn_k_b / attn_v_b; a pre-split file (attn_kv_b whole, as older
 converters wrote) is rebuilt from the V2 one with kv_b_proj taken from the safetensors.
+
+Families of tests/engine/test_recent_families.py: glm4_moe (arch "glm4moe", its MTP layer
+converted as an extra block the loader drops; its GLM tokenizer path is pointed at
+sentencepiece too).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 from tests.engine.test_architectures import VOCAB, Case, save_tiny
 from tests.engine.test_moe_models import save_tiny as save_tiny_moe
+from tests.engine.test_recent_families import FAMILIES
+from tests.engine.test_recent_families import save_tiny as save_tiny_recent
 
 _MEMBERS = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
             "vendor/llama.cpp/gguf-py/")
@@ -66,6 +72,11 @@ MOE_CASES: dict[str, tuple[str, dict[str, Any], str, float]] = {
     "qwen3_moe": ("qwen3_moe", {}, "f32", 1e-5),
     "deepseek_v2": ("deepseek_v2", {}, "f32", 1e-4),
     "deepseek_v3": ("deepseek_v3", {}, "f32", 1e-4),
+}
+
+# name -> (test_recent_families.FAMILIES key, outtype, tolerance)
+RECENT_CASES: dict[str, tuple[str, str, float]] = {
+    "glm4_moe": ("glm4_moe", "f32", 1e-5),
 }
 
 
@@ -121,10 +132,17 @@ def converted(llama_cpp_converter: Path, tmp_path_factory: pytest.TempPathFactor
         (hf_dir / "tokenizer.model").write_bytes(tokenizer)
         jobs.append((str(hf_dir), outtype, str(gguf)))
         paths[name] = (hf_dir, gguf)
+    for name, (family, outtype, _) in RECENT_CASES.items():
+        hf_dir, gguf = root / name, root / f"{name}.gguf"
+        save_tiny_recent(hf_dir, FAMILIES[family])
+        (hf_dir / "tokenizer.model").write_bytes(tokenizer)
+        jobs.append((str(hf_dir), outtype, str(gguf)))
+        paths[name] = (hf_dir, gguf)
     driver = (f"import sys; sys.path.insert(0, {str(llama_cpp_converter)!r})\n"
               "import convert_hf_to_gguf as c\n"
               "from conversion.base import TextModel\n"
               "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n"
+              "TextModel._set_vocab_glm = TextModel._set_vocab_sentencepiece\n"
               f"for src, outtype, out in {jobs!r}:\n"
               "    sys.argv = ['convert', src, '--outtype', outtype, '--outfile', out]\n"
               "    c.main()\n")
@@ -133,11 +151,19 @@ def converted(llama_cpp_converter: Path, tmp_path_factory: pytest.TempPathFactor
     return paths
 
 
-@pytest.mark.parametrize("name", [*CASES, *MOE_CASES])
+def _tolerance(name: str) -> tuple[str, float]:
+    if name in CASES:
+        return CASES[name][1], CASES[name][2]
+    if name in MOE_CASES:
+        return MOE_CASES[name][2], MOE_CASES[name][3]
+    return RECENT_CASES[name][1], RECENT_CASES[name][2]
+
+
+@pytest.mark.parametrize("name", [*CASES, *MOE_CASES, *RECENT_CASES])
 def test_converted_gguf_matches_its_safetensors(converted: dict[str, tuple[Path, Path]],
                                                 name: str) -> None:
     hf_dir, gguf = converted[name]
-    outtype, tolerance = CASES[name][1:] if name in CASES else MOE_CASES[name][2:]
+    outtype, tolerance = _tolerance(name)
     ref_model, ref_config = load_model(hf_dir)
     model, config = load_model(gguf)
     assert config.architecture == ref_config.architecture

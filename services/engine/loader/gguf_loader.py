@@ -14,6 +14,8 @@ Rules:
 - deepseek2 (DeepSeek-V2 / V3, gguf_deepseek2.py): the config gets its MLA / routing keys, and
   the attn_k_b / attn_v_b halves of each layer's kv_b_proj are dequantized (kv_b_proj stays
   float in the model) and joined into one tensor once both have been read.
+- Other archs whose metadata holds more than the generic fields (glm4moe, ...) get their config
+  from gguf_configs.py.
 - Tied embeddings are inferred from the absence of an `output.weight` tensor.
 """
 
@@ -28,6 +30,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from services.engine.loader.gguf_configs import GGUF_ARCH_CONFIGS
 from services.engine.loader.gguf_deepseek2 import deepseek2_config, join_kv_b
 from services.engine.loader.gguf_names import (
     EXPERT,
@@ -90,6 +93,8 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     if arch == "deepseek2":
         config = deepseek2_config(config, meta, any(n.endswith(".exp_probs_b.bias")
                                                     for n in names))
+    elif arch in GGUF_ARCH_CONFIGS:
+        config = GGUF_ARCH_CONFIGS[arch](config, meta, names)
     return GGUFCheckpoint(config, reader)
 
 

@@ -16,7 +16,9 @@ under its own HF names (block_sparse_moe, experts w1 / w3 / w2).
 deepseek2 (DeepSeek-V2 / V3, gguf_deepseek2.py) names its MLA projections and plural
 shared_experts; both halves of its split kv_b_proj (KV_B_PARTS) map to kv_b_proj, which the
 loader joins. An entry keyed "part.kind" names the whole HF suffix (V3's router correction bias
-is a buffer, `e_score_correction_bias`, not a `.bias`).
+is a buffer, `e_score_correction_bias`, not a `.bias`). glm4moe names deepseek's shared experts
+and correction bias the same way, and its second norm `post_attention_norm`; its MTP layers'
+`nextn.*` tensors are not mapped.
 """
 
 from __future__ import annotations
@@ -76,12 +78,19 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
         "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     },
+    "glm4moe": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
 }
 # GGUF block tensors that are the (k, v) halves of one HF kv_b_proj (deepseek2).
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 # Architectures with a verified map (the loader refuses others rather than guess).
 MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe",
-                         "deepseek2", "smollm3"})
+                         "deepseek2", "smollm3", "glm4moe"})
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
