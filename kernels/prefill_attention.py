@@ -2,7 +2,9 @@
 
 New token j of sequence i sits at position seq_lens[i] - q_len_i + j and attends causally to cache
 positions 0..that position (its own K/V is already in the cache). With sliding_window W it only
-sees the last W positions (k_pos > q_pos - W); with logit_softcap c scores become c*tanh(s/c).
+sees the last W positions (k_pos > q_pos - W); with logit_softcap c scores become c*tanh(s/c);
+with `sinks` [Hq] (gpt-oss) exp(sinks[h]) joins each row's softmax denominator (a logit whose value
+row is zero), so the weights of the real keys sum to less than one.
 With `kv_scales` the caches are e4m3 (kernels/kv_quant.py), dequantized inside the tiles; the dots
 stay 16-bit (see attend_tile for where the per-token scales go).
 """
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import attend_tile
+from kernels.attention_tile import attend_tile, fold_sink
 from kernels.kv_quant import KVScales, check_kv_scales, dequantize_kv_ref
 from services.engine.forward_context import AttentionMetadata
 
@@ -41,18 +43,20 @@ def attend_ref(
     scale: float,
     logit_softcap: float | None,
     causal: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked GQA attention in fp32. q [B, L, Hq, D]; k, v [B, S, Hk, D]; mask [B, L, S] bool
     (True = attend), or None with causal=False (everything visible) or causal=True (L == S, a
-    whole prompt: lets SDPA skip the masked half). Returns [B, L, Hq, D] in q's dtype."""
+    whole prompt: lets SDPA skip the masked half); sinks [Hq]: one more logit per head in the
+    softmax, attending to nothing. Returns [B, L, Hq, D] in q's dtype."""
     qh, kh, vh = (t.float().transpose(1, 2) for t in (q, k, v))  # [B, H, L|S, D]
     group = q.shape[2] // k.shape[2]
     if causal and (mask is not None or q.shape[1] != k.shape[1]):
         raise ValueError("causal=True needs mask=None and as many queries as keys")
-    if causal and logit_softcap is not None:
+    if causal and (logit_softcap is not None or sinks is not None):
         length = q.shape[1]
         mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()[None]
-    if logit_softcap is None:
+    if logit_softcap is None and sinks is None:
         m = None if mask is None else mask[:, None]
         out = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=m, scale=scale, is_causal=causal, enable_gqa=group > 1
@@ -60,10 +64,16 @@ def attend_ref(
     else:
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
         scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         if mask is not None:
             scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), vh)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out = torch.matmul(probs, vh)
     return out.transpose(1, 2).to(q.dtype)
 
 
@@ -88,6 +98,7 @@ def prefill_attention_ref(
     seqs: list[int] | None = None,
     out: torch.Tensor | None = None,
     kv_scales: KVScales | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-sequence loop over `seqs` (default: all), writing rows of `out` (default: zeros)."""
     out = torch.zeros_like(q) if out is None else out
@@ -102,11 +113,12 @@ def prefill_attention_ref(
         v = gather_kv_ref(v_cache, meta.block_tables[i], seq_len, v_scales)
         if q_len == seq_len and sliding_window is None:
             attn = attend_ref(q[None, start:end], k[None], v[None], None, scale, logit_softcap,
-                              causal=True)
+                              causal=True, sinks=sinks)
         else:
             k_pos = torch.arange(seq_len, device=q.device)
             mask = causal_mask_ref(k_pos[seq_len - q_len :], k_pos, sliding_window)[None]
-            attn = attend_ref(q[None, start:end], k[None], v[None], mask, scale, logit_softcap)
+            attn = attend_ref(q[None, start:end], k[None], v[None], mask, scale, logit_softcap,
+                              sinks=sinks)
         out[start:end] = attn[0]
     return out
 
@@ -126,6 +138,7 @@ def _prefill_kernel(
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
     k_scale_ptr, v_scale_ptr,  # KV_FP8: fp32 [num_blocks * BLOCK_SIZE, Hk] (else unused)
     out_ptr,  # [T, Hq, D]
+    sinks_ptr,  # USE_SINKS: [Hq] attention-sink logits (else unused)
     block_tables_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B] cached + new tokens
     query_start_loc_ptr,  # int32 [B + 1]
@@ -148,6 +161,7 @@ def _prefill_kernel(
     LONGEST_FIRST: tl.constexpr,  # grid (Hq, query blocks, B), last query block first
     KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, head) scales
     FLAT: tl.constexpr = False,  # grid (Hq, T // BLOCK_M + B): no host int of the step sizes it
+    USE_SINKS: tl.constexpr = False,  # a learned sink logit per head joins the softmax
 ):
     # One program: BLOCK_M new tokens of one sequence and one query head; an
     # online softmax over the keys they may see, gathered from the paged cache. Keys before the
@@ -226,6 +240,8 @@ def _prefill_kernel(
             BLOCK_SIZE, BLOCK_N, True, True, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FP8,
             BLOCK_M >= 64,
         )
+    if USE_SINKS:
+        acc, l_i = fold_sink(acc, m_i, l_i, tl.load(sinks_ptr + head).to(tl.float32))
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -235,9 +251,13 @@ def _prefill_kernel(
 
 def check_attention_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    kv_scales: KVScales | None = None,
+    kv_scales: KVScales | None = None, sinks: torch.Tensor | None = None,
 ) -> None:
     """Shape / dtype / layout contract shared by the attention launchers."""
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be contiguous [{q.shape[1]}] on {q.device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"want q [T, Hq, D], caches [N, bs, Hk, D]; got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -286,6 +306,7 @@ def prefill_attention_triton(
     num_stages: int = 2,
     longest_first: bool = True,
     kv_scales: KVScales | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Any mix of q_len >= 1 sequences. Grid (Hq, cdiv(max_query_len, BLOCK_M), B).
 
@@ -303,7 +324,7 @@ def prefill_attention_triton(
     With `meta.bounds_only` (a CUDA-graph capture of a whole step, services/engine/step_graphs.py)
     the launch reads no host value of the step: max_query_len is taken to be the row count T, and
     the grid is (Hq, T // BLOCK_M + B) with each program finding its sequence on the device."""
-    check_attention_args(q, k_cache, v_cache, meta, kv_scales)
+    check_attention_args(q, k_cache, v_cache, meta, kv_scales, sinks)
     num_seqs = meta.seq_lens.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = new_output(q, meta)
@@ -329,7 +350,8 @@ def prefill_attention_triton(
         grid = (m_blocks, q.shape[1], num_seqs)
     k_scale, v_scale = kv_scales if kv_scales is not None else (k_cache, v_cache)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_scale, v_scale, out, meta.block_tables, meta.seq_lens,
+        q, k_cache, v_cache, k_scale, v_scale, out, q if sinks is None else sinks,
+        meta.block_tables, meta.seq_lens,
         meta.query_start_loc,
         scale, logit_softcap or 1.0, sliding_window or 0,
         q.stride(0), q.stride(1),
@@ -344,6 +366,7 @@ def prefill_attention_triton(
         LONGEST_FIRST=longest_first,
         KV_FP8=kv_scales is not None,
         FLAT=meta.bounds_only,
+        USE_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=FP8_MAXNREG if fp8_cap else None,

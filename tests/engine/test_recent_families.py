@@ -53,6 +53,11 @@ FAMILIES: dict[str, Family] = {
         moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1,
         routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
         partial_rotary_factor=0.25, num_nextn_predict_layers=1)),
+    # gpt-oss: sinks, sliding / full layers, its default YaRN (factor 32, untruncated), biased
+    # router and experts, the SwiGLU clamp low enough to cut.
+    "gpt_oss": Family("gpt_oss", dict(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+        swiglu_limit=0.5)),
 }
 
 

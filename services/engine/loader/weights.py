@@ -1,7 +1,9 @@
 """Route named checkpoint tensors onto model parameters through each parameter's weight_loader.
 
 Rules:
-- Names are HF checkpoint names (GGUF names are translated before they get here).
+- Names are HF checkpoint names (GGUF names are translated before they get here); the model's
+  `checkpoint_name` renames each, then its `checkpoint_tensors` may split one into several
+  (gpt-oss's stacked experts into per-expert tensors).
 - A name containing a key of `model.packed_modules_mapping` goes to the fused parameter with the
   mapped shard id; any other name must match a parameter exactly.
 - Every parameter must be loaded at least once; unknown or missing names raise, naming them.
@@ -28,21 +30,11 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for ckpt_name, tensor in weights:
-        name = model.checkpoint_name(ckpt_name)
-        if model.skip_weight(name):
-            continue
-        for ckpt_key, (param_key, shard_id) in model.packed_modules_mapping.items():
-            if f".{ckpt_key}." in name:
-                pname = name.replace(f".{ckpt_key}.", f".{param_key}.")
-                param = _lookup(params, pname, name)
-                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
-                break
-        else:
-            pname = name
-            param = _lookup(params, pname, name)
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        loaded.add(pname)
+    for ckpt_name, ckpt_tensor in weights:
+        for name, tensor in model.checkpoint_tensors(model.checkpoint_name(ckpt_name),
+                                                     ckpt_tensor):
+            if not model.skip_weight(name):
+                loaded.add(_load_one(model, params, name, tensor))
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
@@ -51,6 +43,20 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_after_loading(module)
+
+
+def _load_one(model: CausalLM, params: dict[str, nn.Parameter], name: str,
+              tensor: torch.Tensor) -> str:
+    """Load one named tensor; returns the parameter's name."""
+    for ckpt_key, (param_key, shard_id) in model.packed_modules_mapping.items():
+        if f".{ckpt_key}." in name:
+            pname = name.replace(f".{ckpt_key}.", f".{param_key}.")
+            param = _lookup(params, pname, name)
+            param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+            return pname
+    param = _lookup(params, name, name)
+    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+    return name
 
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:

@@ -49,6 +49,7 @@ NORM_SLOTS = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")
 class LlamaAttention(nn.Module):
     qk_norm_cls: ClassVar[type[nn.Module] | None] = None
     rope_is_neox: ClassVar[bool] = True
+    attention_sinks: ClassVar[bool] = False  # a learned sink logit per head (gpt-oss)
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
                  layer: int) -> None:
@@ -73,7 +74,8 @@ class LlamaAttention(nn.Module):
                                    scaling, self.rope_is_neox)
         self.attn = Attention(self.num_heads, d, config.attention_scale, self.num_kv_heads,
                               sliding_window=config.layer_sliding_window(layer),
-                              logit_softcap=config.attn_logit_softcapping)
+                              logit_softcap=config.attn_logit_softcapping,
+                              sinks=self.attention_sinks)
 
     @staticmethod
     def biases(config: ModelConfig) -> tuple[bool, bool]:

@@ -27,6 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GlmForCausalLM": ("services.engine.models.glm4", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("services.engine.models.glm4", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("services.engine.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "GptOssForCausalLM": ("services.engine.models.gpt_oss", "GptOssForCausalLM"),
     "MixtralForCausalLM": ("services.engine.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("services.engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("services.engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
