@@ -160,3 +160,61 @@ def test_engine_with_chunked_prefill_and_preemption_matches_transformers(
     assert engine.stats()["preemptions"] > 0
     for i, prompt in enumerate(prompts):
         assert got[f"r{i}"] == hf_greedy(hf, prompt, 12), f"request r{i}"
+
+
+def _mxfp4_gpt_oss(path: Path) -> Any:
+    """A tiny gpt-oss checkpoint laid out as the published ones: experts as MXFP4 `*_blocks` /
+    `*_scales` with a `quantization_config`. Returns the transformers model of the same weights,
+    the experts dequantized by transformers' own gpt-oss MXFP4 loader function."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kernels.mxfp4_moe import quantize_mxfp4_ref
+
+    save_tiny(path / "float", FAMILIES["gpt_oss"])
+    state = load_file(path / "float" / "model.safetensors")
+    packed: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4_ref(tensor.transpose(1, 2))  # [E, out, in]
+            packed[f"{name}_blocks"] = blocks.unflatten(-1, (-1, 16))
+            packed[f"{name}_scales"] = scales
+            state[name] = convert_moe_packed_tensors(packed[f"{name}_blocks"], scales,
+                                                     dtype=torch.float32)
+        else:
+            packed[name] = tensor
+    (path / "mxfp4").mkdir()
+    save_file(packed, path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "float" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    (path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    save_file(state, path / "float" / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(path / "float", dtype=torch.float32,
+                                              attn_implementation="eager")
+    hf.generation_config.eos_token_id = None
+    return hf.eval()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_gpt_oss_mxfp4_experts_match_transformers(tmp_path: Path, kernels: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch: the CPU engine's path (experts dequantized once at load); triton: the CUDA path
+    (experts kept MXFP4 in memory, kernels/mxfp4_moe.py under the interpreter)."""
+    hf = _mxfp4_gpt_oss(tmp_path)
+    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", kernels)
+    model, _ = load_model(tmp_path / "mxfp4", dtype=torch.float32, device="cpu")
+    experts = model.model.layers[0].mlp.experts
+    kept = getattr(experts.w13, "blocks", None)
+    assert (kept is not None and kept.dtype == torch.uint8) == (kernels == "triton")
+    runner = SingleSequenceRunner(model, max_tokens=64)
+    prompt = _prompt()
+    with torch.no_grad():
+        ref_logits = hf(torch.tensor([prompt])).logits[0]
+    err = rel_error(runner.forward(prompt), ref_logits)
+    assert err < 1e-4, f"MXFP4 gpt-oss ({kernels}): prompt logits rel. error {err:.2e}"
+    assert runner.greedy_cached(prompt, 6) == hf_greedy(hf, prompt, 6)

@@ -9,7 +9,9 @@ Checkpoints name the router `mlp.router` and stack the experts: `mlp.experts.gat
 [E, H, 2I] (x @ W layout, gate and up columns interleaved: gate = even, up = odd) with
 `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H] with `down_proj_bias` [E, H];
 `checkpoint_tensors` turns them into the per-expert nn.Linear-layout tensors the expert stacks
-load. The attention sinks are `self_attn.sinks` [num_heads].
+load. The published checkpoints keep the experts in MXFP4 (`*_blocks` [E, out, in / 32, 16] and
+`*_scales` [E, out, in / 32], rows interleaved the same way; quant/mxfp4.py serves them). The
+attention sinks are `self_attn.sinks` [num_heads].
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
 from services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value
 from services.engine.quant.base import QuantConfig
 
-# suffixes of the stacked expert tensors of a checkpoint
+# suffixes of the stacked expert tensors of a checkpoint (float, or MXFP4 blocks and scales)
 _STACKED = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj",
-            "experts.down_proj_bias")
+            "experts.down_proj_bias", "experts.gate_up_proj_blocks", "experts.gate_up_proj_scales",
+            "experts.down_proj_blocks", "experts.down_proj_scales")
 
 
 class GptOssAttention(LlamaAttention):
@@ -47,7 +50,8 @@ class GptOssDecoderLayer(MoEDecoderLayer):
         swiglu = SwigluOAI(float(hf_value(config, "swiglu_alpha", default=1.702)),
                            float(hf_value(config, "swiglu_limit", default=7.0)))
         return FusedMoE(config.hidden_size, config.intermediate_size, routing,
-                        expert_bias=True, swiglu=swiglu)
+                        expert_bias=True, swiglu=swiglu, quant_config=quant_config,
+                        prefix=prefix)
 
 
 class GptOssForCausalLM(MoECausalLM):
@@ -63,7 +67,7 @@ class GptOssForCausalLM(MoECausalLM):
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor
                            ) -> Iterable[tuple[str, torch.Tensor]]:
-        stacked = next((s for s in _STACKED if name.endswith(s)), None)
+        stacked = next((s for s in _STACKED if name.endswith(f".{s}")), None)
         if stacked is None:
             return super().checkpoint_tensors(name, tensor)
         experts = name.removesuffix(stacked.removeprefix("experts.")).rstrip(".")
@@ -72,15 +76,19 @@ class GptOssForCausalLM(MoECausalLM):
 
 def _per_expert(prefix: str, stacked: str, tensor: torch.Tensor
                 ) -> Iterable[tuple[str, torch.Tensor]]:
-    """`{prefix}.{e}.{gate,up,down}_proj.{weight,bias}` of a stacked expert tensor."""
+    """`{prefix}.{e}.{gate,up,down}_proj.{weight,bias,blocks,scales}` of a stacked expert
+    tensor. Float weights are [in, out] (x @ W) with gate / up interleaved in the columns; MXFP4
+    blocks [out, in / 32, 16] and scales [out, in / 32] are nn.Linear-major with gate / up
+    interleaved in the rows."""
+    proj, _, kind = stacked.removeprefix("experts.").partition("_proj")
+    kind = kind.removeprefix("_") or "weight"
     for e, t in enumerate(tensor):
-        if stacked == "experts.gate_up_proj":  # [H, 2I] -> gate / up [I, H]
-            yield f"{prefix}.{e}.gate_proj.weight", t[:, 0::2].t()
-            yield f"{prefix}.{e}.up_proj.weight", t[:, 1::2].t()
-        elif stacked == "experts.gate_up_proj_bias":
-            yield f"{prefix}.{e}.gate_proj.bias", t[0::2]
-            yield f"{prefix}.{e}.up_proj.bias", t[1::2]
-        elif stacked == "experts.down_proj":  # [I, H] -> [H, I]
-            yield f"{prefix}.{e}.down_proj.weight", t.t()
+        if kind == "weight":
+            t = t.t()  # [out, in]
+        elif kind == "blocks":
+            t = t.flatten(-2)  # [out, in / 2]
+        if proj == "down":
+            yield f"{prefix}.{e}.down_proj.{kind}", t
         else:
-            yield f"{prefix}.{e}.down_proj.bias", t
+            yield f"{prefix}.{e}.gate_proj.{kind}", t[0::2]
+            yield f"{prefix}.{e}.up_proj.{kind}", t[1::2]

@@ -1,0 +1,86 @@
+"""MXFP4 experts (gpt-oss checkpoints, config.json `quantization_config` quant_method "mxfp4").
+
+Rules:
+- Only the routed experts are MXFP4 (the checkpoint's `*_blocks` / `*_scales`); everything else
+  (attention, router, embeddings, LM head: `modules_to_not_convert`) is float and served as such.
+- Each expert stack keeps `blocks` uint8 [E_local, out, in / 2] and `scales` uint8
+  [E_local, out, in / 32] (kernels/mxfp4_moe.py layout; gpt-oss's interleaved gate/up rows are
+  split by the model into the stack's gate and up halves while loading).
+- Where the quantized kernels run (CUDA, or FLOTILLA_QUANT_KERNELS=triton) the weights stay
+  MXFP4 in memory and kernels/mxfp4_moe.py decodes them in registers (about 4.25 bits a
+  weight); elsewhere (the CPU engine) they are dequantized once after loading to the model
+  dtype and run through the float fused MoE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch import nn
+
+import kernels
+from kernels.mxfp4_moe import MXFP4_BLOCK, dequantize_mxfp4_ref, fused_moe_mxfp4_triton
+from services.engine.quant.base import (
+    ExpertQuantMethod,
+    QuantConfig,
+    QuantMethod,
+    UnquantizedLinearMethod,
+    layer_tensor,
+    use_kernels,
+)
+
+
+class Mxfp4ExpertMethod(ExpertQuantMethod):
+    def __init__(self) -> None:
+        self.kernels = False
+        self.dtype = torch.get_default_dtype()  # the model's: models are built under it
+
+    def create_weights(self, stack: nn.Module, num_local: int, out_size: int,
+                       in_size: int) -> None:
+        if in_size % MXFP4_BLOCK:
+            raise ValueError(f"MXFP4 experts need an input size divisible by {MXFP4_BLOCK}, "
+                             f"got {in_size}")
+        for name, cols in (("blocks", in_size // 2), ("scales", in_size // MXFP4_BLOCK)):
+            stack.register_parameter(name, nn.Parameter(
+                torch.empty(num_local, out_size, cols, dtype=torch.uint8), requires_grad=False))
+
+    def process_after_loading(self, experts: nn.Module) -> None:
+        stacks = [experts.w13, experts.w2]
+        self.kernels = use_kernels(layer_tensor(stacks[0], "blocks").device)
+        if self.kernels:
+            return
+        for stack in stacks:
+            dense = dequantize_mxfp4_ref(layer_tensor(stack, "blocks").data,
+                                         layer_tensor(stack, "scales").data, self.dtype)
+            del stack.blocks, stack.scales
+            stack.register_buffer("weight", dense, persistent=False)
+
+    def apply(self, experts: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = experts.w13, experts.w2
+        if not self.kernels:
+            return kernels.fused_moe(x, layer_tensor(w13, "weight"), layer_tensor(w2, "weight"),
+                                     topk_weights, topk_ids, w13.bias, w2.bias, experts.swiglu)
+        return fused_moe_mxfp4_triton(
+            x, layer_tensor(w13, "blocks"), layer_tensor(w13, "scales"),
+            layer_tensor(w2, "blocks"), layer_tensor(w2, "scales"), topk_weights, topk_ids,
+            w13.bias, w2.bias, experts.swiglu)
+
+
+class Mxfp4Config(QuantConfig):
+    name = "mxfp4"
+
+    def get_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
+        return UnquantizedLinearMethod()
+
+    def get_expert_method(self, prefix: str) -> ExpertQuantMethod | None:
+        return Mxfp4ExpertMethod()
+
+    @classmethod
+    def from_hf(cls, qcfg: dict[str, Any], tensor_names: Collection[str]) -> Mxfp4Config:
+        if not any(name.endswith("_blocks") for name in tensor_names):
+            raise ValueError("an mxfp4 checkpoint without *_blocks expert tensors is not "
+                             "supported (only gpt-oss-style MXFP4 experts are)")
+        return cls()
