@@ -19,7 +19,8 @@ converters wrote) is rebuilt from the V2 one with kv_b_proj taken from the safet
 
 Families of tests/engine/test_recent_families.py: glm4_moe (arch "glm4moe", its MTP layer
 converted as an extra block the loader drops; its GLM tokenizer path is pointed at
-sentencepiece too).
+sentencepiece too); gpt-oss from float experts and from an MXFP4 checkpoint (llama.cpp keeps
+the experts MXFP4: dequantized on the CPU path, kept and repacked where the kernels run).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 from tests.engine.test_architectures import VOCAB, Case, save_tiny
 from tests.engine.test_moe_models import save_tiny as save_tiny_moe
-from tests.engine.test_recent_families import FAMILIES
+from tests.engine.test_recent_families import FAMILIES, Family, save_mxfp4_gpt_oss
 from tests.engine.test_recent_families import save_tiny as save_tiny_recent
 
 _MEMBERS = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
@@ -74,9 +75,13 @@ MOE_CASES: dict[str, tuple[str, dict[str, Any], str, float]] = {
     "deepseek_v3": ("deepseek_v3", {}, "f32", 1e-4),
 }
 
-# name -> (test_recent_families.FAMILIES key, outtype, tolerance)
-RECENT_CASES: dict[str, tuple[str, str, float]] = {
-    "glm4_moe": ("glm4_moe", "f32", 1e-5),
+# gpt-oss as llama.cpp hard-codes it (its SwiGLU limit of 7; no GGUF key holds another)
+GPT_OSS = Family("gpt_oss", {**FAMILIES["gpt_oss"].overrides, "swiglu_limit": 7.0})
+# name -> (test_recent_families family, outtype, tolerance, experts as MXFP4 in the checkpoint)
+RECENT_CASES: dict[str, tuple[Family, str, float, bool]] = {
+    "glm4_moe": (FAMILIES["glm4_moe"], "f32", 1e-5, False),
+    "gpt_oss": (GPT_OSS, "f32", 1e-5, False),
+    "gpt_oss_mxfp4": (GPT_OSS, "f32", 1e-5, True),
 }
 
 
@@ -132,9 +137,13 @@ def converted(llama_cpp_converter: Path, tmp_path_factory: pytest.TempPathFactor
         (hf_dir / "tokenizer.model").write_bytes(tokenizer)
         jobs.append((str(hf_dir), outtype, str(gguf)))
         paths[name] = (hf_dir, gguf)
-    for name, (family, outtype, _) in RECENT_CASES.items():
+    for name, (family, outtype, _, mxfp4) in RECENT_CASES.items():
         hf_dir, gguf = root / name, root / f"{name}.gguf"
-        save_tiny_recent(hf_dir, FAMILIES[family])
+        if mxfp4:
+            save_mxfp4_gpt_oss(root / name, family)
+            hf_dir = root / name / "mxfp4"
+        else:
+            save_tiny_recent(hf_dir, family)
         (hf_dir / "tokenizer.model").write_bytes(tokenizer)
         jobs.append((str(hf_dir), outtype, str(gguf)))
         paths[name] = (hf_dir, gguf)
@@ -157,6 +166,21 @@ def _tolerance(name: str) -> tuple[str, float]:
     if name in MOE_CASES:
         return MOE_CASES[name][2], MOE_CASES[name][3]
     return RECENT_CASES[name][1], RECENT_CASES[name][2]
+
+
+def test_gpt_oss_mxfp4_gguf_keeps_its_experts_mxfp4(converted: dict[str, tuple[Path, Path]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the quantized kernels run (forced here: the interpreter), llama.cpp's MXFP4 expert
+    blocks are repacked and served by kernels/mxfp4_moe.py, matching the safetensors' experts
+    dequantized on the CPU path."""
+    hf_dir, gguf = converted["gpt_oss_mxfp4"]
+    prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = SingleSequenceRunner(load_model(hf_dir)[0]).forward(prompt)
+    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "triton")
+    model, _ = load_model(gguf, quantization="gguf")
+    assert model.model.layers[0].mlp.experts.w13.blocks.dtype == torch.uint8
+    err = rel_error(SingleSequenceRunner(model).forward(prompt), ref)
+    assert err < 1e-5, f"MXFP4 GGUF (kept) vs safetensors logits rel. error {err:.2e}"
 
 
 @pytest.mark.parametrize("name", [*CASES, *MOE_CASES, *RECENT_CASES])

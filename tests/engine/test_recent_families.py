@@ -162,10 +162,11 @@ def test_engine_with_chunked_prefill_and_preemption_matches_transformers(
         assert got[f"r{i}"] == hf_greedy(hf, prompt, 12), f"request r{i}"
 
 
-def _mxfp4_gpt_oss(path: Path) -> Any:
-    """A tiny gpt-oss checkpoint laid out as the published ones: experts as MXFP4 `*_blocks` /
-    `*_scales` with a `quantization_config`. Returns the transformers model of the same weights,
-    the experts dequantized by transformers' own gpt-oss MXFP4 loader function."""
+def save_mxfp4_gpt_oss(path: Path, family: Family = FAMILIES["gpt_oss"]) -> Any:
+    """A tiny gpt-oss checkpoint laid out as the published ones in `path / "mxfp4"`: experts as
+    MXFP4 `*_blocks` / `*_scales` with a `quantization_config`; in `path / "float"` the same
+    weights, the experts dequantized by transformers' own gpt-oss MXFP4 loader function.
+    Returns the transformers model of the float one."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -174,7 +175,7 @@ def _mxfp4_gpt_oss(path: Path) -> Any:
 
     from kernels.mxfp4_moe import quantize_mxfp4_ref
 
-    save_tiny(path / "float", FAMILIES["gpt_oss"])
+    save_tiny(path / "float", family)
     state = load_file(path / "float" / "model.safetensors")
     packed: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -205,7 +206,7 @@ def test_gpt_oss_mxfp4_experts_match_transformers(tmp_path: Path, kernels: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """torch: the CPU engine's path (experts dequantized once at load); triton: the CUDA path
     (experts kept MXFP4 in memory, kernels/mxfp4_moe.py under the interpreter)."""
-    hf = _mxfp4_gpt_oss(tmp_path)
+    hf = save_mxfp4_gpt_oss(tmp_path)
     monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", kernels)
     model, _ = load_model(tmp_path / "mxfp4", dtype=torch.float32, device="cpu")
     experts = model.model.layers[0].mlp.experts

@@ -11,6 +11,11 @@ Rules:
   `expert_group_used_count` are n_group / topk_group; `leading_dense_block_count` is
   first_k_dense_replace; `expert_weights_norm` / `expert_weights_scale` are norm_topk_prob /
   routed_scaling_factor.
+- gpt-oss: llama.cpp hard-codes what the metadata leaves out, and so do we: sliding-window
+  layers are the even ones (transformers' default layer_types), the SwiGLU's alpha / limit are
+  gpt-oss's (1.702 / 7.0), q/k/v/o have biases; YaRN is untruncated (transformers' gpt-oss rope)
+  with `rope.scaling.yarn_beta_fast` / `_slow`. The experts' width is
+  `expert_feed_forward_length`.
 """
 
 from __future__ import annotations
@@ -52,7 +57,26 @@ def glm4moe_config(config: ModelConfig, meta: dict[str, Any], names: set[str]) -
         attention_bias="blk.0.attn_q.bias" in names, hf_config=hf)
 
 
+def gpt_oss_config(config: ModelConfig, meta: dict[str, Any], names: set[str]) -> ModelConfig:
+    get = _getter(meta)
+    scaling = dict(config.rope_scaling or {})
+    if scaling.get("rope_type") == "yarn":
+        scaling["truncate"] = False
+        for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if get(f"rope.scaling.{key}") is not None:
+                scaling[hf_key] = float(get(f"rope.scaling.{key}"))
+    hf = {"num_local_experts": int(get("expert_count")),
+          "num_experts_per_tok": int(get("expert_used_count"))}
+    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                   for i in range(config.num_layers)]
+    return dataclasses.replace(
+        config, architecture="GptOssForCausalLM", attention_bias=True,
+        intermediate_size=int(get("expert_feed_forward_length")), layer_types=layer_types,
+        rope_scaling=scaling or None, hf_config=hf)
+
+
 # llama.cpp arch -> its config function
 GGUF_ARCH_CONFIGS: dict[str, Callable[[ModelConfig, dict[str, Any], set[str]], ModelConfig]] = {
     "glm4moe": glm4moe_config,
+    "gpt-oss": gpt_oss_config,
 }

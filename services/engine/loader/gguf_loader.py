@@ -10,7 +10,8 @@ Rules:
   pairs), which is undone here so the HF-layout (neox) rotary applies. Architectures without a
   verified name map are refused.
 - Stacked expert tensors [E, out, in] (MoE) are dequantized and yielded one expert at a time
-  under the per-expert HF names the MoE models load (experts are never kept quantized).
+  under the per-expert HF names the MoE models load; MXFP4 stacks (gpt-oss) the config keeps
+  quantized are yielded per expert as `.blocks` / `.scales` (quant/mxfp4.py's layout) instead.
 - deepseek2 (DeepSeek-V2 / V3, gguf_deepseek2.py): the config gets its MLA / routing keys, and
   the attn_k_b / attn_v_b halves of each layer's kv_b_proj are dequantized (kv_b_proj stays
   float in the model) and joined into one tensor once both have been read.
@@ -41,7 +42,9 @@ from services.engine.loader.gguf_names import (
 )
 from services.engine.model_config import ModelConfig
 from services.engine.quant.gguf import QuantBytes
+from services.engine.quant.mxfp4 import from_ggml_mxfp4
 
+GGML_MXFP4 = 39  # ggml's type id of MXFP4 blocks
 # Arrays too large to turn into Python lists just to build a config.
 _SKIPPED_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                    "tokenizer.ggml.merges"}
@@ -102,6 +105,14 @@ def _arch(reader: GGUFReader) -> str:
     return str(reader.fields["general.architecture"].contents())
 
 
+def mxfp4_experts(checkpoint: GGUFCheckpoint) -> set[str]:
+    """HF prefixes (`model.layers.N.mlp.experts`) of the expert stacks stored as MXFP4."""
+    arch = _arch(checkpoint.reader)
+    return {name.split(f".{EXPERT}.")[0] for t in checkpoint.reader.tensors
+            if (name := hf_name(t.name, arch)) is not None and EXPERT in name
+            and int(t.tensor_type) == GGML_MXFP4}
+
+
 def tensor_types(checkpoint: GGUFCheckpoint) -> dict[str, int]:
     """HF name -> ggml type id of every matrix the model loads."""
     arch = _arch(checkpoint.reader)
@@ -125,6 +136,14 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
             if len(parts) == 2:
                 del kv_b_parts[name]
                 yield name, torch.from_numpy(join_kv_b(parts["attn_k_b"], parts["attn_v_b"]))
+            continue
+        if EXPERT in name and keep is not None and keep(name) and \
+                int(tensor.tensor_type) == GGML_MXFP4:
+            blocks, scales = from_ggml_mxfp4(torch.from_numpy(np.array(tensor.data)))
+            stem = name.removesuffix(".weight")
+            for e in range(blocks.shape[0]):
+                yield f"{stem.replace(EXPERT, str(e))}.blocks", blocks[e]
+                yield f"{stem.replace(EXPERT, str(e))}.scales", scales[e]
             continue
         if EXPERT in name:
             for e, weight in enumerate(_dequantized(tensor)):

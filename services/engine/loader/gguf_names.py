@@ -18,7 +18,8 @@ shared_experts; both halves of its split kv_b_proj (KV_B_PARTS) map to kv_b_proj
 loader joins. An entry keyed "part.kind" names the whole HF suffix (V3's router correction bias
 is a buffer, `e_score_correction_bias`, not a `.bias`). glm4moe names deepseek's shared experts
 and correction bias the same way, and its second norm `post_attention_norm`; its MTP layers'
-`nextn.*` tensors are not mapped.
+`nextn.*` tensors are not mapped. gpt-oss names its sinks `attn_sinks` and its biased router
+`ffn_gate_inp`; its expert biases are stacked like the weights (`ffn_*_exps.bias`).
 """
 
 from __future__ import annotations
@@ -85,12 +86,17 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
         "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     },
+    "gpt-oss": {
+        "attn_sinks.weight": "self_attn.sinks",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.router",
+    },
 }
 # GGUF block tensors that are the (k, v) halves of one HF kv_b_proj (deepseek2).
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 # Architectures with a verified map (the loader refuses others rather than guess).
 MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe",
-                         "deepseek2", "smollm3", "glm4moe"})
+                         "deepseek2", "smollm3", "glm4moe", "gpt-oss"})
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 

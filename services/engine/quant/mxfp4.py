@@ -6,6 +6,9 @@ Rules:
 - Each expert stack keeps `blocks` uint8 [E_local, out, in / 2] and `scales` uint8
   [E_local, out, in / 32] (kernels/mxfp4_moe.py layout; gpt-oss's interleaved gate/up rows are
   split by the model into the stack's gate and up halves while loading).
+- GGUF files (llama.cpp's gpt-oss conversion) store MXFP4 in ggml blocks of 17 bytes: the E8M0
+  scale, then 16 bytes whose low nibbles are values 0..15 and high nibbles values 16..31;
+  `from_ggml_mxfp4` repacks them into the layout above.
 - Where the quantized kernels run (CUDA, or FLOTILLA_QUANT_KERNELS=triton) the weights stay
   MXFP4 in memory and kernels/mxfp4_moe.py decodes them in registers (about 4.25 bits a
   weight); elsewhere (the CPU engine) they are dequantized once after loading to the model
@@ -30,6 +33,18 @@ from services.engine.quant.base import (
     layer_tensor,
     use_kernels,
 )
+
+
+GGML_MXFP4_BYTES = 1 + MXFP4_BLOCK // 2  # scale + 16 bytes of nibbles
+
+
+def from_ggml_mxfp4(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml MXFP4 rows uint8 [..., K / 32 * 17] -> (blocks [..., K / 2], scales [..., K / 32])."""
+    groups = raw.unflatten(-1, (-1, GGML_MXFP4_BYTES))
+    scales, nibbles = groups[..., 0], groups[..., 1:]
+    codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # values 0..31 in order
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.flatten(-2).contiguous(), scales.contiguous()
 
 
 class Mxfp4ExpertMethod(ExpertQuantMethod):
