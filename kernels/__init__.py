@@ -177,12 +177,14 @@ def paged_attention(
     logit_softcap: float | None = None,
     kv_scales: KVScales | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of the new tokens q [T, Hq, D] over the paged cache -> [T, Hq, D];
-    sinks [Hq]: a learned logit per head in each softmax's denominator (gpt-oss)."""
+    sinks [Hq]: a learned logit per head in each softmax's denominator (gpt-oss);
+    attention_chunk C: a token sees only keys of its own C-aligned chunk (llama4)."""
     fn = paged_attention_triton if use_triton(q) else paged_attention_ref
     return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
-              kv_scales=kv_scales, sinks=sinks)
+              kv_scales=kv_scales, sinks=sinks, attention_chunk=attention_chunk)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ def attend_tile(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, KV head) scales
     FP8_ROWS: tl.constexpr,  # KV_FP8: fold the scales into the K / V rows, else into qk / p
+    CHUNKED: tl.constexpr = False,  # USE_WINDOW means chunked attention: `window` is the chunk
 ):
     """One online-softmax step over BLOCK_N keys gathered from the paged cache: each key's
     block comes from the block table, so a tile may span several cache blocks.
@@ -98,7 +99,11 @@ def attend_tile(
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
     if USE_WINDOW:
-        s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
+        if CHUNKED:  # keys of the query's own chunk only (llama4's local layers)
+            s = tl.where(offs_n[None, :] >= (q_pos // window * window)[:, None], s,
+                         float("-inf"))
+        else:
+            s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     alpha = tl.exp2(m_i - m_safe)

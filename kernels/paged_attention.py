@@ -22,6 +22,7 @@ from kernels.prefill_attention import (
     new_output,
     prefill_attention_ref,
     prefill_attention_triton,
+    window_arg,
 )
 from services.engine.forward_context import AttentionMetadata
 
@@ -52,6 +53,7 @@ def decode_attention_ref(
     out: torch.Tensor | None,
     kv_scales: KVScales | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Batched reference for sequences with exactly one new token: pads their KV to a common
     length and runs one masked attention per chunk of sequences. `out` None: the query rows are
@@ -76,7 +78,7 @@ def decode_attention_ref(
             k = dequantize_kv_ref(k, kv_scales.k.index_select(0, tables).view(gathered[:3]))
             v = dequantize_kv_ref(v, kv_scales.v.index_select(0, tables).view(gathered[:3]))
         mask = None
-        if sliding_window is None and min(ids_lens) == max_len:
+        if sliding_window is None and attention_chunk is None and min(ids_lens) == max_len:
             k, v = k[:, :max_len], v[:, :max_len]  # every key of the chunk is visible
         else:
             lens = torch.tensor(ids_lens, device=q.device)
@@ -84,6 +86,9 @@ def decode_attention_ref(
             mask = k_pos[None, :] < lens[:, None]
             if sliding_window is not None:
                 mask &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
+            if attention_chunk is not None:  # the new token's own chunk
+                mask &= k_pos[None, :] >= ((lens[:, None] - 1) // attention_chunk
+                                           * attention_chunk)
             mask = mask[:, None]
         rows = _rows([qsl[i] for i in ids], q.device)
         attn = attend_ref(q[rows][:, None], k, v, mask, scale, logit_softcap,
@@ -105,6 +110,7 @@ def paged_attention_ref(
     logit_softcap: float | None = None,
     kv_scales: KVScales | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Torch reference: decode rows batched, prefill/extend rows one sequence at a time."""
     if meta.bounds_only:
@@ -116,17 +122,18 @@ def paged_attention_ref(
     if decode and not extend and len(decode) == meta.num_seqs == q.shape[0]:
         # Decode only, no padding rows: every output row is written.
         return decode_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window,
-                                    logit_softcap, decode, None, kv_scales, sinks)
+                                    logit_softcap, decode, None, kv_scales, sinks,
+                                    attention_chunk)
     out = torch.zeros_like(q)
     if decode:
         decode_attention_ref(
             q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, decode, out,
-            kv_scales, sinks,
+            kv_scales, sinks, attention_chunk,
         )
     if extend:
         prefill_attention_ref(
             q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, extend, out,
-            kv_scales, sinks,
+            kv_scales, sinks, attention_chunk,
         )
     return out
 
@@ -165,6 +172,7 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, head) scales
     USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
     USE_SINKS: tl.constexpr = False,
+    CHUNKED: tl.constexpr = False,  # USE_WINDOW is chunked attention, `window` the chunk size
 ):
     # Grid (B, Hk, NUM_SPLITS): the visible keys of a sequence are cut into NUM_SPLITS equal
     # ranges (rounded to BLOCK_N); each program reads its range of one KV head once and serves
@@ -187,7 +195,10 @@ def _decode_split_kernel(
     row = row.to(tl.int64)
     kv_lo = 0
     if USE_WINDOW:
-        kv_lo = tl.maximum(seq_len - window, 0)
+        if CHUNKED:  # the new token's own chunk
+            kv_lo = (seq_len - 1) // window * window
+        else:
+            kv_lo = tl.maximum(seq_len - window, 0)
     per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = kv_lo + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
@@ -329,6 +340,7 @@ def decode_attention_triton(
     num_stages: int = 2,
     kv_scales: KVScales | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Split-KV decode for batches where every sequence has at most one new token.
 
@@ -339,6 +351,7 @@ def decode_attention_triton(
     split to finish (an atomic counter per sequence and KV head) measured slower in graph
     replays (12.3 vs 6.4 us at batch 1, 32 splits), its serial merge costing more than a launch."""
     check_attention_args(q, k_cache, v_cache, meta, kv_scales, sinks)
+    window, chunked = window_arg(sliding_window, attention_chunk)
     if meta.max_query_len > 1:
         raise ValueError("decode_attention_triton needs q_len <= 1 for every sequence")
     num_seqs = meta.seq_lens.shape[0]
@@ -371,7 +384,7 @@ def decode_attention_triton(
         q, k_cache, v_cache, k_scale, v_scale, partial, lse, sinks_arg, meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
-        scale, logit_softcap or 1.0, sliding_window or 0,
+        scale, logit_softcap or 1.0, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
@@ -379,9 +392,9 @@ def decode_attention_triton(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         USE_SOFTCAP=logit_softcap is not None,
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        KV_FP8=kv_scales is not None, USE_SINKS=sinks is not None,
+        KV_FP8=kv_scales is not None, USE_SINKS=sinks is not None, CHUNKED=chunked,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     if num_splits > 1:
@@ -403,8 +416,9 @@ def paged_attention_triton(
     logit_softcap: float | None = None,
     kv_scales: KVScales | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Decode-only batches -> split-KV decode kernel; anything else -> prefill/extend kernel."""
     fn = decode_attention_triton if meta.is_decode_only else prefill_attention_triton
     return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
-              kv_scales=kv_scales, sinks=sinks)
+              kv_scales=kv_scales, sinks=sinks, attention_chunk=attention_chunk)

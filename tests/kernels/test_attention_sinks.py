@@ -20,10 +20,11 @@ def _sinks(num_heads: int, seed: int = 0) -> torch.Tensor:
     return sinks.to(DEVICE)
 
 
-def _naive(case: AttentionCase, scale: float, window: int | None, sinks: torch.Tensor
-           ) -> torch.Tensor:
+def naive_attention(case: AttentionCase, scale: float, window: int | None,
+                    sinks: torch.Tensor | None, chunk: int | None = None) -> torch.Tensor:
     """Per sequence and head: scores, the sink logit appended, softmax, the sink column dropped
-    (transformers' GptOss eager_attention_forward)."""
+    (transformers' GptOss eager_attention_forward); `chunk`: keys of the query's chunk only
+    (transformers' chunked_attention mask, k // chunk == q // chunk)."""
     meta, out = case.meta, torch.zeros(case.q.shape, dtype=torch.float32)
     block_size, num_kv_heads = case.k_cache.shape[1], case.k_cache.shape[2]
     group = case.q.shape[1] // num_kv_heads
@@ -38,10 +39,13 @@ def _naive(case: AttentionCase, scale: float, window: int | None, sinks: torch.T
             visible = torch.arange(seq_len) <= pos
             if window is not None:
                 visible &= torch.arange(seq_len) > pos - window
+            if chunk is not None:
+                visible &= torch.arange(seq_len) // chunk == pos // chunk
             for h in range(case.q.shape[1]):
                 scores = (k[:, h // group] @ case.q[row, h].float().cpu()) * scale
                 scores = scores.masked_fill(~visible, float("-inf"))
-                logits = torch.cat([scores, sinks[h].float().cpu()[None]])
+                sink = torch.tensor([float("-inf")]) if sinks is None else sinks[h].cpu()[None]
+                logits = torch.cat([scores, sink.float()])
                 probs = torch.softmax(logits - logits.max(), 0)[:-1]
                 out[row, h] = probs @ v[:, h // group]
     return out
@@ -53,7 +57,7 @@ def test_reference_matches_naive_softmax_with_sink(window: int | None) -> None:
     sinks = _sinks(4)
     ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, 0.25, window,
                               sinks=sinks)
-    torch.testing.assert_close(ref.cpu(), _naive(case, 0.25, window, sinks), atol=2e-5,
+    torch.testing.assert_close(ref.cpu(), naive_attention(case, 0.25, window, sinks), atol=2e-5,
                                rtol=2e-5)
 
 
