@@ -6,7 +6,8 @@ W13 [E, 2I, H] stacks each expert's gate rows then up rows, W2 [E, H, I] its dow
 (nn.Linear layout: out x in). Pairs whose expert id is outside [0, E) contribute nothing: that is
 how a rank skips the experts other tensor-parallel ranks own. Optional per-expert biases b13
 [E, 2I] / b2 [E, H] are added to the projections (b2 before the top-k weight), and `swiglu`
-(kernels/activation.py SwigluOAI, gpt-oss) replaces silu_and_mul.
+(kernels/activation.py SwigluOAI, gpt-oss) replaces silu_and_mul. With `weight_on_input`
+(llama4) the top-k weight scales the token's input to the expert instead of its output.
 
 Triton path (the vLLM / SGLang scheme):
 1. `moe_align_block_size` sorts the T*K (token, expert) pairs by expert and pads each expert's
@@ -43,6 +44,7 @@ def fused_moe_ref(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     swiglu: SwigluOAI | None = None,
+    weight_on_input: bool = False,
 ) -> torch.Tensor:
     """Loop over the experts that received tokens: gather, gated MLP, weight, scatter-add."""
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
@@ -54,14 +56,17 @@ def fused_moe_ref(
     for expert in torch.unique(flat_ids[valid]).tolist():
         pairs = torch.nonzero(flat_ids == expert).squeeze(1)
         tokens = pairs // top_k
-        gate_up = F.linear(x.index_select(0, tokens), w13[expert],
-                           None if b13 is None else b13[expert])
+        rows = x.index_select(0, tokens)
+        if weight_on_input:
+            rows = rows * flat_weights[pairs, None].to(rows.dtype)
+        gate_up = F.linear(rows, w13[expert], None if b13 is None else b13[expert])
         if swiglu is None:
             hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         else:
             hidden = swiglu_oai_ref(gate_up, swiglu)
-        y = F.linear(hidden, w2[expert], None if b2 is None else b2[expert])
-        y = y.float() * flat_weights[pairs, None].float()
+        y = F.linear(hidden, w2[expert], None if b2 is None else b2[expert]).float()
+        if not weight_on_input:
+            y = y * flat_weights[pairs, None].float()
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
 
@@ -215,11 +220,14 @@ def fused_moe_triton(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     swiglu: SwigluOAI | None = None,
+    weight_on_input: bool = False,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
 ) -> torch.Tensor:
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    if weight_on_input and b13 is not None:
+        raise ValueError("weight_on_input with a gate_up bias is not a linear scaling")
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_pairs = num_tokens * top_k
@@ -230,12 +238,13 @@ def fused_moe_triton(
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     gate_up = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, top_k, False,
+    # the input's weight scales the (bias-free) gate_up rows: the same as scaling the input
+    _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, top_k, weight_on_input,
                   block_m, block_n, block_k, b13)
     # rows of dropped pairs are garbage, never read
     hidden = silu_and_mul_triton(gate_up) if swiglu is None else swiglu_oai_triton(gate_up, swiglu)
     # Zero-filled: pairs routed to other ranks' experts are never written and must add nothing.
     down = torch.zeros(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(hidden, w2, down, weights, sorted_ids, expert_ids, 1, True,
+    _grouped_gemm(hidden, w2, down, weights, sorted_ids, expert_ids, 1, not weight_on_input,
                   block_m, block_n, block_k, b2)
     return down.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)

@@ -10,6 +10,8 @@ Rules:
 - Sliding windows: `sliding_window` (None when `use_sliding_window` is false) applies to every
   layer unless `layer_types` (or a legacy `sliding_window_pattern`, or qwen2's
   `max_window_layers`) says which layers slide; `layer_sliding_window(i)` answers per layer.
+  "chunked_attention" layers (llama4: the rope layers when `layer_types` is absent) attend
+  within chunks of `attention_chunk_size` (`layer_attention_chunk(i)`).
 - NoPE layers (smollm3, llama4): `no_rope_layers[i]` is 1 where layer i applies the rotary and 0
   where it does not (transformers' naming); absent or empty, every `no_rope_layer_interval`-th
   layer skips it when the config names an interval, else every layer rotates.
@@ -50,6 +52,9 @@ GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # text_config of gemma-3-4b-it names only its sizes), by the text model_type.
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": dict(partial_rotary_factor=0.5),
+    "llama4_text": dict(no_rope_layer_interval=4, attention_chunk_size=8192,
+                        attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
+                        use_qk_norm=True, interleave_moe_layer_step=1),
     "gemma3_text": dict(
         vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
         hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
@@ -89,6 +94,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     no_rope_layers: list[int] | None = None
+    # "chunked_attention" layers (llama4) see only the keys of their own chunk of this many
+    attention_chunk_size: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -106,6 +113,12 @@ class ModelConfig:
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_window if self.is_sliding_layer(layer) else None
+
+    def layer_attention_chunk(self, layer: int) -> int | None:
+        if self.attention_chunk_size is None or self.layer_types is None:
+            return None
+        return self.attention_chunk_size if self.layer_types[layer] == "chunked_attention" \
+            else None
 
     def layer_uses_rope(self, layer: int) -> bool:
         return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
@@ -180,6 +193,8 @@ class ModelConfig:
             final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
             query_pre_attn_scalar=_optional_float(cfg.get("query_pre_attn_scalar")),
             no_rope_layers=_no_rope_layers(cfg, num_layers),
+            attention_chunk_size=int(cfg["attention_chunk_size"])
+            if cfg.get("attention_chunk_size") else None,
             hf_config=cfg,
         )
 
@@ -309,6 +324,10 @@ def _layer_types(cfg: dict[str, Any], num_layers: int, sliding_window: Any) -> l
         return [str(t) for t in cfg["layer_types"]]
     if sliding_window and cfg.get("sliding_window_pattern"):  # legacy gemma3 configs
         return _pattern_layer_types(num_layers, int(cfg["sliding_window_pattern"]))
+    rope_layers = _no_rope_layers(cfg, num_layers)
+    if cfg.get("attention_chunk_size") and rope_layers is not None:
+        # llama4 configs written before layer_types: the rope layers attend in chunks
+        return ["chunked_attention" if r else "full_attention" for r in rope_layers]
     if sliding_window and cfg.get("use_sliding_window") and "max_window_layers" in cfg:
         first = int(cfg["max_window_layers"])  # qwen2: layers from max_window_layers on slide
         return ["sliding_attention" if i >= first else "full_attention"

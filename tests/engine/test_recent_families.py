@@ -58,6 +58,16 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family("gpt_oss", dict(
         intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
         swiglu_limit=0.5)),
+    # Llama 4: chunks of 8 on the rope layers (L2 q/k norm), a NoPE global layer with
+    # temperature tuning that starts at position 3 (floor_scale 4), llama3 rope, MoE every
+    # second layer with a shared expert, top-1 routing, input-scaled experts.
+    "llama4_text": Family("llama4_text", dict(
+        intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=WINDOW,
+        floor_scale=4, attn_scale=0.5, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})),
 }
 
 

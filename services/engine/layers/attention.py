@@ -17,7 +17,8 @@ Rules:
 - `num_heads` / `num_kv_heads` are this rank's head counts.
 - `sinks=True` (gpt-oss) gives the layer a learned sink logit per query head (`sinks`, fp32,
   this rank's heads of the checkpoint's [num_heads]); the kernels add exp(sink) to each
-  softmax's denominator. Such layers never take the fused dense prefill.
+  softmax's denominator. `attention_chunk` (llama4's local layers): a token attends only
+  within its chunk of that many positions. Neither takes the fused dense prefill.
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logit_softcap: float | None = None,
-                 sinks: bool = False) -> None:
+                 sinks: bool = False, attention_chunk: int | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} "
                              "kv heads")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.logit_softcap = scale, sliding_window, logit_softcap
+        self.attention_chunk = attention_chunk
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.kv_scales: KVScales | None = None
@@ -87,7 +89,7 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.sinks is None and dense_prefill_ok(q, meta, self.kv_scales, self.sliding_window,
+        if self.sinks is None and self.attention_chunk is None and dense_prefill_ok(q, meta, self.kv_scales, self.sliding_window,
                                                    self.logit_softcap):
             # one long prompt without a cached prefix: fused attention on the fresh K/V
             if rotary is not None:
@@ -108,5 +110,5 @@ class Attention(nn.Module):
         out = kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
                                       sliding_window=self.sliding_window,
                                       logit_softcap=self.logit_softcap, kv_scales=self.kv_scales,
-                                      sinks=self.sinks)
+                                      sinks=self.sinks, attention_chunk=self.attention_chunk)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -22,7 +22,8 @@ Rules:
   each stack's parameters and runs the experts; other configs apply to the shared experts only.
 - gpt-oss: the router has a bias (`router_bias`), the experts biases (`experts.w13.bias`
   [E_local, 2I], `experts.w2.bias` [E_local, H], loaded like the weights' rows) and the clamped
-  SwiGLU (`swiglu`, kernels/activation.py) instead of silu_and_mul.
+  SwiGLU (`swiglu`, kernels/activation.py) instead of silu_and_mul. llama4: the routing weight
+  scales each expert's input instead of its output (`weight_on_input`).
 """
 
 from __future__ import annotations
@@ -162,8 +163,12 @@ class MoEExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  bias: bool = False, swiglu: SwigluOAI | None = None,
-                 quant_method: ExpertQuantMethod | None = None) -> None:
+                 quant_method: ExpertQuantMethod | None = None,
+                 weight_on_input: bool = False) -> None:
         super().__init__()
+        if weight_on_input and quant_method is not None:
+            raise ValueError("quantized experts take the routing weight on their output only")
+        self.weight_on_input = weight_on_input
         self.tp_size = get_tp_size()
         self.num_local = divide(num_experts, self.tp_size, "expert count")
         self.first_expert = get_tp_rank() * self.num_local
@@ -182,7 +187,7 @@ class MoEExperts(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return kernels.fused_moe(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids,
-                                 self.w13.bias, self.w2.bias, self.swiglu)
+                                 self.w13.bias, self.w2.bias, self.swiglu, self.weight_on_input)
 
 
 class FusedMoE(nn.Module):
@@ -197,7 +202,8 @@ class FusedMoE(nn.Module):
                  shared_experts: nn.Module | None = None, shared_name: str = "shared_experts",
                  shared_expert_gate: bool = False, hidden_act: str = "silu",
                  expert_bias: bool = False, swiglu: SwigluOAI | None = None,
-                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantConfig | None = None, prefix: str = "",
+                 weight_on_input: bool = False) -> None:
         super().__init__()
         if hidden_act != "silu" and swiglu is None:
             raise ValueError(f"fused MoE experts support the silu gated activation only, got "
@@ -206,7 +212,7 @@ class FusedMoE(nn.Module):
         method = (quant_config.get_expert_method(f"{prefix}.experts")
                   if quant_config is not None else None)
         self.experts = MoEExperts(routing.num_experts, hidden_size, intermediate_size,
-                                  expert_bias, swiglu, method)
+                                  expert_bias, swiglu, method, weight_on_input)
         self.shared_name = shared_name if shared_experts is not None else None
         if shared_experts is not None:
             self.add_module(shared_name, shared_experts)

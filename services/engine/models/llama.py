@@ -8,8 +8,8 @@ subclasses). The hooks, each a class attribute or small method:
   GLM); `rotate` (what happens between projection and attention: rotary, plus e.g. ministral3's
   query scaling). Sliding window, softcap, scale, partial rotary and per-layer rope come from
   `ModelConfig` (`layer_sliding_window`, `attn_logit_softcapping`, `attention_scale`,
-  `rotary_dim`, `layer_rope`); NoPE layers (`layer_uses_rope` false: smollm3, llama4) skip
-  `rotate`.
+  `rotary_dim`, `layer_rope`); NoPE layers (`layer_uses_rope` false: smollm3, llama4) run `nope`
+  instead of `rotate`; chunked-attention layers come from `layer_attention_chunk`.
 - `LlamaDecoderLayer.norm_names`: checkpoint names of the four norm slots (before attention,
   after attention, before the MLP, after the MLP); None leaves a slot out. Llama uses the first
   and third; gemma2/glm4 all four. `norm_cls` picks RMSNorm / GemmaRMSNorm / LayerNorm.
@@ -75,7 +75,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, d, config.attention_scale, self.num_kv_heads,
                               sliding_window=config.layer_sliding_window(layer),
                               logit_softcap=config.attn_logit_softcapping,
-                              sinks=self.attention_sinks)
+                              sinks=self.attention_sinks,
+                              attention_chunk=config.layer_attention_chunk(layer))
 
     @staticmethod
     def biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -99,14 +100,18 @@ class LlamaAttention(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(positions, q, k)
 
+    def nope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a NoPE layer does in place of `rotate` (nothing here; llama4 scales q)."""
+        return q, k
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.norm_qk(q.reshape(t, self.num_heads, -1), k.reshape(t, self.num_kv_heads, -1))
         if self.fused_rotary:  # one kernel rotates q, k and writes the KV cache
             return self.o_proj(self.attn(q, k, v, self.rotary_emb, positions))
-        if self.use_rope:
-            q, k = self.rotate(positions, q, k)
+        q, k = self.rotate(positions, q, k) if self.use_rope else self.nope(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
     @property
