@@ -42,7 +42,7 @@ GGUF_ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
 }
 # llama.cpp hard-codes the NoPE rhythm of these archs (no GGUF key holds it).
-GGUF_NO_ROPE_INTERVAL = {"smollm3": 4}
+GGUF_NO_ROPE_INTERVAL = {"smollm3": 4, "llama4": 4}
 # llama.cpp's routing per MoE arch when the file does not say (`expert_weights_norm`): top-k
 # weights renormalised for qwen3moe, not for qwen2moe.
 GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}

@@ -20,7 +20,8 @@ converters wrote) is rebuilt from the V2 one with kv_b_proj taken from the safet
 Families of tests/engine/test_recent_families.py: glm4_moe (arch "glm4moe", its MTP layer
 converted as an extra block the loader drops; its GLM tokenizer path is pointed at
 sentencepiece too); gpt-oss from float experts and from an MXFP4 checkpoint (llama.cpp keeps
-the experts MXFP4: dequantized on the CPU path, kept and repacked where the kernels run).
+the experts MXFP4: dequantized on the CPU path, kept and repacked where the kernels run);
+llama4 (arch "llama4", with llama.cpp's hard-coded chunk size and temperature tuning).
 """
 
 from __future__ import annotations
@@ -77,11 +78,15 @@ MOE_CASES: dict[str, tuple[str, dict[str, Any], str, float]] = {
 
 # gpt-oss as llama.cpp hard-codes it (its SwiGLU limit of 7; no GGUF key holds another)
 GPT_OSS = Family("gpt_oss", {**FAMILIES["gpt_oss"].overrides, "swiglu_limit": 7.0})
+# Llama 4 with llama.cpp's hard-coded chunk, temperature scale and floor
+LLAMA4 = Family("llama4_text", {**FAMILIES["llama4_text"].overrides, "attention_chunk_size": 8192,
+                                "floor_scale": 8192, "attn_scale": 0.1})
 # name -> (test_recent_families family, outtype, tolerance, experts as MXFP4 in the checkpoint)
 RECENT_CASES: dict[str, tuple[Family, str, float, bool]] = {
     "glm4_moe": (FAMILIES["glm4_moe"], "f32", 1e-5, False),
     "gpt_oss": (GPT_OSS, "f32", 1e-5, False),
     "gpt_oss_mxfp4": (GPT_OSS, "f32", 1e-5, True),
+    "llama4_text": (LLAMA4, "f32", 1e-5, False),
 }
 
 

@@ -16,6 +16,10 @@ Rules:
   gpt-oss's (1.702 / 7.0), q/k/v/o have biases; YaRN is untruncated (transformers' gpt-oss rope)
   with `rope.scaling.yarn_beta_fast` / `_slow`. The experts' width is
   `expert_feed_forward_length`.
+- llama4: likewise hard-coded: NoPE every 4th layer, the rope layers attending in chunks of
+  8192 with an L2 q/k norm unless the model has 128 experts (Maverick), temperature tuning on
+  the NoPE layers (scale 0.1, floor 8192). `feed_forward_length` is the dense layers' width,
+  `expert_feed_forward_length` the experts' and the shared expert's.
 """
 
 from __future__ import annotations
@@ -75,8 +79,23 @@ def gpt_oss_config(config: ModelConfig, meta: dict[str, Any], names: set[str]) -
         rope_scaling=scaling or None, hf_config=hf)
 
 
+def llama4_config(config: ModelConfig, meta: dict[str, Any], names: set[str]) -> ModelConfig:
+    get = _getter(meta)
+    experts = int(get("expert_count"))
+    hf = {"num_local_experts": experts, "num_experts_per_tok": int(get("expert_used_count")),
+          "interleave_moe_layer_step": int(get("interleave_moe_layer_step", 1)),
+          "intermediate_size_mlp": config.intermediate_size, "use_qk_norm": experts != 128,
+          "attn_temperature_tuning": True, "attn_scale": 0.1, "floor_scale": 8192}
+    rope = config.no_rope_layers or [1] * config.num_layers
+    return dataclasses.replace(
+        config, architecture="Llama4ForCausalLM",
+        intermediate_size=int(get("expert_feed_forward_length")), attention_chunk_size=8192,
+        layer_types=["chunked_attention" if r else "full_attention" for r in rope], hf_config=hf)
+
+
 # llama.cpp arch -> its config function
 GGUF_ARCH_CONFIGS: dict[str, Callable[[ModelConfig, dict[str, Any], set[str]], ModelConfig]] = {
     "glm4moe": glm4moe_config,
     "gpt-oss": gpt_oss_config,
+    "llama4": llama4_config,
 }

@@ -96,7 +96,7 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 # Architectures with a verified map (the loader refuses others rather than guess).
 MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe",
-                         "deepseek2", "smollm3", "glm4moe", "gpt-oss"})
+                         "deepseek2", "smollm3", "glm4moe", "gpt-oss", "llama4"})
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
