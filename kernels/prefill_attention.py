@@ -4,8 +4,9 @@ New token j of sequence i sits at position seq_lens[i] - q_len_i + j and attends
 positions 0..that position (its own K/V is already in the cache). With sliding_window W it only
 sees the last W positions (k_pos > q_pos - W); with logit_softcap c scores become c*tanh(s/c);
 with `attention_chunk` C (llama4's local layers) it sees only the keys of its own chunk of C
-positions (k_pos >= q_pos - q_pos % C); with `sinks` [Hq] (gpt-oss) exp(sinks[h]) joins each row's softmax denominator (a logit whose value
-row is zero), so the weights of the real keys sum to less than one.
+positions (k_pos >= q_pos - q_pos % C); with `sinks` [Hq] (gpt-oss) exp(sinks[h]) joins each
+row's softmax denominator (a logit whose value row is zero), so the weights of the real keys sum
+to less than one.
 With `kv_scales` the caches are e4m3 (kernels/kv_quant.py), dequantized inside the tiles; the dots
 stay 16-bit (see attend_tile for where the per-token scales go).
 """

@@ -89,8 +89,9 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.sinks is None and self.attention_chunk is None and dense_prefill_ok(q, meta, self.kv_scales, self.sliding_window,
-                                                   self.logit_softcap):
+        plain = self.sinks is None and self.attention_chunk is None
+        if plain and dense_prefill_ok(q, meta, self.kv_scales, self.sliding_window,
+                                      self.logit_softcap):
             # one long prompt without a cached prefix: fused attention on the fresh K/V
             if rotary is not None:
                 assert positions is not None, "rotary needs the positions"

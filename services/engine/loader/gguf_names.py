@@ -3,9 +3,9 @@
 llama.cpp's converter renames every tensor (blk.N.attn_q.weight, ...). Most architectures share
 the llama map; an architecture whose converter gives a GGUF name another meaning overrides it
 (phi3 fuses q/k/v into attn_qkv and gate/up into ffn_up). Only the llama family (llama,
-mistral, smollm3) has its q/k rows permuted by the converter (interleaved rotary pairs), which the loader
-undoes. Gemma GGUFs are not mapped: llama.cpp stores their norms as 1 + w and hard-codes their
-attention scale and sliding pattern per model size.
+mistral, smollm3) has its q/k rows permuted by the converter (interleaved rotary pairs), which
+the loader undoes. Gemma GGUFs are not mapped: llama.cpp stores their norms as 1 + w and
+hard-codes their attention scale and sliding pattern per model size.
 
 Mixture-of-experts GGUFs store each layer's experts stacked in one [E, out, in] tensor
 (`ffn_{gate,up,down}_exps`); their HF name holds an `{e}` (EXPERT) that the loader fills in with

@@ -8,9 +8,10 @@ chosen experts) and whose experts have biases and the clamped SwiGLU (`swiglu_al
 Checkpoints name the router `mlp.router` and stack the experts: `mlp.experts.gate_up_proj`
 [E, H, 2I] (x @ W layout, gate and up columns interleaved: gate = even, up = odd) with
 `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H] with `down_proj_bias` [E, H];
-`MoECausalLM.checkpoint_tensors` turns them into the per-expert nn.Linear-layout tensors the expert stacks
-load. The published checkpoints keep the experts in MXFP4 (`*_blocks` [E, out, in / 32, 16] and
-`*_scales` [E, out, in / 32], rows interleaved the same way; quant/mxfp4.py serves them). The
+`MoECausalLM.checkpoint_tensors` turns them into the per-expert nn.Linear-layout tensors the
+expert stacks load. The published checkpoints keep the experts in MXFP4 (`*_blocks`
+[E, out, in / 32, 16] and `*_scales` [E, out, in / 32], rows interleaved the same way;
+quant/mxfp4.py serves them). The
 attention sinks are `self_attn.sinks` [num_heads].
 """
 

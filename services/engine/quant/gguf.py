@@ -23,7 +23,6 @@ from torch import nn
 
 from kernels.gguf_dequant import GGUF_TYPES, dequantize_ref, gguf_type
 from kernels.gguf_matmul import gguf_matmul_triton
-from services.engine.quant.mxfp4 import Mxfp4ExpertMethod
 from services.engine.quant.base import (
     ExpertQuantMethod,
     QuantConfig,
@@ -33,6 +32,7 @@ from services.engine.quant.base import (
     linear_2d,
     use_kernels,
 )
+from services.engine.quant.mxfp4 import Mxfp4ExpertMethod
 
 
 class QuantBytes(torch.Tensor):

@@ -18,7 +18,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -34,7 +34,6 @@ from services.engine.quant.base import (
     use_kernels,
 )
 
-
 GGML_MXFP4_BYTES = 1 + MXFP4_BLOCK // 2  # scale + 16 bytes of nibbles
 
 
@@ -45,6 +44,10 @@ def from_ggml_mxfp4(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # values 0..31 in order
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.flatten(-2).contiguous(), scales.contiguous()
+
+
+if TYPE_CHECKING:  # layers import the quant package: no import at run time
+    from services.engine.layers.moe import MoEExperts
 
 
 class Mxfp4ExpertMethod(ExpertQuantMethod):
@@ -62,26 +65,28 @@ class Mxfp4ExpertMethod(ExpertQuantMethod):
                 torch.empty(num_local, out_size, cols, dtype=torch.uint8), requires_grad=False))
 
     def process_after_loading(self, experts: nn.Module) -> None:
-        stacks = [experts.w13, experts.w2]
-        self.kernels = use_kernels(layer_tensor(stacks[0], "blocks").device)
+        moe = cast("MoEExperts", experts)
+        self.kernels = use_kernels(layer_tensor(moe.w13, "blocks").device)
         if self.kernels:
             return
-        for stack in stacks:
+        for stack in (moe.w13, moe.w2):
             dense = dequantize_mxfp4_ref(layer_tensor(stack, "blocks").data,
                                          layer_tensor(stack, "scales").data, self.dtype)
-            del stack.blocks, stack.scales
+            delattr(stack, "blocks")
+            delattr(stack, "scales")
             stack.register_buffer("weight", dense, persistent=False)
 
     def apply(self, experts: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = experts.w13, experts.w2
+        moe = cast("MoEExperts", experts)
+        w13, w2 = moe.w13, moe.w2
         if not self.kernels:
             return kernels.fused_moe(x, layer_tensor(w13, "weight"), layer_tensor(w2, "weight"),
-                                     topk_weights, topk_ids, w13.bias, w2.bias, experts.swiglu)
+                                     topk_weights, topk_ids, w13.bias, w2.bias, moe.swiglu)
         return fused_moe_mxfp4_triton(
             x, layer_tensor(w13, "blocks"), layer_tensor(w13, "scales"),
             layer_tensor(w2, "blocks"), layer_tensor(w2, "scales"), topk_weights, topk_ids,
-            w13.bias, w2.bias, experts.swiglu)
+            w13.bias, w2.bias, moe.swiglu)
 
 
 class Mxfp4Config(QuantConfig):
