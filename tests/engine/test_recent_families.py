@@ -12,6 +12,9 @@ loader reads it back. Checked per family:
   requests at once (so some are preempted and recomputed), gives every prompt `generate`'s
   greedy tokens.
 Sliding-window and chunked-attention cases use windows far shorter than the prompts, so they cut.
+gpt-oss also loads from an MXFP4 checkpoint (experts dequantized on the CPU path, or kept MXFP4
+and run by the interpreted Triton kernel) against transformers' own dequantization, and the MoE
+families run on two tensor-parallel ranks (slow).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import pytest
 import torch
 
 from services.engine.loader import load_model
-from tests.engine.conftest import SingleSequenceRunner, rel_error
+from tests.engine.conftest import SingleSequenceRunner, rel_error, tensor_parallel_logits
 from tests.engine.test_architectures import decode_logits
 
 VOCAB = 1000
@@ -229,3 +232,14 @@ def test_gpt_oss_mxfp4_experts_match_transformers(tmp_path: Path, kernels: str,
     err = rel_error(runner.forward(prompt), ref_logits)
     assert err < 1e-4, f"MXFP4 gpt-oss ({kernels}): prompt logits rel. error {err:.2e}"
     assert runner.greedy_cached(prompt, 6) == hf_greedy(hf, prompt, 6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text", "glm4_moe"])
+def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: Path, name: str) -> None:
+    """Heads (and gpt-oss's sinks) split 2 + 2, experts (with their biases, or llama4's
+    input-scaled routing) split between the ranks, vocabulary split."""
+    save_tiny(tmp_path / "ckpt", FAMILIES[name])
+    prompt = _prompt()
+    single = SingleSequenceRunner(load_model(tmp_path / "ckpt").model).forward(prompt)
+    assert rel_error(tensor_parallel_logits(tmp_path / "ckpt", prompt), single) < 1e-5
