@@ -116,7 +116,8 @@ def load_model(
     quantization: str | None = None,
     load_format: str = "auto",
 ) -> LoadedModel:
-    """load_format "dummy": only config.json is read and weights are random (benchmarks)."""
+    """load_format "dummy": only config.json is read and weights are random (benchmarks), in
+    the layout its `quantization_config` names if it has one."""
     path = Path(path)
     if dtype not in SUPPORTED_MODEL_DTYPES:
         raise ValueError(f"model dtype {dtype} not supported; use one of {SUPPORTED_MODEL_DTYPES}")
@@ -126,8 +127,11 @@ def load_model(
         config = ModelConfig.from_hf_dir(path)
         if quantization == CPU_DEFAULT:
             quantization = "int8"
+        qcfg = config.hf_config.get("quantization_config")  # a pre-quantized layout (MXFP4)
+        dummy_quant = (quant_config_from_hf(qcfg, ()) if qcfg else
+                       get_quant_config(quantization))
         with torch.device(device), _default_dtype(dtype):
-            dummy = get_model_class(config.architecture)(config, get_quant_config(quantization))
+            dummy = get_model_class(config.architecture)(config, dummy_quant)
         init_dummy_weights(dummy)
         return LoadedModel(dummy.eval(), config)
     if is_hf_dir(path):

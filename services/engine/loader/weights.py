@@ -59,6 +59,9 @@ def _load_one(model: CausalLM, params: dict[str, nn.Parameter], name: str,
     return name
 
 
+MXFP4_DUMMY_SCALE = 124  # E8M0 exponent 124 - 127: random FP4 codes then stay within +-0.75
+
+
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights for benchmarks (speed does not depend on values): small normal matrices,
     norm scales of one, so activations stay finite in bf16 through any depth. Runs where the
@@ -66,7 +69,11 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or param.dim() == 1:
+            if param.dtype == torch.uint8 and name.endswith(".scales"):  # MXFP4: 2^-3 groups
+                param.fill_(MXFP4_DUMMY_SCALE)
+            elif param.dtype == torch.uint8 and name.endswith(".blocks"):
+                param.random_(0, 256, generator=gen)
+            elif "norm" in name or param.dim() == 1:
                 param.fill_(1.0 if "norm" in name else 0.0)
             elif param.is_floating_point():
                 param.normal_(0.0, 0.02, generator=gen)
