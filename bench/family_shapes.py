@@ -17,7 +17,8 @@ from tests.engine.test_architectures import TINY, Case, _yarn
 from tests.engine.test_moe_models import MLA
 
 WINDOW = 32
-REDUCTIONS = ("2 layers (3 for gemma2/gemma3, 4 for smollm3/llama4), vocab 32000, routed experts reduced (top-k and "
+REDUCTIONS = ("2 layers (3 for gemma2/gemma3, 4 for smollm3/llama4), vocab 32000, routed "
+              "experts reduced (top-k and "
               f"expert sizes real), sliding windows {WINDOW} (prompt 64 tokens), random weights "
               "(std 0.02, norm scales and biases perturbed)")
 
