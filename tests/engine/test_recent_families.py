@@ -243,3 +243,19 @@ def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: Path, name: str) 
     prompt = _prompt()
     single = SingleSequenceRunner(load_model(tmp_path / "ckpt").model).forward(prompt)
     assert rel_error(tensor_parallel_logits(tmp_path / "ckpt", prompt), single) < 1e-5
+
+
+def test_dummy_gpt_oss_in_the_mxfp4_layout_runs(tmp_path: Path) -> None:
+    """load_format "dummy" (benchmarks) builds the layout config.json's quantization_config
+    names (MXFP4 expert blocks) with finite random weights."""
+    import json
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gpt_oss", **{**TINY, **FAMILIES["gpt_oss"].overrides})
+    cfg = {**config.to_dict(), "architectures": ["GptOssForCausalLM"],
+           "quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(tmp_path, load_format="dummy")
+    logits = SingleSequenceRunner(model).forward(_prompt())
+    assert bool(torch.isfinite(logits).all()) and float(logits.std()) > 0
