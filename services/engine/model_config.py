@@ -52,6 +52,13 @@ GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # text_config of gemma-3-4b-it names only its sizes), by the text model_type.
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": dict(partial_rotary_factor=0.5),
+    "gemma4_text": dict(
+        vocab_size=262144, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+        tie_word_embeddings=True, sliding_window=512, sliding_window_pattern=6,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional",
+                                            "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}}),
     "llama4_text": dict(no_rope_layer_interval=4, attention_chunk_size=8192,
                         attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
                         use_qk_norm=True, interleave_moe_layer_step=1),
@@ -285,8 +292,11 @@ def _rope_from_hf(cfg: dict[str, Any], params: dict[str, Any] | None = None
     params = dict(cfg.get("rope_parameters") or {}) if params is None else dict(params)
     legacy = dict(cfg.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = {k: v for k, v in {**legacy, **params}.items() if k not in _NOT_SCALING}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    merged = {**legacy, **params}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    # proportional rope (gemma4) turns a share of the head's frequencies: part of its schedule
+    dropped = ("rope_theta",) if kind == "proportional" else _NOT_SCALING
+    scaling = {k: v for k, v in merged.items() if k not in dropped}
     if kind == "default":
         return theta, None
     scaling["rope_type"] = kind

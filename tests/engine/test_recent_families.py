@@ -71,6 +71,15 @@ FAMILIES: dict[str, Family] = {
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32})),
+    # Gemma 4 (E2B-like): sliding / full layers, full layers with a wider head, one KV head and
+    # values from the key projection, proportional rope, per-layer embeddings, the last two
+    # layers reading the KV of layers 2 / 3 with double-wide MLPs, final soft-cap.
+    "gemma4_text": Family("gemma4_text", dict(
+        num_hidden_layers=6, sliding_window=WINDOW, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        final_logit_softcapping=3.0, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"] * 3)),
 }
 
 
