@@ -268,3 +268,23 @@ def test_dummy_gpt_oss_in_the_mxfp4_layout_runs(tmp_path: Path) -> None:
     model, _ = load_model(tmp_path, load_format="dummy")
     logits = SingleSequenceRunner(model).forward(_prompt())
     assert bool(torch.isfinite(logits).all()) and float(logits.std()) > 0
+
+
+def test_gemma4_multimodal_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma4ForConditionalGeneration (text_config, `model.language_model.` names, a vision
+    tower to skip) against transformers' text forward of the same model."""
+    from transformers import AutoConfig, Gemma4ForConditionalGeneration
+
+    text = {**TINY, **FAMILIES["gemma4_text"].overrides, "model_type": "gemma4_text"}
+    config = AutoConfig.for_model("gemma4", text_config=text, audio_config=None, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8))
+    torch.manual_seed(0)
+    hf = Gemma4ForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path)
+    model, loaded = load_model(tmp_path)
+    assert loaded.architecture == "Gemma4ForConditionalGeneration"
+    prompt = _prompt()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([prompt])).logits[0]
+    assert rel_error(SingleSequenceRunner(model).forward(prompt), ref) < 1e-4
