@@ -173,9 +173,9 @@ class Gemma4DecoderLayer(nn.Module):
             config, intermediate_size=config.intermediate_size * (2 if wide else 1)),
             quant_config, f"{prefix}.mlp")
         h, eps = config.hidden_size, config.rms_norm_eps
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
-            self.add_module(name, RMSNorm(h, eps))
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
         self.ple_size = int(hf_value(config, "hidden_size_per_layer_input", default=0) or 0)
         if self.ple_size:
             self.per_layer_input_gate = ReplicatedLinear(h, self.ple_size, False, quant_config,
