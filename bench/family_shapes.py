@@ -17,7 +17,8 @@ from tests.engine.test_architectures import TINY, Case, _yarn
 from tests.engine.test_moe_models import MLA
 
 WINDOW = 32
-REDUCTIONS = ("2 layers (3 for gemma2/gemma3), vocab 32000, routed experts reduced (top-k and "
+REDUCTIONS = ("2 layers (3 for gemma2/gemma3, 4 for smollm3/llama4), vocab 32000, routed "
+              "experts reduced (top-k and "
               f"expert sizes real), sliding windows {WINDOW} (prompt 64 tokens), random weights "
               "(std 0.02, norm scales and biases perturbed)")
 
@@ -133,6 +134,36 @@ FAMILIES: dict[str, Family] = {
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         rope_parameters=dict(_DEEPSEEK_YARN, mscale=1.0, mscale_all_dim=1.0))),
         "DeepSeek-V3, 256->32 experts top-8, 1 dense + 1 MoE layer"),
+    "smollm3": Family(Case("smollm3", dict(
+        hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
+        num_key_value_heads=4, num_hidden_layers=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0},
+        max_position_embeddings=65536)), "SmolLM3-3B, 4 layers (the 4th NoPE)"),
+    "glm4_moe": Family(Case("glm4_moe", dict(
+        hidden_size=4096, intermediate_size=10944, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, moe_intermediate_size=1408, n_routed_experts=32,
+        num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
+        use_qk_norm=False, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "partial_rotary_factor": 0.5})),
+        "GLM-4.5-Air, 128->32 experts top-8, 1 dense + 1 MoE layer"),
+    # bf16 experts (transformers' reference has no MXFP4 path without a GPU kernel package)
+    "gpt_oss": Family(Case("gpt_oss", dict(
+        hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=WINDOW, rms_norm_eps=1e-5, max_position_embeddings=131072)),
+        "gpt-oss-20b (bf16 experts), window 128->32, 1 sliding + 1 full layer"),
+    "llama4": Family(Case("llama4_text", dict(
+        hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=1, num_hidden_layers=4,
+        attention_chunk_size=WINDOW, rms_norm_eps=1e-5, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192})),
+        "Llama-4-Scout text, 16->4 experts top-1, 4 layers (3 chunked, 1 NoPE), chunk "
+        "8192->32"),
 }
 
 # --smoke: each size onto the CPU tests' tiny value; routing, rope kinds and flags stay.
@@ -140,6 +171,7 @@ _TINY_SIZES: dict[str, Any] = dict(
     {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
                           "num_attention_heads", "initializer_range")},
     head_dim=16, query_pre_attn_scalar=16, shared_expert_intermediate_size=48,
+    intermediate_size_mlp=TINY["intermediate_size"],
     **{k: MLA[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                            "moe_intermediate_size")})
 

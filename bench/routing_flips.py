@@ -26,6 +26,8 @@ from services.engine.layers.moe import Router
 def _indices(module: nn.Module, output: Any) -> torch.Tensor | None:
     if isinstance(module, Router):
         return output[1]
+    if type(module).__name__ == "Llama4Router":  # (scores, logits): unchosen experts score 0
+        return output[0].topk(module.top_k, dim=-1).indices
     if type(module).__name__.lower().endswith("router") and isinstance(output, tuple):
         return output[2]
     return None

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.activation import SwigluOAI, silu_and_mul_ref, silu_and_mul_triton
 from kernels.fp8 import fp8_matmul_ref, fp8_matmul_triton
 from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 from kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
@@ -58,6 +58,7 @@ __all__ = [
     "AddNormOutput",
     "KVScales",
     "RotaryOutput",
+    "SwigluOAI",
     "apply_penalties",
     "apply_temperature",
     "apply_top_k_top_p_min_p",
@@ -105,12 +106,18 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: SwigluOAI | None = None,
+    weight_on_input: bool = False,
 ) -> torch.Tensor:
     """Mixture of experts, x [T, H] -> [T, H]: sum over k of topk_weights[t, k] *
     W2[e] @ silu_and_mul(W13[e] @ x[t]) with e = topk_ids[t, k]; w13 [E, 2I, H] (gate rows, then
-    up rows), w2 [E, H, I]. Ids outside [0, E) (other ranks' experts) contribute nothing."""
+    up rows), w2 [E, H, I]. Ids outside [0, E) (other ranks' experts) contribute nothing.
+    Optional biases b13 [E, 2I] / b2 [E, H]; `swiglu`: gpt-oss's clamped SwiGLU instead;
+    `weight_on_input`: the weight scales x[t] instead (llama4)."""
     fn = fused_moe_triton if use_triton(x) else fused_moe_ref
-    return fn(x, w13, w2, topk_weights, topk_ids)
+    return fn(x, w13, w2, topk_weights, topk_ids, b13, b2, swiglu, weight_on_input)
 
 
 def rotary_embedding(
@@ -171,11 +178,15 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     kv_scales: KVScales | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
-    """Causal GQA attention of the new tokens q [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+    """Causal GQA attention of the new tokens q [T, Hq, D] over the paged cache -> [T, Hq, D];
+    sinks [Hq]: a learned logit per head in each softmax's denominator (gpt-oss);
+    attention_chunk C: a token sees only keys of its own C-aligned chunk (llama4)."""
     fn = paged_attention_triton if use_triton(q) else paged_attention_ref
     return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
-              kv_scales=kv_scales)
+              kv_scales=kv_scales, sinks=sinks, attention_chunk=attention_chunk)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 kernels): gather K / V rows of a block of keys through the block table, score them (soft-cap,
 causal / sliding-window masks), fold them into the running online softmax. fp8 caches: the
 per-token scales either widen K / V rows to bf16 as they load (FP8_ROWS, large query tiles) or
-scale the scores and the softmax weights (small tiles, decode).
+scale the scores and the softmax weights (small tiles, decode). `fold_sink` adds a learned
+attention sink (gpt-oss) to a finished online softmax.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def attend_tile(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, KV head) scales
     FP8_ROWS: tl.constexpr,  # KV_FP8: fold the scales into the K / V rows, else into qk / p
+    CHUNKED: tl.constexpr = False,  # USE_WINDOW means chunked attention: `window` is the chunk
 ):
     """One online-softmax step over BLOCK_N keys gathered from the paged cache: each key's
     block comes from the block table, so a tile may span several cache blocks.
@@ -97,7 +99,11 @@ def attend_tile(
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
     if USE_WINDOW:
-        s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
+        if CHUNKED:  # keys of the query's own chunk only (llama4's local layers)
+            s = tl.where(offs_n[None, :] >= (q_pos // window * window)[:, None], s,
+                         float("-inf"))
+        else:
+            s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     alpha = tl.exp2(m_i - m_safe)
@@ -114,3 +120,16 @@ def attend_tile(
     acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype),
                                         input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def fold_sink(acc, m_i, l_i, sink):
+    """A learned attention sink (gpt-oss): one more logit `sink` (natural-log domain, per query
+    head) in the softmax denominator, attending to a zero value. Folded into a finished online
+    softmax (acc [M, D], row max m_i and row sum l_i in the log2 domain) under a common max, so
+    neither a large sink nor large scores overflow; rows that saw no key (m_i = -inf) get
+    l = 1 and stay zero."""
+    s = sink * LOG2E
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(s - m_new)

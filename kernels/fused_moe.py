@@ -4,7 +4,10 @@
 
 W13 [E, 2I, H] stacks each expert's gate rows then up rows, W2 [E, H, I] its down projection
 (nn.Linear layout: out x in). Pairs whose expert id is outside [0, E) contribute nothing: that is
-how a rank skips the experts other tensor-parallel ranks own.
+how a rank skips the experts other tensor-parallel ranks own. Optional per-expert biases b13
+[E, 2I] / b2 [E, H] are added to the projections (b2 before the top-k weight), and `swiglu`
+(kernels/activation.py SwigluOAI, gpt-oss) replaces silu_and_mul. With `weight_on_input`
+(llama4) the top-k weight scales the token's input to the expert instead of its output.
 
 Triton path (the vLLM / SGLang scheme):
 1. `moe_align_block_size` sorts the T*K (token, expert) pairs by expert and pads each expert's
@@ -24,7 +27,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_and_mul_triton
+from kernels.activation import (
+    SwigluOAI,
+    silu_and_mul_triton,
+    swiglu_oai_ref,
+    swiglu_oai_triton,
+)
 
 
 def fused_moe_ref(
@@ -33,6 +41,10 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: SwigluOAI | None = None,
+    weight_on_input: bool = False,
 ) -> torch.Tensor:
     """Loop over the experts that received tokens: gather, gated MLP, weight, scatter-add."""
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
@@ -44,9 +56,17 @@ def fused_moe_ref(
     for expert in torch.unique(flat_ids[valid]).tolist():
         pairs = torch.nonzero(flat_ids == expert).squeeze(1)
         tokens = pairs // top_k
-        gate_up = F.linear(x.index_select(0, tokens), w13[expert])
-        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(hidden, w2[expert]).float() * flat_weights[pairs, None].float()
+        rows = x.index_select(0, tokens)
+        if weight_on_input:
+            rows = rows * flat_weights[pairs, None].to(rows.dtype)
+        gate_up = F.linear(rows, w13[expert], None if b13 is None else b13[expert])
+        if swiglu is None:
+            hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        else:
+            hidden = swiglu_oai_ref(gate_up, swiglu)
+        y = F.linear(hidden, w2[expert], None if b2 is None else b2[expert]).float()
+        if not weight_on_input:
+            y = y * flat_weights[pairs, None].float()
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
 
@@ -93,6 +113,7 @@ def _fused_moe_kernel(
     a_ptr,  # [rows, K_IN] input rows, last dim contiguous; pair p reads row p // A_ROW_DIV
     b_ptr,  # [E, N, K_IN] expert weights, last dim contiguous
     c_ptr,  # [num_pairs, N] output, one row per (token, expert) pair, last dim contiguous
+    bias_ptr,  # [E, N] per-expert bias, contiguous (read when HAS_BIAS)
     weights_ptr,  # float32 [num_pairs] top-k weight of each pair (read when MUL_WEIGHT)
     sorted_ids_ptr,  # int32 [capacity] pair of each tile row; >= num_pairs marks padding
     expert_ids_ptr,  # int32 [capacity / BLOCK_M] expert of each tile; -1 = unused tile
@@ -105,6 +126,7 @@ def _fused_moe_kernel(
     stride_cm,  # row stride of c
     A_ROW_DIV: tl.constexpr,  # top_k when a is x (pairs share their token's row), else 1
     MUL_WEIGHT: tl.constexpr,  # scale each output row by its pair's top-k weight
+    HAS_BIAS: tl.constexpr,  # add the expert's bias row (before the top-k weight)
     BLOCK_M: tl.constexpr,  # rows per tile (the alignment of moe_align_block_size)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -132,6 +154,9 @@ def _fused_moe_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * n_out + offs_n, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pair, mask=row_mask, other=0.0)
         acc = acc * w[:, None]
@@ -142,15 +167,15 @@ def _fused_moe_kernel(
 def _grouped_gemm(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor,
     sorted_ids: torch.Tensor, expert_ids: torch.Tensor, a_row_div: int, mul_weight: bool,
-    block_m: int, block_n: int, block_k: int,
+    block_m: int, block_n: int, block_k: int, bias: torch.Tensor | None = None,
 ) -> None:
     n_out, k_in = b.shape[1], b.shape[2]
     grid = (expert_ids.shape[0], triton.cdiv(n_out, block_n))
     _fused_moe_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids,
+        a, b, c, b if bias is None else bias, weights, sorted_ids, expert_ids,
         c.shape[0], n_out, k_in,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight,
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=4,
@@ -158,7 +183,8 @@ def _grouped_gemm(
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
+           topk_ids: torch.Tensor, b13: torch.Tensor | None = None,
+           b2: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got "
                          f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -179,6 +205,10 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
             raise ValueError(f"{name} must have a contiguous last dim")
     if w13.stride(0) != w13.shape[1] * w13.stride(1) or w2.stride(0) != w2.shape[1] * w2.stride(1):
         raise ValueError("w13 / w2 must be stacked [E, N, K] with rows contiguous per expert")
+    for name, bias, w in (("b13", b13, w13), ("b2", b2, w2)):
+        if bias is not None and (bias.shape != w.shape[:2] or not bias.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous {tuple(w.shape[:2])}, got "
+                             f"{tuple(bias.shape)}")
 
 
 def fused_moe_triton(
@@ -187,11 +217,17 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: SwigluOAI | None = None,
+    weight_on_input: bool = False,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
 ) -> torch.Tensor:
-    _check(x, w13, w2, topk_weights, topk_ids)
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    if weight_on_input and b13 is not None:
+        raise ValueError("weight_on_input with a gate_up bias is not a linear scaling")
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_pairs = num_tokens * top_k
@@ -202,11 +238,13 @@ def fused_moe_triton(
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     gate_up = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, top_k, False,
-                  block_m, block_n, block_k)
-    hidden = silu_and_mul_triton(gate_up)  # rows of dropped pairs are garbage, never read
+    # the input's weight scales the (bias-free) gate_up rows: the same as scaling the input
+    _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, top_k, weight_on_input,
+                  block_m, block_n, block_k, b13)
+    # rows of dropped pairs are garbage, never read
+    hidden = silu_and_mul_triton(gate_up) if swiglu is None else swiglu_oai_triton(gate_up, swiglu)
     # Zero-filled: pairs routed to other ranks' experts are never written and must add nothing.
     down = torch.zeros(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(hidden, w2, down, weights, sorted_ids, expert_ids, 1, True,
-                  block_m, block_n, block_k)
+    _grouped_gemm(hidden, w2, down, weights, sorted_ids, expert_ids, 1, not weight_on_input,
+                  block_m, block_n, block_k, b2)
     return down.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)

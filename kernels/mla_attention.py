@@ -299,7 +299,7 @@ def mla_decode_triton(
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            partial, lse, out, meta.query_start_loc, out.stride(0), out.stride(1),
+            partial, lse, out, meta.query_start_loc, lse, out.stride(0), out.stride(1),
             num_heads, rank, NUM_SPLITS=num_splits, BLOCK_D=triton.next_power_of_2(rank),
             num_warps=4,
         )

@@ -2,7 +2,9 @@
 
 Decode-only batches (every sequence has one new token) run the split-KV decode kernel; any batch
 with a q_len > 1 runs the prefill/extend kernel, which handles q_len == 1 rows as well.
-With `kv_scales` the caches are e4m3 (kernels/kv_quant.py), dequantized inside the tiles.
+With `kv_scales` the caches are e4m3 (kernels/kv_quant.py), dequantized inside the tiles. With
+`sinks` [Hq] (gpt-oss's learned attention sinks) each head's sink logit joins the softmax
+denominator: folded into the output of a one-split decode, into the split merge otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import attend_tile
+from kernels.attention_tile import LOG2E, attend_tile, fold_sink
 from kernels.kv_quant import KVScales, dequantize_kv_ref
 from kernels.pdl import pdl_args, pdl_wait
 from kernels.prefill_attention import (
@@ -20,6 +22,7 @@ from kernels.prefill_attention import (
     new_output,
     prefill_attention_ref,
     prefill_attention_triton,
+    window_arg,
 )
 from services.engine.forward_context import AttentionMetadata
 
@@ -49,6 +52,8 @@ def decode_attention_ref(
     seqs: list[int],
     out: torch.Tensor | None,
     kv_scales: KVScales | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Batched reference for sequences with exactly one new token: pads their KV to a common
     length and runs one masked attention per chunk of sequences. `out` None: the query rows are
@@ -73,7 +78,7 @@ def decode_attention_ref(
             k = dequantize_kv_ref(k, kv_scales.k.index_select(0, tables).view(gathered[:3]))
             v = dequantize_kv_ref(v, kv_scales.v.index_select(0, tables).view(gathered[:3]))
         mask = None
-        if sliding_window is None and min(ids_lens) == max_len:
+        if sliding_window is None and attention_chunk is None and min(ids_lens) == max_len:
             k, v = k[:, :max_len], v[:, :max_len]  # every key of the chunk is visible
         else:
             lens = torch.tensor(ids_lens, device=q.device)
@@ -81,9 +86,13 @@ def decode_attention_ref(
             mask = k_pos[None, :] < lens[:, None]
             if sliding_window is not None:
                 mask &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
+            if attention_chunk is not None:  # the new token's own chunk
+                mask &= k_pos[None, :] >= ((lens[:, None] - 1) // attention_chunk
+                                           * attention_chunk)
             mask = mask[:, None]
         rows = _rows([qsl[i] for i in ids], q.device)
-        attn = attend_ref(q[rows][:, None], k, v, mask, scale, logit_softcap)[:, 0]
+        attn = attend_ref(q[rows][:, None], k, v, mask, scale, logit_softcap,
+                          sinks=sinks)[:, 0]
         if isinstance(rows, slice):
             result[rows] = attn
         else:
@@ -100,6 +109,8 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     kv_scales: KVScales | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Torch reference: decode rows batched, prefill/extend rows one sequence at a time."""
     if meta.bounds_only:
@@ -111,17 +122,18 @@ def paged_attention_ref(
     if decode and not extend and len(decode) == meta.num_seqs == q.shape[0]:
         # Decode only, no padding rows: every output row is written.
         return decode_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window,
-                                    logit_softcap, decode, None, kv_scales)
+                                    logit_softcap, decode, None, kv_scales, sinks,
+                                    attention_chunk)
     out = torch.zeros_like(q)
     if decode:
         decode_attention_ref(
             q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, decode, out,
-            kv_scales,
+            kv_scales, sinks, attention_chunk,
         )
     if extend:
         prefill_attention_ref(
             q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, extend, out,
-            kv_scales,
+            kv_scales, sinks, attention_chunk,
         )
     return out
 
@@ -136,6 +148,7 @@ def _decode_split_kernel(
     k_scale_ptr, v_scale_ptr,  # KV_FP8: fp32 [num_blocks * BLOCK_SIZE, Hk] (else unused)
     out_ptr,  # NUM_SPLITS == 1: final output [T, Hq, D]; else partial fp32 [B, Hq, NUM_SPLITS, D]
     lse_ptr,  # fp32 [B, Hq, NUM_SPLITS] log2-sum-exp of each split (unused if NUM_SPLITS == 1)
+    sinks_ptr,  # USE_SINKS: [Hq] attention-sink logits, folded here when NUM_SPLITS == 1
     block_tables_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]
@@ -158,6 +171,8 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, head) scales
     USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
+    USE_SINKS: tl.constexpr = False,
+    CHUNKED: tl.constexpr = False,  # USE_WINDOW is chunked attention, `window` the chunk size
 ):
     # Grid (B, Hk, NUM_SPLITS): the visible keys of a sequence are cut into NUM_SPLITS equal
     # ranges (rounded to BLOCK_N); each program reads its range of one KV head once and serves
@@ -180,7 +195,10 @@ def _decode_split_kernel(
     row = row.to(tl.int64)
     kv_lo = 0
     if USE_WINDOW:
-        kv_lo = tl.maximum(seq_len - window, 0)
+        if CHUNKED:  # the new token's own chunk
+            kv_lo = (seq_len - 1) // window * window
+        else:
+            kv_lo = tl.maximum(seq_len - window, 0)
     per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = kv_lo + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
@@ -217,6 +235,9 @@ def _decode_split_kernel(
             softcap,
             BLOCK_SIZE, BLOCK_N, True, False, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8, False,
         )
+    if USE_SINKS and NUM_SPLITS == 1:
+        sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32)
+        acc, l_i = fold_sink(acc, m_i, l_i, sink)
     store_split_output(acc, m_i, l_i, out_ptr, lse_ptr, row, seq, split, heads, h_mask, offs_d,
                        d_mask, stride_ot, stride_oh, num_q_heads, HEAD_DIM, NUM_SPLITS)
 
@@ -246,11 +267,13 @@ def _decode_reduce_kernel(
     lse_ptr,  # fp32 [B, Hq, NUM_SPLITS] per-split log2-sum-exp (-inf: empty split)
     out_ptr,  # [T, Hq, D]
     query_start_loc_ptr,  # int32 [B + 1]
+    sinks_ptr,  # USE_SINKS: [Hq] attention-sink logits
     stride_ot, stride_oh,
     num_q_heads, head_dim,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
+    USE_SINKS: tl.constexpr = False,  # the sink joins the merge as one more (empty) split
 ):
     # Grid (B, Hq): weight each split by 2^(lse - max lse); a sequence with no keys gets zeros.
     # No early return and no load waits for another (the partials are not masked by their
@@ -270,9 +293,14 @@ def _decode_reduce_kernel(
     part = tl.load(partial_ptr + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
                    mask=d_mask[None, :], other=0.0)
     m = tl.max(lse, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        m = tl.maximum(m, sink)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     part = tl.where((w > 0)[:, None], part, 0.0)
     total = tl.sum(w, 0)
+    if USE_SINKS:
+        total += tl.exp2(sink - m)
     out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=d_mask & has_token)
@@ -311,6 +339,8 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int = 2,
     kv_scales: KVScales | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Split-KV decode for batches where every sequence has at most one new token.
 
@@ -320,7 +350,8 @@ def decode_attention_triton(
     bench/attention_tiles.py). The split reduction is a second launch: fusing it into the last
     split to finish (an atomic counter per sequence and KV head) measured slower in graph
     replays (12.3 vs 6.4 us at batch 1, 32 splits), its serial merge costing more than a launch."""
-    check_attention_args(q, k_cache, v_cache, meta, kv_scales)
+    check_attention_args(q, k_cache, v_cache, meta, kv_scales, sinks)
+    window, chunked = window_arg(sliding_window, attention_chunk)
     if meta.max_query_len > 1:
         raise ValueError("decode_attention_triton needs q_len <= 1 for every sequence")
     num_seqs = meta.seq_lens.shape[0]
@@ -348,10 +379,12 @@ def decode_attention_triton(
         lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32,
                           device=q.device)
     k_scale, v_scale = kv_scales if kv_scales is not None else (k_cache, v_cache)
+    sinks_arg = q if sinks is None else sinks
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, partial, lse, meta.block_tables, meta.seq_lens,
+        q, k_cache, v_cache, k_scale, v_scale, partial, lse, sinks_arg, meta.block_tables,
+        meta.seq_lens,
         meta.query_start_loc,
-        scale, logit_softcap or 1.0, sliding_window or 0,
+        scale, logit_softcap or 1.0, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
@@ -359,16 +392,16 @@ def decode_attention_triton(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         USE_SOFTCAP=logit_softcap is not None,
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        KV_FP8=kv_scales is not None,
+        KV_FP8=kv_scales is not None, USE_SINKS=sinks is not None, CHUNKED=chunked,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            partial, lse, out, meta.query_start_loc, out.stride(0), out.stride(1),
+            partial, lse, out, meta.query_start_loc, sinks_arg, out.stride(0), out.stride(1),
             num_q_heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4,
-            **pdl_args(q),
+            USE_SINKS=sinks is not None, **pdl_args(q),
         )
     return out
 
@@ -382,8 +415,10 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     kv_scales: KVScales | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Decode-only batches -> split-KV decode kernel; anything else -> prefill/extend kernel."""
     fn = decode_attention_triton if meta.is_decode_only else prefill_attention_triton
     return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
-              kv_scales=kv_scales)
+              kv_scales=kv_scales, sinks=sinks, attention_chunk=attention_chunk)

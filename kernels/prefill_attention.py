@@ -2,7 +2,11 @@
 
 New token j of sequence i sits at position seq_lens[i] - q_len_i + j and attends causally to cache
 positions 0..that position (its own K/V is already in the cache). With sliding_window W it only
-sees the last W positions (k_pos > q_pos - W); with logit_softcap c scores become c*tanh(s/c).
+sees the last W positions (k_pos > q_pos - W); with logit_softcap c scores become c*tanh(s/c);
+with `attention_chunk` C (llama4's local layers) it sees only the keys of its own chunk of C
+positions (k_pos >= q_pos - q_pos % C); with `sinks` [Hq] (gpt-oss) exp(sinks[h]) joins each
+row's softmax denominator (a logit whose value row is zero), so the weights of the real keys sum
+to less than one.
 With `kv_scales` the caches are e4m3 (kernels/kv_quant.py), dequantized inside the tiles; the dots
 stay 16-bit (see attend_tile for where the per-token scales go).
 """
@@ -16,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import attend_tile
+from kernels.attention_tile import attend_tile, fold_sink
 from kernels.kv_quant import KVScales, check_kv_scales, dequantize_kv_ref
 from services.engine.forward_context import AttentionMetadata
 
@@ -41,18 +45,20 @@ def attend_ref(
     scale: float,
     logit_softcap: float | None,
     causal: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked GQA attention in fp32. q [B, L, Hq, D]; k, v [B, S, Hk, D]; mask [B, L, S] bool
     (True = attend), or None with causal=False (everything visible) or causal=True (L == S, a
-    whole prompt: lets SDPA skip the masked half). Returns [B, L, Hq, D] in q's dtype."""
+    whole prompt: lets SDPA skip the masked half); sinks [Hq]: one more logit per head in the
+    softmax, attending to nothing. Returns [B, L, Hq, D] in q's dtype."""
     qh, kh, vh = (t.float().transpose(1, 2) for t in (q, k, v))  # [B, H, L|S, D]
     group = q.shape[2] // k.shape[2]
     if causal and (mask is not None or q.shape[1] != k.shape[1]):
         raise ValueError("causal=True needs mask=None and as many queries as keys")
-    if causal and logit_softcap is not None:
+    if causal and (logit_softcap is not None or sinks is not None):
         length = q.shape[1]
         mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()[None]
-    if logit_softcap is None:
+    if logit_softcap is None and sinks is None:
         m = None if mask is None else mask[:, None]
         out = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=m, scale=scale, is_causal=causal, enable_gqa=group > 1
@@ -60,20 +66,30 @@ def attend_ref(
     else:
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
         scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         if mask is not None:
             scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), vh)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out = torch.matmul(probs, vh)
     return out.transpose(1, 2).to(q.dtype)
 
 
 def causal_mask_ref(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None
+    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
-    """[..., L, S] bool: key visible to query (causal, optionally within the sliding window)."""
+    """[..., L, S] bool: key visible to query (causal, optionally within the sliding window or
+    the query's attention chunk)."""
     mask = k_pos[..., None, :] <= q_pos[..., :, None]
     if sliding_window is not None:
         mask &= k_pos[..., None, :] > q_pos[..., :, None] - sliding_window
+    if attention_chunk is not None:
+        mask &= k_pos[..., None, :] >= (q_pos // attention_chunk * attention_chunk)[..., :, None]
     return mask
 
 
@@ -88,6 +104,8 @@ def prefill_attention_ref(
     seqs: list[int] | None = None,
     out: torch.Tensor | None = None,
     kv_scales: KVScales | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Per-sequence loop over `seqs` (default: all), writing rows of `out` (default: zeros)."""
     out = torch.zeros_like(q) if out is None else out
@@ -100,13 +118,15 @@ def prefill_attention_ref(
         k_scales, v_scales = kv_scales if kv_scales is not None else (None, None)
         k = gather_kv_ref(k_cache, meta.block_tables[i], seq_len, k_scales)
         v = gather_kv_ref(v_cache, meta.block_tables[i], seq_len, v_scales)
-        if q_len == seq_len and sliding_window is None:
+        if q_len == seq_len and sliding_window is None and attention_chunk is None:
             attn = attend_ref(q[None, start:end], k[None], v[None], None, scale, logit_softcap,
-                              causal=True)
+                              causal=True, sinks=sinks)
         else:
             k_pos = torch.arange(seq_len, device=q.device)
-            mask = causal_mask_ref(k_pos[seq_len - q_len :], k_pos, sliding_window)[None]
-            attn = attend_ref(q[None, start:end], k[None], v[None], mask, scale, logit_softcap)
+            mask = causal_mask_ref(k_pos[seq_len - q_len :], k_pos, sliding_window,
+                                   attention_chunk)[None]
+            attn = attend_ref(q[None, start:end], k[None], v[None], mask, scale, logit_softcap,
+                              sinks=sinks)
         out[start:end] = attn[0]
     return out
 
@@ -126,6 +146,7 @@ def _prefill_kernel(
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
     k_scale_ptr, v_scale_ptr,  # KV_FP8: fp32 [num_blocks * BLOCK_SIZE, Hk] (else unused)
     out_ptr,  # [T, Hq, D]
+    sinks_ptr,  # USE_SINKS: [Hq] attention-sink logits (else unused)
     block_tables_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B] cached + new tokens
     query_start_loc_ptr,  # int32 [B + 1]
@@ -148,6 +169,8 @@ def _prefill_kernel(
     LONGEST_FIRST: tl.constexpr,  # grid (Hq, query blocks, B), last query block first
     KV_FP8: tl.constexpr,  # e4m3 caches with per-(token, head) scales
     FLAT: tl.constexpr = False,  # grid (Hq, T // BLOCK_M + B): no host int of the step sizes it
+    USE_SINKS: tl.constexpr = False,  # a learned sink logit per head joins the softmax
+    CHUNKED: tl.constexpr = False,  # USE_WINDOW is chunked attention, `window` the chunk size
 ):
     # One program: BLOCK_M new tokens of one sequence and one query head; an
     # online softmax over the keys they may see, gathered from the paged cache. Keys before the
@@ -204,7 +227,10 @@ def _prefill_kernel(
     hi = tl.minimum(first_pos + BLOCK_M, seq_len)
     lo = 0
     if USE_WINDOW:
-        lo = tl.maximum(first_pos - window + 1, 0)
+        if CHUNKED:
+            lo = first_pos // window * window
+        else:
+            lo = tl.maximum(first_pos - window + 1, 0)
     mid = lo + (first_pos + 1 - lo) // BLOCK_N * BLOCK_N  # keys below mid: no causal mask
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -216,7 +242,7 @@ def _prefill_kernel(
             ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
             softcap,
             BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FP8,
-            BLOCK_M >= 64,
+            BLOCK_M >= 64, CHUNKED,
         )
     for start_n in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
@@ -224,8 +250,10 @@ def _prefill_kernel(
             ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
             softcap,
             BLOCK_SIZE, BLOCK_N, True, True, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FP8,
-            BLOCK_M >= 64,
+            BLOCK_M >= 64, CHUNKED,
         )
+    if USE_SINKS:
+        acc, l_i = fold_sink(acc, m_i, l_i, tl.load(sinks_ptr + head).to(tl.float32))
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -235,9 +263,13 @@ def _prefill_kernel(
 
 def check_attention_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    kv_scales: KVScales | None = None,
+    kv_scales: KVScales | None = None, sinks: torch.Tensor | None = None,
 ) -> None:
     """Shape / dtype / layout contract shared by the attention launchers."""
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be contiguous [{q.shape[1]}] on {q.device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"want q [T, Hq, D], caches [N, bs, Hk, D]; got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -259,6 +291,18 @@ def check_attention_args(
             raise ValueError(f"meta.{name} must be int32 on {q.device}, got {t.dtype} {t.device}")
     if meta.block_tables.stride(-1) != 1:
         raise ValueError("meta.block_tables must have a contiguous last dim")
+
+
+def window_arg(sliding_window: int | None, attention_chunk: int | None
+               ) -> tuple[int | None, bool]:
+    """The kernels' (window, CHUNKED): one key-range limit, a sliding window or a chunk."""
+    if sliding_window is not None and attention_chunk is not None:
+        raise ValueError("a layer has a sliding window or attention chunks, not both")
+    if attention_chunk is not None:
+        if attention_chunk < 1:
+            raise ValueError(f"attention_chunk must be >= 1, got {attention_chunk}")
+        return attention_chunk, True
+    return sliding_window, False
 
 
 def new_output(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -286,6 +330,8 @@ def prefill_attention_triton(
     num_stages: int = 2,
     longest_first: bool = True,
     kv_scales: KVScales | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Any mix of q_len >= 1 sequences. Grid (Hq, cdiv(max_query_len, BLOCK_M), B).
 
@@ -303,7 +349,8 @@ def prefill_attention_triton(
     With `meta.bounds_only` (a CUDA-graph capture of a whole step, services/engine/step_graphs.py)
     the launch reads no host value of the step: max_query_len is taken to be the row count T, and
     the grid is (Hq, T // BLOCK_M + B) with each program finding its sequence on the device."""
-    check_attention_args(q, k_cache, v_cache, meta, kv_scales)
+    check_attention_args(q, k_cache, v_cache, meta, kv_scales, sinks)
+    window, chunked = window_arg(sliding_window, attention_chunk)
     num_seqs = meta.seq_lens.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = new_output(q, meta)
@@ -329,9 +376,10 @@ def prefill_attention_triton(
         grid = (m_blocks, q.shape[1], num_seqs)
     k_scale, v_scale = kv_scales if kv_scales is not None else (k_cache, v_cache)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_scale, v_scale, out, meta.block_tables, meta.seq_lens,
+        q, k_cache, v_cache, k_scale, v_scale, out, q if sinks is None else sinks,
+        meta.block_tables, meta.seq_lens,
         meta.query_start_loc,
-        scale, logit_softcap or 1.0, sliding_window or 0,
+        scale, logit_softcap or 1.0, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads, num_seqs,
@@ -339,11 +387,12 @@ def prefill_attention_triton(
         GROUP=q.shape[1] // num_kv_heads,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         USE_SOFTCAP=logit_softcap is not None,
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         LONGEST_FIRST=longest_first,
         KV_FP8=kv_scales is not None,
         FLAT=meta.bounds_only,
+        USE_SINKS=sinks is not None, CHUNKED=chunked,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=FP8_MAXNREG if fp8_cap else None,

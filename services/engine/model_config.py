@@ -10,6 +10,11 @@ Rules:
 - Sliding windows: `sliding_window` (None when `use_sliding_window` is false) applies to every
   layer unless `layer_types` (or a legacy `sliding_window_pattern`, or qwen2's
   `max_window_layers`) says which layers slide; `layer_sliding_window(i)` answers per layer.
+  "chunked_attention" layers (llama4: the rope layers when `layer_types` is absent) attend
+  within chunks of `attention_chunk_size` (`layer_attention_chunk(i)`).
+- NoPE layers (smollm3, llama4): `no_rope_layers[i]` is 1 where layer i applies the rotary and 0
+  where it does not (transformers' naming); absent or empty, every `no_rope_layer_interval`-th
+  layer skips it when the config names an interval, else every layer rotates.
 - `eos_token_ids` is always a list: config.json's eos (int or list) merged with
   generation_config.json's, or GGUF's eos/eot/eom ids.
 """
@@ -34,7 +39,10 @@ GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
+# llama.cpp hard-codes the NoPE rhythm of these archs (no GGUF key holds it).
+GGUF_NO_ROPE_INTERVAL = {"smollm3": 4, "llama4": 4}
 # llama.cpp's routing per MoE arch when the file does not say (`expert_weights_norm`): top-k
 # weights renormalised for qwen3moe, not for qwen2moe.
 GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
@@ -43,6 +51,17 @@ GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # Defaults of transformers' config classes that published config.json files rely on (the
 # text_config of gemma-3-4b-it names only its sizes), by the text model_type.
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": dict(partial_rotary_factor=0.5),
+    "gemma4_text": dict(
+        vocab_size=262144, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+        tie_word_embeddings=True, sliding_window=512, sliding_window_pattern=6,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional",
+                                            "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}}),
+    "llama4_text": dict(no_rope_layer_interval=4, attention_chunk_size=8192,
+                        attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
+                        use_qk_norm=True, interleave_moe_layer_step=1),
     "gemma3_text": dict(
         vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
         hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
@@ -81,6 +100,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
+    no_rope_layers: list[int] | None = None
+    # "chunked_attention" layers (llama4) see only the keys of their own chunk of this many
+    attention_chunk_size: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -98,6 +120,15 @@ class ModelConfig:
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_window if self.is_sliding_layer(layer) else None
+
+    def layer_attention_chunk(self, layer: int) -> int | None:
+        if self.attention_chunk_size is None or self.layer_types is None:
+            return None
+        return self.attention_chunk_size if self.layer_types[layer] == "chunked_attention" \
+            else None
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
 
     def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of layer `layer`."""
@@ -168,6 +199,9 @@ class ModelConfig:
             attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping")),
             final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
             query_pre_attn_scalar=_optional_float(cfg.get("query_pre_attn_scalar")),
+            no_rope_layers=_no_rope_layers(cfg, num_layers),
+            attention_chunk_size=int(cfg["attention_chunk_size"])
+            if cfg.get("attention_chunk_size") else None,
             hf_config=cfg,
         )
 
@@ -203,6 +237,7 @@ class ModelConfig:
                            get("rope.scaling.original_context_length", context)),
                        "attention_factor": get("rope.scaling.attn_factor")}
         moe = _gguf_moe_config(arch, get)
+        num_layers = int(get("block_count"))
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if k in meta]
         return cls(
@@ -211,7 +246,7 @@ class ModelConfig:
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=head_dim,
@@ -227,6 +262,8 @@ class ModelConfig:
             sliding_window=int(get("attention.sliding_window", 0)) or None,
             attn_logit_softcapping=_optional_float(get("attn_logit_softcapping")),
             final_logit_softcapping=_optional_float(get("final_logit_softcapping")),
+            no_rope_layers=_no_rope_layers(
+                {"no_rope_layer_interval": GGUF_NO_ROPE_INTERVAL.get(arch)}, num_layers),
             hf_config=moe,
         )
 
@@ -255,8 +292,11 @@ def _rope_from_hf(cfg: dict[str, Any], params: dict[str, Any] | None = None
     params = dict(cfg.get("rope_parameters") or {}) if params is None else dict(params)
     legacy = dict(cfg.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = {k: v for k, v in {**legacy, **params}.items() if k not in _NOT_SCALING}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    merged = {**legacy, **params}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    # proportional rope (gemma4) turns a share of the head's frequencies: part of its schedule
+    dropped = ("rope_theta",) if kind == "proportional" else _NOT_SCALING
+    scaling = {k: v for k, v in merged.items() if k not in dropped}
     if kind == "default":
         return theta, None
     scaling["rope_type"] = kind
@@ -294,11 +334,24 @@ def _layer_types(cfg: dict[str, Any], num_layers: int, sliding_window: Any) -> l
         return [str(t) for t in cfg["layer_types"]]
     if sliding_window and cfg.get("sliding_window_pattern"):  # legacy gemma3 configs
         return _pattern_layer_types(num_layers, int(cfg["sliding_window_pattern"]))
+    rope_layers = _no_rope_layers(cfg, num_layers)
+    if cfg.get("attention_chunk_size") and rope_layers is not None:
+        # llama4 configs written before layer_types: the rope layers attend in chunks
+        return ["chunked_attention" if r else "full_attention" for r in rope_layers]
     if sliding_window and cfg.get("use_sliding_window") and "max_window_layers" in cfg:
         first = int(cfg["max_window_layers"])  # qwen2: layers from max_window_layers on slide
         return ["sliding_attention" if i >= first else "full_attention"
                 for i in range(num_layers)]
     return None
+
+
+def _no_rope_layers(cfg: dict[str, Any], num_layers: int) -> list[int] | None:
+    if cfg.get("no_rope_layers"):
+        return [int(v) for v in cfg["no_rope_layers"]]
+    interval = cfg.get("no_rope_layer_interval")
+    if not interval:
+        return None
+    return [int((i + 1) % int(interval) != 0) for i in range(num_layers)]
 
 
 def _optional_float(value: Any) -> float | None:

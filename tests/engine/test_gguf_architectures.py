@@ -1,6 +1,6 @@
 """GGUF files made by llama.cpp's own converter load and match the safetensors they came from.
 
-Tiny random transformers models (llama, qwen2, qwen3, phi3) are converted with the
+Tiny random transformers models (llama, qwen2, qwen3, phi3, smollm3) are converted with the
 `convert_hf_to_gguf.py` that the llama-cpp-python source distribution ships (downloaded once from
 PyPI and cached), so the tensor names, the llama q/k row permutation, fused phi3 tensors, LongRoPE
 factor tensors and the metadata are llama.cpp's, not ours. The converter wants a tokenizer in the
@@ -16,6 +16,12 @@ DeepSeek-V2 (no q_lora_rank, grouped softmax routing, YaRN with mscale) and Deep
 (q_lora_rank, sigmoid routing with correction bias) both convert to arch "deepseek2" with
 kv_b_proj split per head into attn_k_b / attn_v_b; a pre-split file (attn_kv_b whole, as older
 converters wrote) is rebuilt from the V2 one with kv_b_proj taken from the safetensors.
+
+Families of tests/engine/test_recent_families.py: glm4_moe (arch "glm4moe", its MTP layer
+converted as an extra block the loader drops; its GLM tokenizer path is pointed at
+sentencepiece too); gpt-oss from float experts and from an MXFP4 checkpoint (llama.cpp keeps
+the experts MXFP4: dequantized on the CPU path, kept and repacked where the kernels run);
+llama4 (arch "llama4", with llama.cpp's hard-coded chunk size and temperature tuning).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 from tests.engine.test_architectures import VOCAB, Case, save_tiny
 from tests.engine.test_moe_models import save_tiny as save_tiny_moe
+from tests.engine.test_recent_families import FAMILIES, Family, save_mxfp4_gpt_oss
+from tests.engine.test_recent_families import save_tiny as save_tiny_recent
 
 _MEMBERS = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
             "vendor/llama.cpp/gguf-py/")
@@ -50,6 +58,8 @@ CASES: dict[str, tuple[Case, str, float]] = {
     "qwen2": (Case("qwen2", {}), "f32", 1e-5),
     "qwen2_f16": (Case("qwen2", {}), "f16", 5e-3),
     "qwen3": (Case("qwen3", dict(head_dim=32)), "f32", 1e-5),
+    # llama.cpp's smollm3 skips the rotary on every 4th layer (hard-coded, no GGUF key)
+    "smollm3": (Case("smollm3", dict(num_hidden_layers=4)), "f32", 1e-5),
     "phi3_longrope": (Case("phi3", dict(
         original_max_position_embeddings=16, sliding_window=8, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
@@ -64,6 +74,19 @@ MOE_CASES: dict[str, tuple[str, dict[str, Any], str, float]] = {
     "qwen3_moe": ("qwen3_moe", {}, "f32", 1e-5),
     "deepseek_v2": ("deepseek_v2", {}, "f32", 1e-4),
     "deepseek_v3": ("deepseek_v3", {}, "f32", 1e-4),
+}
+
+# gpt-oss as llama.cpp hard-codes it (its SwiGLU limit of 7; no GGUF key holds another)
+GPT_OSS = Family("gpt_oss", {**FAMILIES["gpt_oss"].overrides, "swiglu_limit": 7.0})
+# Llama 4 with llama.cpp's hard-coded chunk, temperature scale and floor
+LLAMA4 = Family("llama4_text", {**FAMILIES["llama4_text"].overrides, "attention_chunk_size": 8192,
+                                "floor_scale": 8192, "attn_scale": 0.1})
+# name -> (test_recent_families family, outtype, tolerance, experts as MXFP4 in the checkpoint)
+RECENT_CASES: dict[str, tuple[Family, str, float, bool]] = {
+    "glm4_moe": (FAMILIES["glm4_moe"], "f32", 1e-5, False),
+    "gpt_oss": (GPT_OSS, "f32", 1e-5, False),
+    "gpt_oss_mxfp4": (GPT_OSS, "f32", 1e-5, True),
+    "llama4_text": (LLAMA4, "f32", 1e-5, False),
 }
 
 
@@ -119,10 +142,21 @@ def converted(llama_cpp_converter: Path, tmp_path_factory: pytest.TempPathFactor
         (hf_dir / "tokenizer.model").write_bytes(tokenizer)
         jobs.append((str(hf_dir), outtype, str(gguf)))
         paths[name] = (hf_dir, gguf)
+    for name, (family, outtype, _, mxfp4) in RECENT_CASES.items():
+        hf_dir, gguf = root / name, root / f"{name}.gguf"
+        if mxfp4:
+            save_mxfp4_gpt_oss(root / name, family)
+            hf_dir = root / name / "mxfp4"
+        else:
+            save_tiny_recent(hf_dir, family)
+        (hf_dir / "tokenizer.model").write_bytes(tokenizer)
+        jobs.append((str(hf_dir), outtype, str(gguf)))
+        paths[name] = (hf_dir, gguf)
     driver = (f"import sys; sys.path.insert(0, {str(llama_cpp_converter)!r})\n"
               "import convert_hf_to_gguf as c\n"
               "from conversion.base import TextModel\n"
               "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n"
+              "TextModel._set_vocab_glm = TextModel._set_vocab_sentencepiece\n"
               f"for src, outtype, out in {jobs!r}:\n"
               "    sys.argv = ['convert', src, '--outtype', outtype, '--outfile', out]\n"
               "    c.main()\n")
@@ -131,11 +165,34 @@ def converted(llama_cpp_converter: Path, tmp_path_factory: pytest.TempPathFactor
     return paths
 
 
-@pytest.mark.parametrize("name", [*CASES, *MOE_CASES])
+def _tolerance(name: str) -> tuple[str, float]:
+    if name in CASES:
+        return CASES[name][1], CASES[name][2]
+    if name in MOE_CASES:
+        return MOE_CASES[name][2], MOE_CASES[name][3]
+    return RECENT_CASES[name][1], RECENT_CASES[name][2]
+
+
+def test_gpt_oss_mxfp4_gguf_keeps_its_experts_mxfp4(converted: dict[str, tuple[Path, Path]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the quantized kernels run (forced here: the interpreter), llama.cpp's MXFP4 expert
+    blocks are repacked and served by kernels/mxfp4_moe.py, matching the safetensors' experts
+    dequantized on the CPU path."""
+    hf_dir, gguf = converted["gpt_oss_mxfp4"]
+    prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = SingleSequenceRunner(load_model(hf_dir)[0]).forward(prompt)
+    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "triton")
+    model, _ = load_model(gguf, quantization="gguf")
+    assert model.model.layers[0].mlp.experts.w13.blocks.dtype == torch.uint8
+    err = rel_error(SingleSequenceRunner(model).forward(prompt), ref)
+    assert err < 1e-5, f"MXFP4 GGUF (kept) vs safetensors logits rel. error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", [*CASES, *MOE_CASES, *RECENT_CASES])
 def test_converted_gguf_matches_its_safetensors(converted: dict[str, tuple[Path, Path]],
                                                 name: str) -> None:
     hf_dir, gguf = converted[name]
-    outtype, tolerance = CASES[name][1:] if name in CASES else MOE_CASES[name][2:]
+    outtype, tolerance = _tolerance(name)
     ref_model, ref_config = load_model(hf_dir)
     model, config = load_model(gguf)
     assert config.architecture == ref_config.architecture

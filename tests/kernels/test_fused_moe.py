@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.activation import SwigluOAI
 from kernels.fused_moe import fused_moe_ref, fused_moe_triton, moe_align_block_size
 from tests.kernels.conftest import DEVICE, tolerance
 
@@ -83,6 +84,52 @@ def test_fused_moe_skips_other_ranks_experts() -> None:
                            block_k=16)
     torch.testing.assert_close(out, fused_moe_ref(x, w13[2:], w2[2:], weights, local),
                                **tolerance(torch.float32))
+
+
+def _gpt_oss_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor,
+                     b2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     act: SwigluOAI) -> torch.Tensor:
+    """transformers' GptOssExperts.forward on our stacks: interleaved gate/up columns of
+    x @ W + b, clamped SwiGLU, down with bias, times the routing weight."""
+    inter = w13.shape[1] // 2
+    gate_up_w = torch.stack([w13[:, :inter], w13[:, inter:]], 2).flatten(1, 2)  # interleave
+    gate_up_b = torch.stack([b13[:, :inter], b13[:, inter:]], 2).flatten(1, 2)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate_up = x[t] @ gate_up_w[e].T + gate_up_b[e]
+            gate, up = gate_up[::2].clamp(max=act.limit), gate_up[1::2].clamp(-act.limit,
+                                                                              act.limit)
+            hidden = (up + 1) * gate * torch.sigmoid(gate * act.alpha)
+            out[t] += weights[t, k] * (hidden @ w2[e].T + b2[e])
+    return out
+
+
+def _biases(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    return tuple(torch.randn(w.shape[:2], generator=g).to(w) for w in (w13, w2))  # type: ignore
+
+
+def test_reference_with_biases_and_swiglu_matches_gpt_oss_experts() -> None:
+    x, w13, w2, weights, ids = (t.cpu() for t in _case(5, 24, 12, 4, 2, torch.float32))
+    b13, b2 = _biases(w13, w2)
+    act = SwigluOAI(alpha=1.702, limit=0.5)  # low enough that the clamp cuts
+    torch.testing.assert_close(fused_moe_ref(x, w13, w2, weights, ids, b13, b2, act),
+                               _gpt_oss_experts(x, w13, w2, b13, b2, weights, ids, act))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_fused_moe_with_biases_and_swiglu_matches_reference(dtype: torch.dtype,
+                                                            tokens: int) -> None:
+    x, w13, w2, weights, ids = _case(tokens, 48, 40, 6, 2, dtype, seed=4)
+    b13, b2 = _biases(w13, w2)
+    act = SwigluOAI(limit=1.0)
+    out = fused_moe_triton(x, w13, w2, weights, ids, b13, b2, act, block_m=16, block_n=16,
+                           block_k=16)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, b13, b2, act)
+    torch.testing.assert_close(out, ref, **tolerance(dtype, 2.0))
 
 
 def test_fused_moe_rejects_bad_shapes() -> None:

@@ -15,6 +15,10 @@ Rules:
   a cached prefix attends through torch's fused (cuDNN) attention on its fresh K/V
   (kernels/dense_attention.py); all else reads the paged cache.
 - `num_heads` / `num_kv_heads` are this rank's head counts.
+- `sinks=True` (gpt-oss) gives the layer a learned sink logit per query head (`sinks`, fp32,
+  this rank's heads of the checkpoint's [num_heads]); the kernels add exp(sink) to each
+  softmax's denominator. `attention_chunk` (llama4's local layers): a token attends only
+  within its chunk of that many positions. Neither takes the fused dense prefill.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 import kernels
 from kernels.dense_attention import dense_causal_attention, dense_prefill_ok
 from kernels.kv_quant import KVScales
+from services.engine.distributed import get_tp_rank
 from services.engine.forward_context import get_forward_context
 from services.engine.layers.rotary import RotaryEmbedding
 
@@ -33,16 +38,31 @@ class Attention(nn.Module):
     supports_fp8_kv_cache = True
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, logit_softcap: float | None = None,
+                 sinks: bool = False, attention_chunk: int | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} "
                              "kv heads")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.logit_softcap = scale, sliding_window, logit_softcap
+        self.attention_chunk = attention_chunk
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.kv_scales: KVScales | None = None
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
+                                      requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's heads of the checkpoint's [num_heads] sinks."""
+        first = get_tp_rank() * self.num_heads
+        if loaded.dim() != 1 or loaded.shape[0] < first + self.num_heads:
+            raise ValueError(f"attention sinks of shape {tuple(loaded.shape)} do not hold heads "
+                             f"{first}..{first + self.num_heads - 1}")
+        param.data.copy_(loaded[first:first + self.num_heads])
 
     def kv_cache_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-token shapes of this layer's K and V cache entries (a 0 in V's: no V cache)."""
@@ -69,7 +89,9 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if dense_prefill_ok(q, meta, self.kv_scales, self.sliding_window, self.logit_softcap):
+        plain = self.sinks is None and self.attention_chunk is None
+        if plain and dense_prefill_ok(q, meta, self.kv_scales, self.sliding_window,
+                                      self.logit_softcap):
             # one long prompt without a cached prefix: fused attention on the fresh K/V
             if rotary is not None:
                 assert positions is not None, "rotary needs the positions"
@@ -88,5 +110,6 @@ class Attention(nn.Module):
                                               meta.slot_mapping, self.kv_scales)
         out = kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
                                       sliding_window=self.sliding_window,
-                                      logit_softcap=self.logit_softcap, kv_scales=self.kv_scales)
+                                      logit_softcap=self.logit_softcap, kv_scales=self.kv_scales,
+                                      sinks=self.sinks, attention_chunk=self.attention_chunk)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -17,7 +17,13 @@ Rules:
   rows) and `experts.w2.weight` [E_local, H, I]. Checkpoint tensors `experts.{e}.gate_proj/up_proj/
   down_proj` (mixtral: w1/w3/w2) reach them through `expert_weights_mapping`, which a model puts
   first in its `packed_modules_mapping` (before a plain "gate_proj" key could match them).
-- Expert weights are not quantized: a quantization config applies to the shared experts only.
+- Expert weights are float unless the quantization config has an expert method
+  (`QuantConfig.get_expert_method`: MXFP4 for gpt-oss, quant/mxfp4.py), which then registers
+  each stack's parameters and runs the experts; other configs apply to the shared experts only.
+- gpt-oss: the router has a bias (`router_bias`), the experts biases (`experts.w13.bias`
+  [E_local, 2I], `experts.w2.bias` [E_local, H], loaded like the weights' rows) and the clamped
+  SwiGLU (`swiglu`, kernels/activation.py) instead of silu_and_mul. llama4: the routing weight
+  scales each expert's input instead of its output (`weight_on_input`).
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.activation import SwigluOAI
 from services.engine.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from services.engine.layers.linear import ReplicatedLinear
+from services.engine.quant.base import ExpertQuantMethod, QuantConfig
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -46,6 +54,7 @@ class RoutingConfig:
     correction_bias: bool = False  # the router carries e_score_correction_bias [E]
     routed_scaling_factor: float = 1.0
     router_fp32: bool = False
+    router_bias: bool = False  # the router linear has a bias (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORING_FUNCTIONS:
@@ -67,6 +76,10 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias: nn.Parameter | None = None
+        if routing.router_bias:
+            self.bias = nn.Parameter(torch.empty(routing.num_experts), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if routing.correction_bias:
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(routing.num_experts, dtype=torch.float32), requires_grad=False)
@@ -83,9 +96,10 @@ class Router(nn.Module):
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
         if r.router_fp32:
-            logits = F.linear(hidden.float(), self.weight.float())
+            bias = None if self.bias is None else self.bias.float()
+            logits = F.linear(hidden.float(), self.weight.float(), bias)
         else:
-            logits = F.linear(hidden, self.weight).float()
+            logits = F.linear(hidden, self.weight, self.bias).float()
         scores = logits.softmax(-1) if r.scoring == "softmax" else logits.sigmoid()
         choice = scores + self.e_score_correction_bias if r.correction_bias else scores
         if r.n_group and r.topk_group and r.n_group > 1:
@@ -111,16 +125,26 @@ def _mask_to_best_groups(choice: torch.Tensor, n_group: int, topk_group: int,
 
 class ExpertStack(nn.Module):
     """`weight` [E_local, out, in]: one nn.Linear-layout matrix per local expert, `parts` row
-    blocks each (2 for gate + up). Shard id "e:part" loads expert e's block `part`; experts of
-    other ranks are skipped."""
+    blocks each (2 for gate + up), and with `bias` a `bias` [E_local, out]. Shard id "e:part"
+    loads expert e's block `part` (of the weight or the bias); experts of other ranks are
+    skipped."""
 
     def __init__(self, num_local: int, first_expert: int, out_size: int, in_size: int,
-                 parts: int) -> None:
+                 parts: int, bias: bool = False,
+                 quant_method: ExpertQuantMethod | None = None) -> None:
         super().__init__()
         self.first_expert, self.num_local = first_expert, num_local
         self.part_rows = out_size // parts
-        self.weight = nn.Parameter(torch.empty(num_local, out_size, in_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if quant_method is None:
+            self.weight = nn.Parameter(torch.empty(num_local, out_size, in_size),
+                                       requires_grad=False)
+        else:  # its packed tensors instead (loaded per expert row block like the weight)
+            quant_method.create_weights(self, num_local, out_size, in_size)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_local, out_size), requires_grad=False)
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         expert, part = (int(v) for v in shard_id.split(":"))
@@ -137,22 +161,33 @@ class ExpertStack(nn.Module):
 class MoEExperts(nn.Module):
     """This rank's experts, stacked: w13 (gate + up) and w2 (down)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 bias: bool = False, swiglu: SwigluOAI | None = None,
+                 quant_method: ExpertQuantMethod | None = None,
+                 weight_on_input: bool = False) -> None:
         super().__init__()
+        if weight_on_input and quant_method is not None:
+            raise ValueError("quantized experts take the routing weight on their output only")
+        self.weight_on_input = weight_on_input
         self.tp_size = get_tp_size()
         self.num_local = divide(num_experts, self.tp_size, "expert count")
         self.first_expert = get_tp_rank() * self.num_local
+        self.swiglu = swiglu
+        self.quant_method = quant_method  # the loader runs its process_after_loading
         self.w13 = ExpertStack(self.num_local, self.first_expert, 2 * intermediate_size,
-                               hidden_size, parts=2)
+                               hidden_size, parts=2, bias=bias, quant_method=quant_method)
         self.w2 = ExpertStack(self.num_local, self.first_expert, hidden_size, intermediate_size,
-                              parts=1)
+                              parts=1, bias=bias, quant_method=quant_method)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             local = topk_ids - self.first_expert
             topk_ids = torch.where((local >= 0) & (local < self.num_local), local, -1)
-        return kernels.fused_moe(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        return kernels.fused_moe(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids,
+                                 self.w13.bias, self.w2.bias, self.swiglu, self.weight_on_input)
 
 
 class FusedMoE(nn.Module):
@@ -165,13 +200,19 @@ class FusedMoE(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, routing: RoutingConfig,
                  shared_experts: nn.Module | None = None, shared_name: str = "shared_experts",
-                 shared_expert_gate: bool = False, hidden_act: str = "silu") -> None:
+                 shared_expert_gate: bool = False, hidden_act: str = "silu",
+                 expert_bias: bool = False, swiglu: SwigluOAI | None = None,
+                 quant_config: QuantConfig | None = None, prefix: str = "",
+                 weight_on_input: bool = False) -> None:
         super().__init__()
-        if hidden_act != "silu":
+        if hidden_act != "silu" and swiglu is None:
             raise ValueError(f"fused MoE experts support the silu gated activation only, got "
                              f"{hidden_act!r}")
         self.gate = Router(hidden_size, routing)
-        self.experts = MoEExperts(routing.num_experts, hidden_size, intermediate_size)
+        method = (quant_config.get_expert_method(f"{prefix}.experts")
+                  if quant_config is not None else None)
+        self.experts = MoEExperts(routing.num_experts, hidden_size, intermediate_size,
+                                  expert_bias, swiglu, method, weight_on_input)
         self.shared_name = shared_name if shared_experts is not None else None
         if shared_experts is not None:
             self.add_module(shared_name, shared_experts)

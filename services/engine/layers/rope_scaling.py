@@ -4,7 +4,8 @@ Each scaling type (HF names; key "rope_type" or legacy "type") maps to a functio
 `(rotary_dim, base, scaling, max_position) -> (inv_freq [rotary_dim / 2], attention_factor)`;
 the attention factor multiplies cos and sin (YaRN's mscale, LongRoPE's sqrt(1 + log s / log L)),
 exactly as transformers' `ROPE_INIT_FUNCTIONS` do. "freq_factors" holds per-frequency divisors
-(how GGUF stores llama-3 scaling, in its `rope_freqs` tensor).
+(how GGUF stores llama-3 scaling, in its `rope_freqs` tensor); "proportional" (Gemma 4) keeps its
+`partial_rotary_factor`, the share of the head's frequencies that turn.
 
 LongRoPE (phi3; legacy name "su") has two schedules: short factors for sequences of at most
 `original_max_position_embeddings` tokens, long factors for every token of a longer sequence.
@@ -103,6 +104,17 @@ def _yarn(dim: int, base: float, scaling: Scaling, max_pos: int) -> tuple[torch.
     return inv_freq, float(attention_factor)
 
 
+def _proportional(dim: int, base: float, scaling: Scaling, max_pos: int
+                  ) -> tuple[torch.Tensor, float]:
+    """Gemma 4's global layers: the first `partial_rotary_factor` of the head's frequency pairs
+    turn at base^(-2j / head_dim) (the exponent over the whole head, unlike a partial rotary), the
+    others not at all (frequency 0); all divided by `factor`."""
+    angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * dim // 2)
+    turning = 1.0 / base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim)
+    inv_freq = torch.cat([turning, torch.zeros(dim // 2 - angles)])
+    return inv_freq / float(scaling.get("factor", 1.0)), 1.0
+
+
 def _longrope_attention_factor(scaling: Scaling, max_pos: int) -> float:
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -125,6 +137,7 @@ ROPE_SCALINGS: dict[str, InvFreqFn] = {
     "yarn": _yarn,
     "longrope": _longrope,
     "freq_factors": _freq_factors,
+    "proportional": _proportional,
 }
 
 

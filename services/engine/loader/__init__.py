@@ -25,7 +25,13 @@ import torch
 from safetensors import safe_open
 
 from kernels.gguf_dequant import Q4_1
-from services.engine.loader.gguf_loader import GGUFCheckpoint, iter_gguf, read_gguf, tensor_types
+from services.engine.loader.gguf_loader import (
+    GGUFCheckpoint,
+    iter_gguf,
+    mxfp4_experts,
+    read_gguf,
+    tensor_types,
+)
 from services.engine.loader.safetensors_loader import (
     check_checkpoint,
     is_hf_dir,
@@ -95,7 +101,7 @@ def _gguf_quant_config(checkpoint: GGUFCheckpoint, packed: dict[str, tuple[str, 
     """Blocks stay quantized on CUDA by default, anywhere with "gguf"; else they are dequantized
     and `quantization` (int8 on CPU, an --isq type) applies to the floats."""
     if quantization == "gguf" or (quantization is None and torch.device(device).type == "cuda"):
-        return GGUFConfig(tensor_types(checkpoint), packed)
+        return GGUFConfig(tensor_types(checkpoint), packed, mxfp4_experts(checkpoint))
     if quantization == CPU_DEFAULT:
         layer_types = {t for name, t in tensor_types(checkpoint).items()
                        if ".layers." in name and name.endswith("proj.weight")}
@@ -110,7 +116,8 @@ def load_model(
     quantization: str | None = None,
     load_format: str = "auto",
 ) -> LoadedModel:
-    """load_format "dummy": only config.json is read and weights are random (benchmarks)."""
+    """load_format "dummy": only config.json is read and weights are random (benchmarks), in
+    the layout its `quantization_config` names if it has one."""
     path = Path(path)
     if dtype not in SUPPORTED_MODEL_DTYPES:
         raise ValueError(f"model dtype {dtype} not supported; use one of {SUPPORTED_MODEL_DTYPES}")
@@ -120,8 +127,11 @@ def load_model(
         config = ModelConfig.from_hf_dir(path)
         if quantization == CPU_DEFAULT:
             quantization = "int8"
+        qcfg = config.hf_config.get("quantization_config")  # a pre-quantized layout (MXFP4)
+        dummy_quant = (quant_config_from_hf(qcfg, ()) if qcfg else
+                       get_quant_config(quantization))
         with torch.device(device), _default_dtype(dtype):
-            dummy = get_model_class(config.architecture)(config, get_quant_config(quantization))
+            dummy = get_model_class(config.architecture)(config, dummy_quant)
         init_dummy_weights(dummy)
         return LoadedModel(dummy.eval(), config)
     if is_hf_dir(path):

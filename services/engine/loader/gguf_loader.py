@@ -10,10 +10,13 @@ Rules:
   pairs), which is undone here so the HF-layout (neox) rotary applies. Architectures without a
   verified name map are refused.
 - Stacked expert tensors [E, out, in] (MoE) are dequantized and yielded one expert at a time
-  under the per-expert HF names the MoE models load (experts are never kept quantized).
+  under the per-expert HF names the MoE models load; MXFP4 stacks (gpt-oss) the config keeps
+  quantized are yielded per expert as `.blocks` / `.scales` (quant/mxfp4.py's layout) instead.
 - deepseek2 (DeepSeek-V2 / V3, gguf_deepseek2.py): the config gets its MLA / routing keys, and
   the attn_k_b / attn_v_b halves of each layer's kv_b_proj are dequantized (kv_b_proj stays
   float in the model) and joined into one tensor once both have been read.
+- Other archs whose metadata holds more than the generic fields (glm4moe, ...) get their config
+  from gguf_configs.py.
 - Tied embeddings are inferred from the absence of an `output.weight` tensor.
 """
 
@@ -28,6 +31,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from services.engine.loader.gguf_configs import GGUF_ARCH_CONFIGS
 from services.engine.loader.gguf_deepseek2 import deepseek2_config, join_kv_b
 from services.engine.loader.gguf_names import (
     EXPERT,
@@ -38,7 +42,9 @@ from services.engine.loader.gguf_names import (
 )
 from services.engine.model_config import ModelConfig
 from services.engine.quant.gguf import QuantBytes
+from services.engine.quant.mxfp4 import from_ggml_mxfp4
 
+GGML_MXFP4 = 39  # ggml's type id of MXFP4 blocks
 # Arrays too large to turn into Python lists just to build a config.
 _SKIPPED_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                    "tokenizer.ggml.merges"}
@@ -90,11 +96,21 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     if arch == "deepseek2":
         config = deepseek2_config(config, meta, any(n.endswith(".exp_probs_b.bias")
                                                     for n in names))
+    elif arch in GGUF_ARCH_CONFIGS:
+        config = GGUF_ARCH_CONFIGS[arch](config, meta, names)
     return GGUFCheckpoint(config, reader)
 
 
 def _arch(reader: GGUFReader) -> str:
     return str(reader.fields["general.architecture"].contents())
+
+
+def mxfp4_experts(checkpoint: GGUFCheckpoint) -> set[str]:
+    """HF prefixes (`model.layers.N.mlp.experts`) of the expert stacks stored as MXFP4."""
+    arch = _arch(checkpoint.reader)
+    return {name.split(f".{EXPERT}.")[0] for t in checkpoint.reader.tensors
+            if (name := hf_name(t.name, arch)) is not None and EXPERT in name
+            and int(t.tensor_type) == GGML_MXFP4}
 
 
 def tensor_types(checkpoint: GGUFCheckpoint) -> dict[str, int]:
@@ -120,6 +136,14 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
             if len(parts) == 2:
                 del kv_b_parts[name]
                 yield name, torch.from_numpy(join_kv_b(parts["attn_k_b"], parts["attn_v_b"]))
+            continue
+        if EXPERT in name and keep is not None and keep(name) and \
+                int(tensor.tensor_type) == GGML_MXFP4:
+            blocks, scales = from_ggml_mxfp4(torch.from_numpy(np.array(tensor.data)))
+            stem = name.removesuffix(".weight")
+            for e in range(blocks.shape[0]):
+                yield f"{stem.replace(EXPERT, str(e))}.blocks", blocks[e]
+                yield f"{stem.replace(EXPERT, str(e))}.scales", scales[e]
             continue
         if EXPERT in name:
             for e, weight in enumerate(_dequantized(tensor)):

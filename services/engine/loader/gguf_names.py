@@ -3,9 +3,9 @@
 llama.cpp's converter renames every tensor (blk.N.attn_q.weight, ...). Most architectures share
 the llama map; an architecture whose converter gives a GGUF name another meaning overrides it
 (phi3 fuses q/k/v into attn_qkv and gate/up into ffn_up). Only the llama family (llama,
-mistral) has its q/k rows permuted by the converter (interleaved rotary pairs), which the loader
-undoes. Gemma GGUFs are not mapped: llama.cpp stores their norms as 1 + w and hard-codes their
-attention scale and sliding pattern per model size.
+mistral, smollm3) has its q/k rows permuted by the converter (interleaved rotary pairs), which
+the loader undoes. Gemma GGUFs are not mapped: llama.cpp stores their norms as 1 + w and
+hard-codes their attention scale and sliding pattern per model size.
 
 Mixture-of-experts GGUFs store each layer's experts stacked in one [E, out, in] tensor
 (`ffn_{gate,up,down}_exps`); their HF name holds an `{e}` (EXPERT) that the loader fills in with
@@ -16,7 +16,10 @@ under its own HF names (block_sparse_moe, experts w1 / w3 / w2).
 deepseek2 (DeepSeek-V2 / V3, gguf_deepseek2.py) names its MLA projections and plural
 shared_experts; both halves of its split kv_b_proj (KV_B_PARTS) map to kv_b_proj, which the
 loader joins. An entry keyed "part.kind" names the whole HF suffix (V3's router correction bias
-is a buffer, `e_score_correction_bias`, not a `.bias`).
+is a buffer, `e_score_correction_bias`, not a `.bias`). glm4moe names deepseek's shared experts
+and correction bias the same way, and its second norm `post_attention_norm`; its MTP layers'
+`nextn.*` tensors are not mapped. gpt-oss names its sinks `attn_sinks` and its biased router
+`ffn_gate_inp`; its expert biases are stacked like the weights (`ffn_*_exps.bias`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import re
 
 # Architectures whose llama.cpp converter applies the q/k row permutation.
-PERMUTED_ARCHS = frozenset({"llama", "mistral"})
+PERMUTED_ARCHS = frozenset({"llama", "mistral", "smollm3"})
 EXPERT = "{e}"  # stands for the expert index in the HF names of stacked expert tensors
 
 GLOBAL_NAMES = {
@@ -76,12 +79,24 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
         "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     },
+    "glm4moe": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
+    "gpt-oss": {
+        "attn_sinks.weight": "self_attn.sinks",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.router",
+    },
 }
 # GGUF block tensors that are the (k, v) halves of one HF kv_b_proj (deepseek2).
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 # Architectures with a verified map (the loader refuses others rather than guess).
 MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe",
-                         "deepseek2"})
+                         "deepseek2", "smollm3", "glm4moe", "gpt-oss", "llama4"})
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 

@@ -1,7 +1,9 @@
 """Route named checkpoint tensors onto model parameters through each parameter's weight_loader.
 
 Rules:
-- Names are HF checkpoint names (GGUF names are translated before they get here).
+- Names are HF checkpoint names (GGUF names are translated before they get here); the model's
+  `checkpoint_name` renames each, then its `checkpoint_tensors` may split one into several
+  (gpt-oss's stacked experts into per-expert tensors).
 - A name containing a key of `model.packed_modules_mapping` goes to the fused parameter with the
   mapped shard id; any other name must match a parameter exactly.
 - Every parameter must be loaded at least once; unknown or missing names raise, naming them.
@@ -28,21 +30,11 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for ckpt_name, tensor in weights:
-        name = model.checkpoint_name(ckpt_name)
-        if model.skip_weight(name):
-            continue
-        for ckpt_key, (param_key, shard_id) in model.packed_modules_mapping.items():
-            if f".{ckpt_key}." in name:
-                pname = name.replace(f".{ckpt_key}.", f".{param_key}.")
-                param = _lookup(params, pname, name)
-                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
-                break
-        else:
-            pname = name
-            param = _lookup(params, pname, name)
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        loaded.add(pname)
+    for ckpt_name, ckpt_tensor in weights:
+        for name, tensor in model.checkpoint_tensors(model.checkpoint_name(ckpt_name),
+                                                     ckpt_tensor):
+            if not model.skip_weight(name):
+                loaded.add(_load_one(model, params, name, tensor))
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
@@ -53,6 +45,23 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
             method.process_after_loading(module)
 
 
+def _load_one(model: CausalLM, params: dict[str, nn.Parameter], name: str,
+              tensor: torch.Tensor) -> str:
+    """Load one named tensor; returns the parameter's name."""
+    for ckpt_key, (param_key, shard_id) in model.packed_modules_mapping.items():
+        if f".{ckpt_key}." in name:
+            pname = name.replace(f".{ckpt_key}.", f".{param_key}.")
+            param = _lookup(params, pname, name)
+            param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+            return pname
+    param = _lookup(params, name, name)
+    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+    return name
+
+
+MXFP4_DUMMY_SCALE = 124  # E8M0 exponent 124 - 127: random FP4 codes then stay within +-0.75
+
+
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights for benchmarks (speed does not depend on values): small normal matrices,
     norm scales of one, so activations stay finite in bf16 through any depth. Runs where the
@@ -60,7 +69,11 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or param.dim() == 1:
+            if param.dtype == torch.uint8 and name.endswith(".scales"):  # MXFP4: 2^-3 groups
+                param.fill_(MXFP4_DUMMY_SCALE)
+            elif param.dtype == torch.uint8 and name.endswith(".blocks"):
+                param.random_(0, 256, generator=gen)
+            elif "norm" in name or param.dim() == 1:
                 param.fill_(1.0 if "norm" in name else 0.0)
             elif param.is_floating_point():
                 param.normal_(0.0, 0.02, generator=gen)

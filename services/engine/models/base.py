@@ -10,13 +10,16 @@ Rules:
 - Constructor: `(config: ModelConfig, quant_config: QuantConfig | None)`; layers read the
   tensor-parallel rank/size at construction, so `init_tensor_parallel` comes first.
 - Weight loading is declarative: `packed_modules_mapping` maps a checkpoint sub-name onto a fused
-  parameter and its shard id (q_proj -> qkv_proj/"q"); `checkpoint_name(name)` renames first;
+  parameter and its shard id (q_proj -> qkv_proj/"q"); `checkpoint_name(name)` renames first,
+  `checkpoint_tensors(name, tensor)` may then turn one checkpoint tensor into several in the
+  model's naming (a stacked [E, ...] expert tensor into per-expert ones);
   `skip_weight(name)` drops checkpoint tensors the model does not use (e.g. a tied lm_head saved
   anyway, a vision tower).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -50,6 +53,11 @@ class CausalLM(nn.Module):
         """A checkpoint tensor's name in this model's naming (identity; multimodal checkpoints
         served text-only strip their language-model prefix here)."""
         return name
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor
+                           ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The (name, tensor) pairs one renamed checkpoint tensor loads as (itself here)."""
+        return ((name, tensor),)
 
     def skip_weight(self, name: str) -> bool:
         if "rotary_emb.inv_freq" in name:

@@ -1,13 +1,15 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, ...) built from the shared layers.
+"""Llama-family decoder (Llama 2/3, SmolLM 1-3, TinyLlama, ...) built from the shared layers.
 
 It is also the base the other dense architectures specialise (STYLE rule 8: variants are flags or
 subclasses). The hooks, each a class attribute or small method:
 - `LlamaAttention.biases(config)` -> (qkv bias, o_proj bias); `qk_norm_cls` (per-head norm of
-  q and k before the rotary, e.g. qwen3) and `norm_qk`; `rope_is_neox` (False: interleaved pairs,
+  q and k before the rotary, e.g. qwen3; `qk_norm(config)` where a config flag decides) and
+  `norm_qk`; `rope_is_neox` (False: interleaved pairs,
   GLM); `rotate` (what happens between projection and attention: rotary, plus e.g. ministral3's
   query scaling). Sliding window, softcap, scale, partial rotary and per-layer rope come from
   `ModelConfig` (`layer_sliding_window`, `attn_logit_softcapping`, `attention_scale`,
-  `rotary_dim`, `layer_rope`).
+  `rotary_dim`, `layer_rope`); NoPE layers (`layer_uses_rope` false: smollm3, llama4) run `nope`
+  instead of `rotate`; chunked-attention layers come from `layer_attention_chunk`.
 - `LlamaDecoderLayer.norm_names`: checkpoint names of the four norm slots (before attention,
   after attention, before the MLP, after the MLP); None leaves a slot out. Llama uses the first
   and third; gemma2/glm4 all four. `norm_cls` picks RMSNorm / GemmaRMSNorm / LayerNorm.
@@ -47,6 +49,7 @@ NORM_SLOTS = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")
 class LlamaAttention(nn.Module):
     qk_norm_cls: ClassVar[type[nn.Module] | None] = None
     rope_is_neox: ClassVar[bool] = True
+    attention_sinks: ClassVar[bool] = False  # a learned sink logit per head (gpt-oss)
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
                  layer: int) -> None:
@@ -60,23 +63,34 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, o_bias,
                                         quant_config, f"{prefix}.o_proj")
-        if self.qk_norm_cls is not None:
-            self.q_norm = self.qk_norm_cls(d, config.rms_norm_eps)
-            self.k_norm = self.qk_norm_cls(d, config.rms_norm_eps)
+        qk_norm_cls = self.qk_norm(config)
+        self.has_qk_norm = qk_norm_cls is not None
+        if qk_norm_cls is not None:
+            self.q_norm = qk_norm_cls(d, config.rms_norm_eps)
+            self.k_norm = qk_norm_cls(d, config.rms_norm_eps)
+        self.use_rope = config.layer_uses_rope(layer)  # NoPE layers skip it
         theta, scaling = config.layer_rope(layer)
         self.rotary_emb = get_rope(d, config.rotary_dim, config.max_position_embeddings, theta,
                                    scaling, self.rope_is_neox)
         self.attn = Attention(self.num_heads, d, config.attention_scale, self.num_kv_heads,
                               sliding_window=config.layer_sliding_window(layer),
-                              logit_softcap=config.attn_logit_softcapping)
+                              logit_softcap=config.attn_logit_softcapping,
+                              sinks=self.attention_sinks,
+                              attention_chunk=config.layer_attention_chunk(layer))
 
     @staticmethod
     def biases(config: ModelConfig) -> tuple[bool, bool]:
         return config.attention_bias, config.attention_bias
 
+    @classmethod
+    def qk_norm(cls, config: ModelConfig) -> type[nn.Module] | None:
+        """The per-head q/k norm of this config (None: none); `qk_norm_cls` unless a flag of
+        the config decides (glm4_moe's use_qk_norm)."""
+        return cls.qk_norm_cls
+
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] -> per-head normalised (when the model has q/k norms)."""
-        if self.qk_norm_cls is None:
+        if not self.has_qk_norm:
             return q, k
         d = self.head_dim
         return self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(
@@ -86,20 +100,25 @@ class LlamaAttention(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(positions, q, k)
 
+    def nope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a NoPE layer does in place of `rotate` (nothing here; llama4 scales q)."""
+        return q, k
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.norm_qk(q.reshape(t, self.num_heads, -1), k.reshape(t, self.num_kv_heads, -1))
         if self.fused_rotary:  # one kernel rotates q, k and writes the KV cache
             return self.o_proj(self.attn(q, k, v, self.rotary_emb, positions))
-        q, k = self.rotate(positions, q, k)
+        q, k = self.rotate(positions, q, k) if self.use_rope else self.nope(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
     @property
     def fused_rotary(self) -> bool:
         """The plain rotary with nothing else in `rotate`: Attention may fuse it."""
         plain_rope = type(self.rotary_emb) is RotaryEmbedding
-        return plain_rope and type(self).rotate is LlamaAttention.rotate
+        return self.use_rope and plain_rope and type(self).rotate is LlamaAttention.rotate
 
 
 class LlamaMLP(nn.Module):

@@ -9,6 +9,8 @@ from services.engine.models.base import CausalLM
 # name -> (module, class). Adding an architecture = one line here + one small model file.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("services.engine.models.llama", "LlamaForCausalLM"),
+    # SmolLM3: llama with NoPE layers (ModelConfig.no_rope_layers), nothing else of its own.
+    "SmolLM3ForCausalLM": ("services.engine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("services.engine.models.mistral", "MistralForCausalLM"),
     "MinistralForCausalLM": ("services.engine.models.mistral", "MistralForCausalLM"),
     "Ministral3ForCausalLM": ("services.engine.models.mistral", "Ministral3ForCausalLM"),
@@ -21,9 +23,17 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("services.engine.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("services.engine.models.gemma3",
                                        "Gemma3ForConditionalGeneration"),
+    "Gemma4ForCausalLM": ("services.engine.models.gemma4", "Gemma4ForCausalLM"),
+    "Gemma4ForConditionalGeneration": ("services.engine.models.gemma4",
+                                       "Gemma4ForConditionalGeneration"),
     "StableLmForCausalLM": ("services.engine.models.stablelm", "StableLmForCausalLM"),
     "GlmForCausalLM": ("services.engine.models.glm4", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("services.engine.models.glm4", "Glm4ForCausalLM"),
+    "Glm4MoeForCausalLM": ("services.engine.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "GptOssForCausalLM": ("services.engine.models.gpt_oss", "GptOssForCausalLM"),
+    "Llama4ForCausalLM": ("services.engine.models.llama4", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("services.engine.models.llama4",
+                                       "Llama4ForConditionalGeneration"),
     "MixtralForCausalLM": ("services.engine.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("services.engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("services.engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),

@@ -1,4 +1,5 @@
-"""Serving the language model of a vision-language checkpoint (Mistral 3, Gemma 3 4B+) as text.
+"""Serving the language model of a vision-language checkpoint (Mistral 3, Gemma 3 4B+, Llama 4,
+Gemma 4) as text.
 
 The checkpoint keeps the decoder under `language_model.model.` (the format transformers saves
 and the Hub holds) or `model.language_model.` (transformers 5's in-memory naming), the head under
@@ -13,7 +14,8 @@ from services.engine.models.base import CausalLM
 _PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
              ("language_model.lm_head.", "lm_head."))
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-           "model.multi_modal_projector.")
+           "model.multi_modal_projector.", "vision_model.", "model.vision_model.",
+           "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 
 class TextOnlyMixin(CausalLM):
@@ -22,8 +24,9 @@ class TextOnlyMixin(CausalLM):
     def checkpoint_name(self, name: str) -> str:
         for old, new in _PREFIXES:
             if name.startswith(old):
-                return new + name.removeprefix(old)
-        return name
+                name = new + name.removeprefix(old)
+                break
+        return super().checkpoint_name(name)
 
     def skip_weight(self, name: str) -> bool:
         return name.startswith(_VISION) or super().skip_weight(name)

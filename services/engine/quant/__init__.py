@@ -3,7 +3,8 @@ never by model code.
 
 - By name: "none", "int8" / "int4" (CPU weight-only), the in-situ names of quant/isq.py
   (q4_0 .. q6k, fp8), "gptq" / "awq" (default layouts: random-weight benchmarks).
-- By checkpoint: config.json's `quantization_config` (gptq, awq, fp8, compressed-tensors fp8)
+- By checkpoint: config.json's `quantization_config` (gptq, awq, fp8, compressed-tensors fp8,
+  mxfp4 experts of gpt-oss)
   through `quant_config_from_hf`; GGUF files through quant/gguf.py's GGUFConfig (the loader).
 """
 
@@ -26,6 +27,7 @@ from services.engine.quant.gptq import GPTQConfig
 from services.engine.quant.int4 import Int4WeightOnlyConfig, Int4WeightOnlyMethod
 from services.engine.quant.int8 import Int8WeightOnlyConfig, Int8WeightOnlyMethod
 from services.engine.quant.isq import ISQ_NAMES, ISQConfig
+from services.engine.quant.mxfp4 import Mxfp4Config
 
 
 def _isq(name: str) -> Callable[[], QuantConfig]:
@@ -46,6 +48,7 @@ HF_QUANT_METHODS: dict[str, Callable[[dict[str, Any], Collection[str]], QuantCon
     "awq": AWQConfig.from_hf,
     "fp8": FP8Config.from_hf,
     "compressed-tensors": FP8Config.from_hf,
+    "mxfp4": Mxfp4Config.from_hf,
 }
 
 
@@ -74,6 +77,6 @@ def quant_config_from_hf(qcfg: dict[str, Any], tensor_names: Collection[str]) ->
 __all__ = ["HF_QUANT_METHODS", "ISQ_NAMES", "QUANT_CONFIGS", "AWQConfig", "FP8Config",
            "GGUFConfig", "GGUFLinearMethod", "GPTQConfig", "ISQConfig", "Int4WeightOnlyConfig",
            "Int4WeightOnlyMethod", "Int8WeightOnlyConfig",
-           "Int8WeightOnlyMethod", "QuantBytes", "QuantConfig", "QuantMethod",
+           "Int8WeightOnlyMethod", "Mxfp4Config", "QuantBytes", "QuantConfig", "QuantMethod",
            "UnquantizedConfig", "UnquantizedLinearMethod", "get_quant_config",
            "get_quant_method", "quant_config_from_hf"]

@@ -184,6 +184,25 @@ def use_triton_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows <= (TRITON_GEMV_MAX_M if backend == "triton" else AUTO_GEMV_MAX_M)
 
 
+class ExpertQuantMethod(ABC):
+    """Storage and compute of a MoE layer's stacked experts (layers/moe.py MoEExperts) in a
+    quantized format: `create_weights` registers the parameters of one stack (w13 or w2; the
+    stack attaches its per-expert weight_loader to each), `process_after_loading` runs once
+    after loading (keep the packed weights for the kernels, or dequantize), `apply` runs the
+    experts for this rank's top-k pairs."""
+
+    @abstractmethod
+    def create_weights(self, stack: nn.Module, num_local: int, out_size: int,
+                       in_size: int) -> None: ...
+
+    def process_after_loading(self, experts: nn.Module) -> None:
+        return None
+
+    @abstractmethod
+    def apply(self, experts: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor: ...
+
+
 class QuantConfig(ABC):
     """Chooses the `QuantMethod` of each layer; `prefix` is the layer's dotted module name."""
 
@@ -191,6 +210,11 @@ class QuantConfig(ABC):
 
     @abstractmethod
     def get_method(self, layer: nn.Module, prefix: str) -> QuantMethod: ...
+
+    def get_expert_method(self, prefix: str) -> ExpertQuantMethod | None:
+        """How the stacked experts of the MoE layer `prefix` are stored; None: float weights
+        (the default: a config quantizes linear layers, shared experts included)."""
+        return None
 
 
 class UnquantizedConfig(QuantConfig):

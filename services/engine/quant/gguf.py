@@ -14,7 +14,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from kernels.gguf_dequant import GGUF_TYPES, dequantize_ref, gguf_type
 from kernels.gguf_matmul import gguf_matmul_triton
 from services.engine.quant.base import (
+    ExpertQuantMethod,
     QuantConfig,
     QuantMethod,
     UnquantizedLinearMethod,
@@ -31,6 +32,7 @@ from services.engine.quant.base import (
     linear_2d,
     use_kernels,
 )
+from services.engine.quant.mxfp4 import Mxfp4ExpertMethod
 
 
 class QuantBytes(torch.Tensor):
@@ -122,8 +124,10 @@ class GGUFConfig(QuantConfig):
     name = "gguf"
 
     def __init__(self, tensor_types: Mapping[str, int],
-                 packed: Mapping[str, tuple[str, str | int]]) -> None:
+                 packed: Mapping[str, tuple[str, str | int]],
+                 mxfp4_experts: Collection[str] = ()) -> None:
         self.packed = dict(packed)
+        self.mxfp4_experts = frozenset(mxfp4_experts)  # MoE expert prefixes stored as MXFP4
         self.param_types: dict[str, set[int]] = {}
         for name, qtype in tensor_types.items():
             self.param_types.setdefault(self.param_name(name), set()).add(int(qtype))
@@ -143,8 +147,16 @@ class GGUFConfig(QuantConfig):
             return GGUFLinearMethod(next(iter(types)))
         return UnquantizedLinearMethod()
 
+    def get_expert_method(self, prefix: str) -> ExpertQuantMethod | None:
+        """gpt-oss's MXFP4 experts stay MXFP4 (quant/mxfp4.py); other expert stacks are
+        dequantized by the loader."""
+        return Mxfp4ExpertMethod() if prefix in self.mxfp4_experts else None
+
     def keeps_quantized(self, ckpt_name: str) -> bool:
-        """Whether the loader should pass this tensor's blocks as they are."""
+        """Whether the loader should pass this tensor's blocks as they are (for MXFP4 expert
+        stacks: repacked as quant/mxfp4.py's blocks and scales)."""
+        if any(ckpt_name.startswith(f"{p}.") for p in self.mxfp4_experts):
+            return True
         pname = self.param_name(ckpt_name)
         return pname.endswith(".weight") and pname[: -len(".weight")] in self.quantized_prefixes
 
