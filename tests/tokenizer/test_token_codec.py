@@ -15,7 +15,6 @@ from libs.common.messages import DecodeReply, DecodeRequest, EncodeReply, Encode
 from services.tokenizer.service import TokenizerService
 from services.tokenizer.token_codec import TokenCodec
 from services.tokenizer.tokenizer import Tokenizer
-from tests.tokenizer.test_service import service  # noqa: F401 - the fixture
 
 TEXTS = ["Hello world", "  two  spaces\nand a newline", "naïve café ☕ 你好",
          "<|im_start|>user\nhi<|im_end|>", ""]
