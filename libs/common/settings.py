@@ -310,7 +310,5 @@ class LauncherSettings(CommonSettings):
     port: int = Field(8000, ge=0, le=65535, description="Gateway port")
     start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for health")
     ui: bool = Field(False, description="The gateway serves the chat web UI at /")
-    api_keys: SecretStr | None = Field(None, description="API keys the gateway accepts "
-                                       "(FLOTILLA_API_KEYS, passed on to the gateway)")
     nats_auth: bool = Field(True, description="A private nats-server requires a password "
                             "(generated for each start, given to the services, never logged)")
