@@ -58,7 +58,7 @@ def output_tokens(body: dict[str, Any], default: int) -> int:
     """Tokens reserved for a request's output: the most it may generate, over its choices."""
     most = next((body[k] for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
                  if isinstance(body.get(k), int) and body[k] > 0), default)
-    n = body.get("n") if isinstance(body.get("n"), int) and body["n"] > 0 else 1
+    n = body["n"] if isinstance(body.get("n"), int) and body["n"] > 0 else 1
     prompt = body.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(
         prompt[0], int) else 1

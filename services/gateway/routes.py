@@ -61,7 +61,8 @@ async def read_json(request: Request, deadline: Deadline | None = None) -> Any:
     except TimeoutError:
         raise deadline.error() from None
     body = parse_json(raw, settings.max_json_depth)
-    await check_body(request.url.path, body, len(raw), settings.key_reserve_output_tokens)
+    if KEY_USAGE.get() is not None:
+        await check_body(request.url.path, body, len(raw), settings.key_reserve_output_tokens)
     return body
 
 

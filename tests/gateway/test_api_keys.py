@@ -7,6 +7,9 @@ AuthenticationError for a 401 and RateLimitError for a 429 from the status and b
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +24,8 @@ from libs.common.bus import Bus
 from libs.common.store import RedisStore
 from services.gateway.api_keys import create_key, key_hash, revoke_key
 from services.gateway.service import GatewayService
-from tests.endpoints import REDIS_URL
+from services.launcher.nats_server import free_port
+from tests.endpoints import NATS_URL, REDIS_URL
 from tests.gateway.conftest import chat, gateway_settings
 from tests.gateway.fakes import FakeTokenizer
 
@@ -317,3 +321,46 @@ async def test_auth_off_without_keys_and_cors_off_by_default(
     finally:
         await plain.stop()
         await cors.stop()
+
+
+async def test_ten_rpm_across_two_gateway_processes(tokenizer: FakeTokenizer, store: RedisStore,
+                                                    model: str) -> None:
+    """As deployed: two `python -m services.gateway` processes, one Redis (the keys and counts
+    live in the Redis namespace every gateway uses)."""
+    plain = RedisStore(REDIS_URL)  # the default `flotilla:` namespace the processes use
+    key, record = await create_key(plain, rpm=10)
+    ports = [free_port(), free_port()]
+    env = dict(os.environ, FLOTILLA_NATS_URL=NATS_URL, FLOTILLA_REDIS_URL=REDIS_URL,
+               FLOTILLA_REQUIRE_API_KEY="1", FLOTILLA_HOST="127.0.0.1",
+               FLOTILLA_LOG_LEVEL="WARNING", FLOTILLA_DISCOVERY_INTERVAL_S="0.5",
+               FLOTILLA_OTEL_EXPORTER="none")
+    procs = [subprocess.Popen([sys.executable, "-m", "services.gateway"],
+                              env={**env, "FLOTILLA_PORT": str(port)}) for port in ports]
+    clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10,
+                                 headers=_auth(key)) for port in ports]
+    try:
+        for client in clients:  # up, and following the fake tokenizer's model
+            for _ in range(200):
+                try:
+                    if model in (await client.get("/v1/models")).text:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.05)
+        statuses = []
+        for i in range(11):
+            r = await clients[i % 2].post("/v1/completions",
+                                          json={"model": model, "prompt": "quick"})
+            statuses.append(r.status_code)
+        assert statuses == [200] * 10 + [429]
+        assert r.headers["x-ratelimit-limit-requests"] == "10"
+        assert r.headers["x-ratelimit-remaining-requests"] == "0"
+        assert "Retry-After" in r.headers
+    finally:
+        for client in clients:
+            await client.aclose()
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+        await revoke_key(plain, record.id)
+        await plain.close()
