@@ -147,6 +147,10 @@ async def test_eleventh_request_of_a_10_rpm_key_is_429_across_two_gateways(
         assert r.headers["x-ratelimit-limit-requests"] == "10"
         assert r.headers["x-ratelimit-remaining-requests"] == "0"
         assert 1 <= int(r.headers["Retry-After"]) <= 60
+        msg = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        r = await clients[1].post("/v1/messages", json=msg)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert r.headers["x-ratelimit-remaining-requests"] == "0" and "Retry-After" in r.headers
         sdk = openai.AsyncOpenAI(api_key=key, base_url=pair[1].url + "/v1", max_retries=0)
         with pytest.raises(openai.RateLimitError):
             await sdk.chat.completions.create(model=model,
