@@ -12,6 +12,7 @@ Rules:
 
 from __future__ import annotations
 
+import importlib.util
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,9 @@ class NatsSecurity:
         if sum(methods) > 1:
             raise ValueError("set one NATS authentication: a user and password, a token or "
                              "an nkey seed")
+        if self.nkey_seed is not None and importlib.util.find_spec("nkeys") is None:
+            raise ValueError("FLOTILLA_NATS_NKEY_SEED needs the `nkeys` package "
+                             "(pip install 'nats-py[nkeys]')")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("FLOTILLA_NATS_TLS_CERT and FLOTILLA_NATS_TLS_KEY go together")
         for name, path in (("NATS_NKEY_SEED", self.nkey_seed), ("NATS_TLS_CA", self.tls_ca),

@@ -136,13 +136,18 @@ def _device_ids(text: str) -> str:
 def cmd_up(args: argparse.Namespace) -> int:
     telemetry.setup_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    try:
+        nats_security = NatsSecurity.from_settings(args.settings)
+    except ValueError as exc:  # e.g. a TLS file that is not there
+        print(f"flotilla: {exc}", file=sys.stderr)
+        return 1
     suite = Suite(SuiteOptions(
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         mcp_config=args.mcp_config, served_model_name=args.served_model_name,
         log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout,
         tp=args.tp, device_ids=args.device_ids, isq=args.isq, fp8_kvcache=args.fp8_kvcache,
         ui=args.ui, api_keys=",".join(args.api_keys) if args.api_keys else None,
-        nats_auth=args.nats_auth, nats_security=NatsSecurity.from_settings(args.settings)))
+        nats_auth=args.nats_auth, nats_security=nats_security))
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         if suite.stop_requested:  # a second Ctrl-C: stop waiting politely

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import importlib.util
 import ipaddress
 import secrets
 import ssl
@@ -147,6 +148,10 @@ def test_security_settings_are_checked() -> None:
                                                   nats_token="t"))
     with pytest.raises(ValueError, match="no file"):
         NatsSecurity.from_settings(CommonSettings(nats_tls_ca=Path("/nonexistent/ca.pem")))
+    if importlib.util.find_spec("nkeys") is None:
+        seed = Path(__file__)  # any file: the missing package is named first
+        with pytest.raises(ValueError, match="nkeys"):
+            NatsSecurity.from_settings(CommonSettings(nats_nkey_seed=seed))
     assert NatsSecurity.from_settings(CommonSettings()).connect_options() == {}
     described = NatsSecurity(token=SecretStr("s3cret")).describe()
     assert "s3cret" not in described and "token" in described
