@@ -118,12 +118,11 @@ async def list_keys(store: Store) -> list[KeyRecord]:
     return sorted(records, key=lambda r: (r.created, r.id))
 
 
-async def revoke_key(store: Store, key_id: str) -> bool:
-    """Delete the key whose id (or the key itself) is `key_id`; whether one was found."""
-    found = False
+async def revoke_key(store: Store, key_id: str) -> str | None:
+    """Delete the key whose id (or the key itself) is `key_id`; the id deleted, if any."""
     for name, raw in (await store.scan(PREFIX)).items():
-        if (KeyRecord.model_validate_json(raw).id == key_id
-                or name == PREFIX + key_hash(key_id)):
+        record = KeyRecord.model_validate_json(raw)
+        if record.id == key_id or name == PREFIX + key_hash(key_id):
             await store.delete(name)
-            found = True
-    return found
+            return record.id
+    return None

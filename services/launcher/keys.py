@@ -3,6 +3,7 @@
     flotilla keys create [--name NAME] [--models A,B] [--rpm N] [--tpm N] [--max-concurrent N]
     flotilla keys list
     flotilla keys revoke KEY_ID
+    (each takes --redis-url URL; default FLOTILLA_REDIS_URL)
 
 Rules:
 - The keys live in Redis (FLOTILLA_REDIS_URL or --redis-url), as the gateways read them
@@ -27,10 +28,12 @@ from services.gateway.api_keys import KeyRecord, create_key, list_keys, revoke_k
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings: LauncherSettings) -> None:
-    parser.add_argument("--redis-url", default=settings.redis_url,
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--redis-url", default=settings.redis_url,
                         help="the Redis the gateways share (default: FLOTILLA_REDIS_URL)")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    create = actions.add_parser("create", help="make a key and print it (once)")
+    create = actions.add_parser("create", parents=[common],
+                                help="make a key and print it (once)")
     create.add_argument("--name", default="", help="a label shown by `list`")
     create.add_argument("--models", default=None, metavar="A,B",
                         help="models the key may use, comma-separated (default: all); others "
@@ -42,8 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser, settings: LauncherSettings) -
                         help="tokens per minute, prompt + generated (default: unlimited)")
     create.add_argument("--max-concurrent", type=_positive, default=None, metavar="N",
                         help="requests in flight at once (default: unlimited)")
-    actions.add_parser("list", help="show every key's id, name, models and limits")
-    revoke = actions.add_parser("revoke", help="delete a key: refused from its next request")
+    actions.add_parser("list", parents=[common],
+                       help="show every key's id, name, models and limits")
+    revoke = actions.add_parser("revoke", parents=[common],
+                                help="delete a key: refused from its next request")
     revoke.add_argument("key_id", metavar="KEY_ID", help="the id `list` shows (or the key)")
 
 
@@ -80,11 +85,11 @@ async def _run(args: argparse.Namespace) -> int:
                 print(_describe(record))
             if not records:
                 print("no keys", file=sys.stderr)
-        elif not await revoke_key(store, args.key_id):
+        elif (revoked := await revoke_key(store, args.key_id)) is None:
             print(f"flotilla: no key {args.key_id!r}", file=sys.stderr)
             return 1
         else:
-            print(f"revoked {args.key_id}", file=sys.stderr)
+            print(f"revoked {revoked}", file=sys.stderr)
         return 0
     finally:
         await store.close()
