@@ -118,12 +118,12 @@ class KeyUsage:
         if self.settled:
             return
         self.settled = True
-        if self.record.max_concurrent:
-            await self.limiter.release(self.record, self.lease)
+        lease = self.lease if self.record.max_concurrent and self.admission else None
+        window, delta = -1, 0
         if self.tokens is not None and not self.tokens.refused:
-            delta = self.actual_tokens() - self.reserved
-            if delta:
-                await self.limiter.settle(self.record, self.tokens.window, delta)
+            window, delta = self.tokens.window, self.actual_tokens() - self.reserved
+        if lease is not None or delta:
+            await self.limiter.finish(self.record, lease, window, delta)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         out: list[tuple[str, str]] = []

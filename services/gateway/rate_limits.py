@@ -10,10 +10,10 @@ Rules:
 - `admit` (before the body is read) counts the request against `rpm`, takes a lease on one of
   `max_concurrent` slots and refuses a key whose tokens are already spent; it changes nothing
   when it refuses. A lease expires by itself at the request's deadline, so a gateway that dies
-  mid-request cannot hold a slot forever; `release` frees it when the response ends.
+  mid-request cannot hold a slot forever.
 - `reserve` (once the body is known) takes the request's estimated tokens from `tpm`;
-  `settle` adds the difference to the real count when the request ends, if the same window
-  still runs (a new window starts clean).
+  `finish`, when the request ends, frees its lease and adds the difference to the real count
+  if the same window still runs (a new window starts clean), in one step.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Verdict(NamedTuple):
     requests_reset_ms: int
     tokens_used: int
     tokens_reset_ms: int
-    window: int  # start of the tokens window (ms), for `settle`
+    window: int  # start of the tokens window (ms), for `finish`
 
 
 _WINDOW = """
@@ -87,15 +87,17 @@ count(KEYS[1], ts, tu)
 return {'', 0, 0, 0, tu, ts + win - now, ts}
 """
 
-SETTLE = """
-local w = redis.call('HMGET', KEYS[1], 's', 'u')
-if tonumber(w[1]) == tonumber(ARGV[1]) then
-  redis.call('HSET', KEYS[1], 'u', math.max(0, tonumber(w[2]) + tonumber(ARGV[2])))
+FINISH = """
+if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], ARGV[3]) end
+local delta = tonumber(ARGV[2])
+if delta ~= 0 then
+  local w = redis.call('HMGET', KEYS[1], 's', 'u')
+  if tonumber(w[1]) == tonumber(ARGV[1]) then
+    redis.call('HSET', KEYS[1], 'u', math.max(0, tonumber(w[2]) + delta))
+  end
 end
 return 0
 """
-
-RELEASE = "return redis.call('ZREM', KEYS[1], ARGV[1])"
 
 
 def _keys(record: KeyRecord) -> tuple[str, str, str]:
@@ -106,8 +108,10 @@ def _keys(record: KeyRecord) -> tuple[str, str, str]:
 class Limiter(Protocol):
     async def admit(self, record: KeyRecord, lease: str, lease_ms: int) -> Verdict: ...
     async def reserve(self, record: KeyRecord, tokens: int) -> Verdict: ...
-    async def settle(self, record: KeyRecord, window: int, delta: int) -> None: ...
-    async def release(self, record: KeyRecord, lease: str) -> None: ...
+    async def finish(self, record: KeyRecord, lease: str | None, window: int,
+                     delta: int) -> None:
+        """Free `lease` (None: the request took none) and add `delta` tokens to the window
+        that started at `window`, if it still runs."""
 
 
 def _verdict(raw: list[object]) -> Verdict:
@@ -129,11 +133,10 @@ class RedisLimiter:
         args: list[int | str] = [WINDOW_MS, record.tpm or 0, tokens]
         return _verdict(await self.store.run_script(RESERVE, [_keys(record)[1]], args))
 
-    async def settle(self, record: KeyRecord, window: int, delta: int) -> None:
-        await self.store.run_script(SETTLE, [_keys(record)[1]], [window, delta])
-
-    async def release(self, record: KeyRecord, lease: str) -> None:
-        await self.store.run_script(RELEASE, [_keys(record)[2]], [lease])
+    async def finish(self, record: KeyRecord, lease: str | None, window: int,
+                     delta: int) -> None:
+        _, tokens, running = _keys(record)
+        await self.store.run_script(FINISH, [tokens, running], [window, delta, lease or ""])
 
 
 class MemoryLimiter:
@@ -180,14 +183,14 @@ class MemoryLimiter:
         self._windows[key] = (ts, tu + tokens)
         return Verdict("", 0, 0, 0, tu + tokens, reset, ts)
 
-    async def settle(self, record: KeyRecord, window: int, delta: int) -> None:
-        key = _keys(record)[1]
-        start, used = self._windows.get(key, (-1, 0))
-        if start == window:
-            self._windows[key] = (start, max(0, used + delta))
-
-    async def release(self, record: KeyRecord, lease: str) -> None:
-        self._leases.get(_keys(record)[2], {}).pop(lease, None)
+    async def finish(self, record: KeyRecord, lease: str | None, window: int,
+                     delta: int) -> None:
+        _, tokens, running = _keys(record)
+        if lease is not None:
+            self._leases.get(running, {}).pop(lease, None)
+        start, used = self._windows.get(tokens, (-1, 0))
+        if delta and start == window:
+            self._windows[tokens] = (start, max(0, used + delta))
 
 
 def make_limiter(store: Store) -> Limiter:
