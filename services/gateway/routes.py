@@ -24,6 +24,8 @@ from libs.common.deadline import Deadline
 from libs.common.errors import internal
 from services.gateway.chunks import chunk_builder
 from services.gateway.functions import from_legacy
+from services.gateway.key_usage import CURRENT as KEY_USAGE
+from services.gateway.key_usage import check_body
 from services.gateway.limits import check_schema_sizes, parse_json, read_body
 from services.gateway.overload import request_timeout
 from services.gateway.plan import Plan, chat_plan, completion_plan
@@ -49,7 +51,8 @@ def gateway(request: Request) -> GatewayState:
 
 async def read_json(request: Request, deadline: Deadline | None = None) -> Any:
     """The parsed body, within the size and depth limits; a body still arriving when the
-    request's deadline (by default its own: `request_deadline`) passes is a 504."""
+    request's deadline (by default its own: `request_deadline`) passes is a 504. A keyed
+    request's allowlist and token reservation are checked here (key_usage.py)."""
     settings = gateway(request).settings
     deadline = deadline or request_deadline(request)
     try:
@@ -57,7 +60,10 @@ async def read_json(request: Request, deadline: Deadline | None = None) -> Any:
             raw = await read_body(request, settings.max_body_bytes)
     except TimeoutError:
         raise deadline.error() from None
-    return parse_json(raw, settings.max_json_depth)
+    body = parse_json(raw, settings.max_json_depth)
+    if KEY_USAGE.get() is not None:
+        await check_body(request.url.path, body, len(raw), settings.key_reserve_output_tokens)
+    return body
 
 
 def request_deadline(request: Request) -> Deadline:
@@ -163,11 +169,17 @@ async def create_completion(request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     models = await gateway(request).registry.models()
+    usage = KEY_USAGE.get()
+    if usage is not None:
+        models = [m for m in models if usage.record.allows(m.id)]
     return JSONResponse({"object": "list", "data": [m.openai() for m in models]})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str) -> Response:
+    usage = KEY_USAGE.get()
+    if usage is not None:
+        usage.check_model(model)
     info = await gateway(request).require_model(model)
     return JSONResponse(info.openai())
 
