@@ -256,6 +256,10 @@ class EngineSettings(CommonSettings):
     tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = Field(
         "auto", description="How GPU tensor-parallel ranks sum small tensors: auto (symmetric-"
         "memory one-shot kernel up to 512 KiB, NCCL above) | nccl | one_shot | two_shot")
+    pooling: Literal["auto", "last", "mean", "cls"] = Field(
+        "auto", description="How embeddings (and score / rerank) pool the hidden states: auto "
+        "(the checkpoint's sentence-transformers Pooling config, else the last token, as for "
+        "decoder embedders such as Qwen3-Embedding) | last | mean | cls")
 
 
 class ToolsSettings(CommonSettings):
