@@ -41,6 +41,7 @@ class EmbedRequest(Message):
     pooling: PoolingOptions = Field(default_factory=PoolingOptions)
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
+    max_total_tokens: int | None = None  # the inputs' tokens together; more is a 400
     priority: int = 0
     deadline: float | None = None
 

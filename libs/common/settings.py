@@ -110,6 +110,12 @@ class GatewaySettings(CommonSettings):
     max_stop_chars: int = Field(512, ge=1, description="Longest stop string, in characters")
     max_prompts: int = Field(64, ge=1, description="Most prompts in one /v1/completions request "
                              "(each with `n` choices)")
+    max_embedding_inputs: int = Field(
+        2048, ge=1, description="Most inputs in one /v1/embeddings request (OpenAI's limit), "
+        "and most texts or documents in one score / rerank request")
+    max_embedding_tokens: int = Field(
+        300_000, ge=1, description="Most tokens the inputs of one embeddings, score or rerank "
+        "request may hold together (OpenAI's limit); more is 400")
     # ---- overload control
     max_in_flight: int = Field(
         512, ge=1, description="Generation and tokenize requests one gateway process serves at "

@@ -52,6 +52,7 @@ from libs.common.model_cache import resolve_model, served_name
 from libs.common.service import Announcer, instance_id
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from services.tokenizer.embed import Embedder, serve_embed
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.preparation import Preparer, check_deadline
 from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
@@ -123,6 +124,8 @@ class TokenizerService:
                                  self._render, queue="tokenizer"),
             await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
             *await serve_token_codec(self.bus, self.model, TokenCodec(self.tokenizer, max_len)),
+            await serve_embed(self.bus, self.model, Embedder(self.tokenizer, max_len),
+                              s.request_timeout_s),
         ]
         self._announcer = Announcer(
             self.bus, "tokenizer", self.instance, s.discovery_interval_s,

@@ -3,92 +3,16 @@ the final hidden states of Qwen3Model pooled (last token, mean, CLS) and L2-norm
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from services.engine.engine import Engine, EngineConfig, RequestOutput
 from services.engine.pooling import PoolingParams
 from services.engine.sampling_params import SamplingParams
-
-VOCAB = 256
-
-
-def save_tiny_qwen3(
-    path: Path, pooling: str | None = None, **overrides: object
-) -> Qwen3ForCausalLM:
-    """A tiny random Qwen3, with a sentence-transformers Pooling module when `pooling` is given
-    (lasttoken / mean_tokens / cls_token), as Qwen3-Embedding ships it."""
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-        **overrides,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
-    model.save_pretrained(path)
-    if pooling is not None:
-        (path / "modules.json").write_text(
-            json.dumps(
-                [
-                    {
-                        "idx": 0,
-                        "name": "0",
-                        "path": "",
-                        "type": "sentence_transformers.models.Transformer",
-                    },
-                    {
-                        "idx": 1,
-                        "name": "1",
-                        "path": "1_Pooling",
-                        "type": "sentence_transformers.models.Pooling",
-                    },
-                    {
-                        "idx": 2,
-                        "name": "2",
-                        "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize",
-                    },
-                ]
-            )
-        )
-        (path / "1_Pooling").mkdir()
-        (path / "1_Pooling" / "config.json").write_text(
-            json.dumps({"word_embedding_dimension": 64, f"pooling_mode_{pooling}": True})
-        )
-    return model
-
-
-def reference(
-    model: Qwen3ForCausalLM,
-    prompt: list[int],
-    method: str,
-    normalize: bool = True,
-    dimensions: int | None = None,
-) -> torch.Tensor:
-    """transformers' last hidden state, pooled as sentence-transformers does."""
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        hidden = model.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[
-            0
-        ]
-    vec = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[method]
-    if dimensions is not None:
-        vec = vec[:dimensions]
-    return torch.nn.functional.normalize(vec, dim=0) if normalize else vec
+from tests.pooling.models import VOCAB, reference, save_tiny_qwen3
 
 
 def prompts(n: int, seed: int = 1, longest: int = 60) -> list[list[int]]:

@@ -1,0 +1,168 @@
+"""Pooling endpoints: `/v1/embeddings` (OpenAI's shape), `/v1/score` (vLLM's) and `/v1/rerank`,
+`/rerank`, `/v2/rerank` (the Jina / Cohere shape vLLM serves).
+
+Rules:
+- Every body is validated against the spec (counts bounded by `max_embedding_inputs`); token-id
+  inputs are counted here against `max_embedding_tokens`, text inputs by the tokenizer (both a
+  400 before any engine work).
+- One EmbedRequest per HTTP request goes to the model's tokenizer, which tokenizes (no chat
+  template) and has one engine pool every input (prefill only); the reply carries the vectors
+  as base64 float32, passed through for `encoding_format: base64`, decoded for `float`.
+- Score and rerank embed every text once and score each pair by the cosine similarity of the
+  two L2-normalized embeddings, which is what vLLM does for embedding models. The engine has no
+  sequence-classification (cross-encoder) head: a reranker checkpoint served here is used as
+  an embedding model (docs/api_compatibility.md).
+- `dimensions` and `normalize` apply to /v1/embeddings only; score and rerank always compare
+  normalized full vectors.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from libs.common import subjects
+from libs.common.deadline import Deadline
+from libs.common.errors import FlotillaError, internal, invalid_request
+from libs.common.pooling_messages import EmbedRequest, PoolingOptions, PoolReply
+from services.gateway.plan import new_request_id
+from services.gateway.routes import gateway, read_json, request_deadline
+from services.gateway.token_routes import served_model
+
+if TYPE_CHECKING:
+    from services.gateway.app import GatewayState
+
+router = APIRouter()
+
+
+def embedding_inputs(value: str | list[Any]) -> list[str | list[int]]:
+    """OpenAI's four input forms as a list of inputs (a string or a list of token ids each)."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(v, int) for v in value):
+        return [value]
+    return list(value)
+
+
+def _check_token_ids(gw: GatewayState, inputs: list[str | list[int]]) -> None:
+    total = sum(len(i) for i in inputs if isinstance(i, list))
+    limit = gw.settings.max_embedding_tokens
+    if total > limit:
+        raise invalid_request(
+            f"The inputs hold {total} tokens together; this server takes at most {limit} in one "
+            "request.", param="input", code="too_many_tokens")
+
+
+async def embed(gw: GatewayState, model: str, inputs: list[str | list[int]],
+                body: dict[str, Any], pooling: PoolingOptions, deadline: Deadline) -> PoolReply:
+    """The vectors of `inputs` from the model's tokenizer and an engine (see module rules)."""
+    _check_token_ids(gw, inputs)
+    add = body.get("add_special_tokens")
+    req = EmbedRequest(
+        request_id=new_request_id(), model=model, inputs=inputs, pooling=pooling,
+        truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+        add_special_tokens=add is None or bool(add),
+        max_total_tokens=gw.settings.max_embedding_tokens,
+        priority=body.get("priority") or 0, deadline=deadline.at)
+    remaining = deadline.remaining()
+    if remaining <= 0:
+        raise deadline.error()
+    reply = await gw.bus.request(subjects.tokenizer_embed(model), req, PoolReply,
+                                 timeout=remaining)
+    if reply.error is not None:
+        raise FlotillaError(reply.error)
+    if len(reply.embeddings) != len(inputs):
+        raise internal(f"the engine answered {len(reply.embeddings)} vectors for "
+                       f"{len(inputs)} inputs")
+    return reply
+
+
+def vectors(reply: PoolReply) -> np.ndarray:
+    """The reply's vectors as float32 rows [n, dim]."""
+    return np.stack([np.frombuffer(base64.b64decode(e), dtype="<f4") for e in reply.embeddings])
+
+
+def _usage(tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: Request) -> Response:
+    gw = gateway(request)
+    deadline = request_deadline(request)
+    body = await read_json(request, deadline)
+    gw.spec.validate("createEmbedding", body)
+    info = await gw.require_model(body["model"])
+    inputs = embedding_inputs(body["input"])
+    normalize = body.get("normalize")
+    pooling = PoolingOptions(normalize=normalize is None or bool(normalize),
+                             dimensions=body.get("dimensions"))
+    reply = await embed(gw, info.id, inputs, body, pooling, deadline)
+    as_base64 = body.get("encoding_format") == "base64"
+    data = [{"object": "embedding", "index": i,
+             "embedding": e if as_base64 else
+             np.frombuffer(base64.b64decode(e), dtype="<f4").tolist()}
+            for i, e in enumerate(reply.embeddings)]
+    return JSONResponse({"id": f"embd-{new_request_id()}", "object": "list",
+                         "created": int(time.time()), "model": info.id, "data": data,
+                         "usage": _usage(reply.prompt_tokens)})
+
+
+def _score_pairs(text_1: list[str], text_2: list[str]) -> list[tuple[int, int]]:
+    """vLLM's pairing: one text_1 against each text_2, or text_1[i] against text_2[i]."""
+    if len(text_1) == 1:
+        return [(0, j) for j in range(len(text_2))]
+    if len(text_1) == len(text_2):
+        return [(i, i) for i in range(len(text_1))]
+    raise invalid_request(
+        f"`text_1` holds {len(text_1)} texts and `text_2` {len(text_2)}: send one text_1, or "
+        "as many as text_2.", param="text_1")
+
+
+@router.post("/v1/score")
+async def create_score(request: Request) -> Response:
+    gw = gateway(request)
+    deadline = request_deadline(request)
+    body = await read_json(request, deadline)
+    gw.spec.validate("createScore", body)
+    info = await gw.require_model(body["model"])
+    text_1 = [body["text_1"]] if isinstance(body["text_1"], str) else body["text_1"]
+    text_2 = [body["text_2"]] if isinstance(body["text_2"], str) else body["text_2"]
+    pairs = _score_pairs(text_1, text_2)
+    reply = await embed(gw, info.id, [*text_1, *text_2], body, PoolingOptions(), deadline)
+    vecs = vectors(reply)
+    left, right = vecs[: len(text_1)], vecs[len(text_1):]
+    data = [{"index": k, "object": "score", "score": float(left[i] @ right[j])}
+            for k, (i, j) in enumerate(pairs)]
+    return JSONResponse({"id": f"score-{new_request_id()}", "object": "list",
+                         "created": int(time.time()), "model": info.id, "data": data,
+                         "usage": _usage(reply.prompt_tokens)})
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def create_rerank(request: Request) -> Response:
+    gw = gateway(request)
+    deadline = request_deadline(request)
+    body = await read_json(request, deadline)
+    gw.spec.validate("createRerank", body)
+    info = await served_model(gw, body)
+    documents = [d if isinstance(d, str) else d["text"] for d in body["documents"]]
+    reply = await embed(gw, info.id, [body["query"], *documents], body, PoolingOptions(),
+                        deadline)
+    vecs = vectors(reply)
+    scores = vecs[1:] @ vecs[0]
+    order = sorted(range(len(documents)), key=lambda i: -float(scores[i]))
+    top_n = body.get("top_n") or len(documents)
+    with_documents = body.get("return_documents") is not False
+    results = [{"index": i, "relevance_score": float(scores[i]),
+                **({"document": {"text": documents[i]}} if with_documents else {})}
+               for i in order[:top_n]]
+    return JSONResponse({"id": f"rerank-{new_request_id()}", "model": info.id,
+                         "usage": {"total_tokens": reply.prompt_tokens}, "results": results})
