@@ -45,9 +45,14 @@ EXAMPLES = {"POST": 150, "GET": 30}
 # which share the chat path behind them) fewer, so the whole run stays within a few minutes.
 CORE_PATHS = ("/v1/chat/completions", "/v1/completions")
 OTHER_POST_EXAMPLES = 50
+# embeddings, score and rerank: one cheap fake vector path behind five routes
+POOLING_PATHS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank")
+POOLING_EXAMPLES = 15
 # Rules the spec states in its descriptions (JSON Schema cannot express them): a request the
 # schema accepts may still get a 400 naming one of these parameters.
-DOCUMENTED_RULES = {"tool_choice", "tool_choice.function.name"}
+DOCUMENTED_RULES = {"tool_choice", "tool_choice.function.name",
+                    # pooling: Matryoshka sizes, vLLM's score pairing, the fake's vocabulary
+                    "dimensions", "text_1", "input"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, negative_data_rejection]
 
@@ -70,6 +75,10 @@ def _check_against_openai(case: Any, response: Any) -> None:
     if response.status_code >= 400:
         if _content_type(response).startswith("application/json"):
             validate_openai("ErrorResponse", response.json())
+        return
+    if path == "/v1/embeddings":
+        if case.body.get("encoding_format") != "base64":  # OpenAI's schema: arrays only
+            validate_openai("CreateEmbeddingResponse", response.json())
         return
     if path not in ("/v1/chat/completions", "/v1/completions"):
         return
@@ -96,7 +105,8 @@ def _run_operation(operation: Any, mode: Any, base_url: str, model: str,
     session = requests.Session()
 
     method = operation.method.upper()
-    examples = (OTHER_POST_EXAMPLES if method == "POST" and operation.path not in CORE_PATHS
+    examples = (POOLING_EXAMPLES if operation.path in POOLING_PATHS
+                else OTHER_POST_EXAMPLES if method == "POST" and operation.path not in CORE_PATHS
                 else EXAMPLES.get(method, 40))
 
     @given(case=operation.as_strategy(generation_mode=mode))
