@@ -109,3 +109,51 @@ def test_pooling_abort_frees_its_blocks_and_bad_inputs_are_refused(plain) -> Non
         engine.add_request("x", [VOCAB], PoolingParams())
     with pytest.raises(ValueError, match="context"):
         engine.add_request("y", [3] * 1000, PoolingParams())
+
+
+def test_a_base_model_checkpoint_loads_as_qwen3_embedding_ships(tmp_path: Path) -> None:
+    """Qwen3-Embedding's files: Qwen3Model tensors (no `model.` prefix, no lm_head) under a
+    Qwen3ForCausalLM config."""
+    import json
+
+    from safetensors.torch import load_file
+
+    causal = save_tiny_qwen3(tmp_path / "causal")
+    path = tmp_path / "embedding"
+    causal.model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config,
+                                                  "architectures": ["Qwen3ForCausalLM"]}))
+    names = load_file(path / "model.safetensors").keys()
+    assert "layers.0.self_attn.q_proj.weight" in names and not any(
+        n.startswith(("model.", "lm_head")) for n in names)
+    engine = make_engine(path)
+    p = prompts(1, seed=5)[0]
+    engine.add_request("e", p, PoolingParams("last"))
+    torch.testing.assert_close(drain(engine)["e"].pooled, reference(causal, p, "last"),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_pooling_config_reads_sentence_transformers_and_matryoshka(tmp_path: Path) -> None:
+    import json
+
+    from services.engine.pooling_config import model_pooling
+
+    for mode, method in (("lasttoken", "last"), ("mean_tokens", "mean"), ("cls_token", "cls")):
+        d = tmp_path / mode
+        d.mkdir()
+        (d / "modules.json").write_text(json.dumps([
+            {"path": "", "type": "sentence_transformers.models.Transformer"},
+            {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (d / "1_Pooling").mkdir()
+        (d / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{mode}": True}))
+        assert model_pooling(d, {}, 64).method == method
+        assert model_pooling(d, {}, 64, override="cls").method == "cls"
+    assert model_pooling(tmp_path / "none", {}, 64).method == "last"  # decoder default
+    plain = model_pooling(None, {}, 64)
+    assert plain.check_dimensions(None) is None and plain.check_dimensions(64) is None
+    assert "Matryoshka" in (plain.check_dimensions(32) or "")
+    assert "1..64" in (plain.check_dimensions(65) or "")
+    assert model_pooling(None, {"is_matryoshka": True}, 64).check_dimensions(7) is None
+    listed = model_pooling(None, {"matryoshka_dimensions": [16, 32]}, 64)
+    assert listed.check_dimensions(32) is None and "[16, 32]" in (listed.check_dimensions(8) or "")
