@@ -12,7 +12,9 @@ Rules:
   (chunked, with its partial sums kept). Generation thus never waits more than one budget's
   forward for pooling, and pooling gets a batch every step however busy generation is.
 - A job whose blocks do not fit waits (the KV cache is shared with generation); its deadline,
-  checked every step, bounds the wait.
+  checked every step, bounds the wait. When the first job in order cannot get its blocks and
+  later jobs hold some (long inputs part-way through), those are set back to their start and
+  their blocks freed, so the queue always drains (the context length fits the cache).
 """
 
 from __future__ import annotations
@@ -144,13 +146,25 @@ class PoolingQueue:
         left, while the token budget lasts and their blocks fit."""
         chunks: list[PoolingChunk] = []
         order = sorted(self.jobs.values(), key=lambda j: (j.request.priority, j.request.arrival))
-        for job in order:
+        for i, job in enumerate(order):
             if budget <= 0 or len(chunks) >= max_seqs:
                 break
             r = job.request
             n = min(job.num_tokens - r.num_computed_tokens, budget)
             if not kv.allocate_slots(r, n):
+                if not chunks and self._set_back(order[i + 1:], kv):
+                    return self.schedule(kv, budget, max_seqs)
                 break  # first come, first served: no later job jumps a waiting one
             chunks.append(PoolingChunk(job, r.num_computed_tokens, n))
             budget -= n
         return chunks
+
+    @staticmethod
+    def _set_back(jobs: list[PoolingJob], kv: KVCacheManager) -> bool:
+        """Free the blocks of these jobs, back to their start; False if none held any."""
+        holding = [j for j in jobs if j.request.block_ids]
+        for job in holding:
+            kv.free(job.request)
+            job.request.num_computed_tokens = 0
+            job.value = None
+        return bool(holding)

@@ -157,3 +157,33 @@ def test_pooling_config_reads_sentence_transformers_and_matryoshka(tmp_path: Pat
     assert model_pooling(None, {"is_matryoshka": True}, 64).check_dimensions(7) is None
     listed = model_pooling(None, {"matryoshka_dimensions": [16, 32]}, 64)
     assert listed.check_dimensions(32) is None and "[16, 32]" in (listed.check_dimensions(8) or "")
+
+
+def test_a_job_holding_blocks_is_set_back_for_an_earlier_one(plain) -> None:
+    """A 200-token input part-way through (chunks of 32) holds blocks when a higher-priority
+    200-token input arrives; a 60-block cache (240 tokens) cannot hold both: the first is set
+    back to its start, the second finishes, then the first, both exact."""
+    path, model = plain
+    engine = make_engine(path, num_kv_blocks=60, max_num_batched_tokens=32)
+    ps = [list(range(2, 202)), list(range(50, 250))]
+    engine.add_request("e0", ps[0], PoolingParams("last"))
+    for _ in range(3):
+        assert not engine.step()
+    held = engine.pooling.jobs["e0"].request.num_computed_tokens
+    assert held == 96
+    engine.add_request("e1", ps[1], PoolingParams("last"), priority=-1)
+    order: list[str] = []
+    done: dict[str, RequestOutput] = {}
+    set_back = False
+    for _ in range(100):
+        for out in engine.step():
+            order.append(out.request_id)
+            done[out.request_id] = out
+        job = engine.pooling.jobs.get("e0")
+        set_back |= job is not None and job.request.num_computed_tokens < held
+        if not engine.has_unfinished():
+            break
+    assert order == ["e1", "e0"] and set_back
+    for i, p in enumerate(ps):
+        torch.testing.assert_close(done[f"e{i}"].pooled, reference(model, p, "last"),
+                                   atol=1e-4, rtol=1e-4)
