@@ -134,13 +134,12 @@ class PoolService:
             self.cancel(req.request_id)  # jobs still running after one failed
             for job_id in ids:
                 self._jobs.pop(job_id, None)
+        vectors = []
         for out in outputs:
             if isinstance(out, BaseException):
                 return PoolReply(error=_error_info(RequestError.of(out, "pooling")))
-        return PoolReply(
-            embeddings=[encode_vector(o.pooled) for o in outputs],
-            prompt_tokens=sum(len(p) for p in req.prompts),
-        )
+            vectors.append(encode_vector(out.pooled))
+        return PoolReply(embeddings=vectors, prompt_tokens=sum(len(p) for p in req.prompts))
 
     def on_output(self, out: Any) -> bool:
         """Deliver a pooling job's output; False if `out` is not one (generation's)."""

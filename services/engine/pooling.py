@@ -152,7 +152,7 @@ class PoolingQueue:
             r = job.request
             n = min(job.num_tokens - r.num_computed_tokens, budget)
             if not kv.allocate_slots(r, n):
-                if not chunks and self._set_back(order[i + 1:], kv):
+                if not chunks and self._set_back(order[i + 1 :], kv):
                     return self.schedule(kv, budget, max_seqs)
                 break  # first come, first served: no later job jumps a waiting one
             chunks.append(PoolingChunk(job, r.num_computed_tokens, n))

@@ -55,30 +55,44 @@ def _check_token_ids(gw: GatewayState, inputs: list[str | list[int]]) -> None:
     if total > limit:
         raise invalid_request(
             f"The inputs hold {total} tokens together; this server takes at most {limit} in one "
-            "request.", param="input", code="too_many_tokens")
+            "request.",
+            param="input",
+            code="too_many_tokens",
+        )
 
 
-async def embed(gw: GatewayState, model: str, inputs: list[str | list[int]],
-                body: dict[str, Any], pooling: PoolingOptions, deadline: Deadline) -> PoolReply:
+async def embed(
+    gw: GatewayState,
+    model: str,
+    inputs: list[str | list[int]],
+    body: dict[str, Any],
+    pooling: PoolingOptions,
+    deadline: Deadline,
+) -> PoolReply:
     """The vectors of `inputs` from the model's tokenizer and an engine (see module rules)."""
     _check_token_ids(gw, inputs)
     add = body.get("add_special_tokens")
     req = EmbedRequest(
-        request_id=new_request_id(), model=model, inputs=inputs, pooling=pooling,
+        request_id=new_request_id(),
+        model=model,
+        inputs=inputs,
+        pooling=pooling,
         truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
         add_special_tokens=add is None or bool(add),
         max_total_tokens=gw.settings.max_embedding_tokens,
-        priority=body.get("priority") or 0, deadline=deadline.at)
+        priority=body.get("priority") or 0,
+        deadline=deadline.at,
+    )
     remaining = deadline.remaining()
     if remaining <= 0:
         raise deadline.error()
-    reply = await gw.bus.request(subjects.tokenizer_embed(model), req, PoolReply,
-                                 timeout=remaining)
+    reply = await gw.bus.request(subjects.tokenizer_embed(model), req, PoolReply, timeout=remaining)
     if reply.error is not None:
         raise FlotillaError(reply.error)
     if len(reply.embeddings) != len(inputs):
-        raise internal(f"the engine answered {len(reply.embeddings)} vectors for "
-                       f"{len(inputs)} inputs")
+        raise internal(
+            f"the engine answered {len(reply.embeddings)} vectors for {len(inputs)} inputs"
+        )
     return reply
 
 
@@ -100,17 +114,31 @@ async def create_embedding(request: Request) -> Response:
     info = await gw.require_model(body["model"])
     inputs = embedding_inputs(body["input"])
     normalize = body.get("normalize")
-    pooling = PoolingOptions(normalize=normalize is None or bool(normalize),
-                             dimensions=body.get("dimensions"))
+    pooling = PoolingOptions(
+        normalize=normalize is None or bool(normalize), dimensions=body.get("dimensions")
+    )
     reply = await embed(gw, info.id, inputs, body, pooling, deadline)
     as_base64 = body.get("encoding_format") == "base64"
-    data = [{"object": "embedding", "index": i,
-             "embedding": e if as_base64 else
-             np.frombuffer(base64.b64decode(e), dtype="<f4").tolist()}
-            for i, e in enumerate(reply.embeddings)]
-    return JSONResponse({"id": f"embd-{new_request_id()}", "object": "list",
-                         "created": int(time.time()), "model": info.id, "data": data,
-                         "usage": _usage(reply.prompt_tokens)})
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": e
+            if as_base64
+            else np.frombuffer(base64.b64decode(e), dtype="<f4").tolist(),
+        }
+        for i, e in enumerate(reply.embeddings)
+    ]
+    return JSONResponse(
+        {
+            "id": f"embd-{new_request_id()}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": info.id,
+            "data": data,
+            "usage": _usage(reply.prompt_tokens),
+        }
+    )
 
 
 def _score_pairs(text_1: list[str], text_2: list[str]) -> list[tuple[int, int]]:
@@ -121,7 +149,9 @@ def _score_pairs(text_1: list[str], text_2: list[str]) -> list[tuple[int, int]]:
         return [(i, i) for i in range(len(text_1))]
     raise invalid_request(
         f"`text_1` holds {len(text_1)} texts and `text_2` {len(text_2)}: send one text_1, or "
-        "as many as text_2.", param="text_1")
+        "as many as text_2.",
+        param="text_1",
+    )
 
 
 @router.post("/v1/score")
@@ -136,12 +166,21 @@ async def create_score(request: Request) -> Response:
     pairs = _score_pairs(text_1, text_2)
     reply = await embed(gw, info.id, [*text_1, *text_2], body, PoolingOptions(), deadline)
     vecs = vectors(reply)
-    left, right = vecs[: len(text_1)], vecs[len(text_1):]
-    data = [{"index": k, "object": "score", "score": float(left[i] @ right[j])}
-            for k, (i, j) in enumerate(pairs)]
-    return JSONResponse({"id": f"score-{new_request_id()}", "object": "list",
-                         "created": int(time.time()), "model": info.id, "data": data,
-                         "usage": _usage(reply.prompt_tokens)})
+    left, right = vecs[: len(text_1)], vecs[len(text_1) :]
+    data = [
+        {"index": k, "object": "score", "score": float(left[i] @ right[j])}
+        for k, (i, j) in enumerate(pairs)
+    ]
+    return JSONResponse(
+        {
+            "id": f"score-{new_request_id()}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": info.id,
+            "data": data,
+            "usage": _usage(reply.prompt_tokens),
+        }
+    )
 
 
 @router.post("/rerank")
@@ -154,15 +193,25 @@ async def create_rerank(request: Request) -> Response:
     gw.spec.validate("createRerank", body)
     info = await served_model(gw, body)
     documents = [d if isinstance(d, str) else d["text"] for d in body["documents"]]
-    reply = await embed(gw, info.id, [body["query"], *documents], body, PoolingOptions(),
-                        deadline)
+    reply = await embed(gw, info.id, [body["query"], *documents], body, PoolingOptions(), deadline)
     vecs = vectors(reply)
     scores = vecs[1:] @ vecs[0]
     order = sorted(range(len(documents)), key=lambda i: -float(scores[i]))
     top_n = body.get("top_n") or len(documents)
     with_documents = body.get("return_documents") is not False
-    results = [{"index": i, "relevance_score": float(scores[i]),
-                **({"document": {"text": documents[i]}} if with_documents else {})}
-               for i in order[:top_n]]
-    return JSONResponse({"id": f"rerank-{new_request_id()}", "model": info.id,
-                         "usage": {"total_tokens": reply.prompt_tokens}, "results": results})
+    results = [
+        {
+            "index": i,
+            "relevance_score": float(scores[i]),
+            **({"document": {"text": documents[i]}} if with_documents else {}),
+        }
+        for i in order[:top_n]
+    ]
+    return JSONResponse(
+        {
+            "id": f"rerank-{new_request_id()}",
+            "model": info.id,
+            "usage": {"total_tokens": reply.prompt_tokens},
+            "results": results,
+        }
+    )

@@ -122,16 +122,17 @@ def test_a_base_model_checkpoint_loads_as_qwen3_embedding_ships(tmp_path: Path) 
     path = tmp_path / "embedding"
     causal.model.save_pretrained(path)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config,
-                                                  "architectures": ["Qwen3ForCausalLM"]}))
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
     names = load_file(path / "model.safetensors").keys()
     assert "layers.0.self_attn.q_proj.weight" in names and not any(
-        n.startswith(("model.", "lm_head")) for n in names)
+        n.startswith(("model.", "lm_head")) for n in names
+    )
     engine = make_engine(path)
     p = prompts(1, seed=5)[0]
     engine.add_request("e", p, PoolingParams("last"))
-    torch.testing.assert_close(drain(engine)["e"].pooled, reference(causal, p, "last"),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        drain(engine)["e"].pooled, reference(causal, p, "last"), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_pooling_config_reads_sentence_transformers_and_matryoshka(tmp_path: Path) -> None:
@@ -142,9 +143,14 @@ def test_pooling_config_reads_sentence_transformers_and_matryoshka(tmp_path: Pat
     for mode, method in (("lasttoken", "last"), ("mean_tokens", "mean"), ("cls_token", "cls")):
         d = tmp_path / mode
         d.mkdir()
-        (d / "modules.json").write_text(json.dumps([
-            {"path": "", "type": "sentence_transformers.models.Transformer"},
-            {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (d / "modules.json").write_text(
+            json.dumps(
+                [
+                    {"path": "", "type": "sentence_transformers.models.Transformer"},
+                    {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                ]
+            )
+        )
         (d / "1_Pooling").mkdir()
         (d / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{mode}": True}))
         assert model_pooling(d, {}, 64).method == method
@@ -185,5 +191,6 @@ def test_a_job_holding_blocks_is_set_back_for_an_earlier_one(plain) -> None:
             break
     assert order == ["e1", "e0"] and set_back
     for i, p in enumerate(ps):
-        torch.testing.assert_close(done[f"e{i}"].pooled, reference(model, p, "last"),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            done[f"e{i}"].pooled, reference(model, p, "last"), atol=1e-4, rtol=1e-4
+        )

@@ -28,8 +28,12 @@ from tests.gateway.schemas import validate_openai, validate_ours
 from tests.gateway.test_http import assert_error
 from tests.pooling.models import VOCAB, reference, save_tiny_qwen3
 
-TEXTS = ["the quick brown fox", "a cat sat on the mat", "paris is the capital of france",
-         "vectors of text"]
+TEXTS = [
+    "the quick brown fox",
+    "a cat sat on the mat",
+    "paris is the capital of france",
+    "vectors of text",
+]
 
 
 class Suite:
@@ -42,8 +46,7 @@ class Suite:
     def ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
-    def expected(self, text_or_ids: str | list[int], dimensions: int | None = None
-                 ) -> torch.Tensor:
+    def expected(self, text_or_ids: str | list[int], dimensions: int | None = None) -> torch.Tensor:
         ids = self.ids(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids
         return reference(self.hf, ids, "last", dimensions=dimensions)
 
@@ -53,16 +56,28 @@ async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Suite
     path = tmp_path_factory.mktemp("qwen3-embedding")
     hf = save_tiny_qwen3(path, "lasttoken", tokenizer=True, is_matryoshka=True)
     model = f"embed-{uuid.uuid4().hex[:8]}"
-    common: dict[str, Any] = dict(nats_url=NATS_URL, model=str(path), served_model_name=model,
-                                  log_level="WARNING")
+    common: dict[str, Any] = dict(
+        nats_url=NATS_URL, model=str(path), served_model_name=model, log_level="WARNING"
+    )
     bus = await Bus.connect(NATS_URL, "pooling-test")
-    engine = EngineSettings(**common, device="cpu", quantization="none", kvcache_mem_mib=16,
-                            max_num_batched_tokens=64)
-    services = [EngineService(engine, bus),
-                TokenizerService(TokenizerSettings(**common), bus),
-                GatewayService(GatewaySettings(nats_url=NATS_URL, port=0, log_level="WARNING",
-                                               request_timeout_s=30.0, max_embedding_inputs=64,
-                                               max_embedding_tokens=2000), bus)]
+    engine = EngineSettings(
+        **common, device="cpu", quantization="none", kvcache_mem_mib=16, max_num_batched_tokens=64
+    )
+    services = [
+        EngineService(engine, bus),
+        TokenizerService(TokenizerSettings(**common), bus),
+        GatewayService(
+            GatewaySettings(
+                nats_url=NATS_URL,
+                port=0,
+                log_level="WARNING",
+                request_timeout_s=30.0,
+                max_embedding_inputs=64,
+                max_embedding_tokens=2000,
+            ),
+            bus,
+        ),
+    ]
     started: list[Any] = []
     try:
         for svc in services:
@@ -89,20 +104,22 @@ async def http(suite: Suite) -> AsyncIterator[httpx.AsyncClient]:
 
 @pytest.fixture
 async def sdk(suite: Suite) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{suite.url}/v1", api_key="unused",
-                                  max_retries=0) as client:
+    async with openai.AsyncOpenAI(
+        base_url=f"{suite.url}/v1", api_key="unused", max_retries=0
+    ) as client:
         yield client
 
 
 def close(got: list[float], want: torch.Tensor) -> None:
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), want, atol=1e-4,
-                               rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), want, atol=1e-4, rtol=1e-4)
 
 
 async def test_sdk_embeddings_float_and_base64_match_transformers(
-        suite: Suite, sdk: openai.AsyncOpenAI, http: httpx.AsyncClient) -> None:
-    floats = await sdk.embeddings.create(model=suite.model, input=TEXTS,
-                                         encoding_format="float", user="u-1")
+    suite: Suite, sdk: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    floats = await sdk.embeddings.create(
+        model=suite.model, input=TEXTS, encoding_format="float", user="u-1"
+    )
     assert [d.index for d in floats.data] == list(range(len(TEXTS)))
     for text, item in zip(TEXTS, floats.data, strict=True):
         close(item.embedding, suite.expected(text))
@@ -127,52 +144,62 @@ async def test_token_id_inputs_and_dimensions(suite: Suite, sdk: openai.AsyncOpe
     r = await sdk.embeddings.create(model=suite.model, input=many, encoding_format="float")
     for ids, item in zip(many, r.data, strict=True):
         close(item.embedding, suite.expected(ids))
-    r = await sdk.embeddings.create(model=suite.model, input=TEXTS[:2], dimensions=16,
-                                    encoding_format="float")
+    r = await sdk.embeddings.create(
+        model=suite.model, input=TEXTS[:2], dimensions=16, encoding_format="float"
+    )
     for text, item in zip(TEXTS, r.data, strict=False):
         assert len(item.embedding) == 16
         close(item.embedding, suite.expected(text, dimensions=16))  # cut, then renormalized
 
 
 async def test_truncate_prompt_tokens_keeps_the_last_tokens(
-        suite: Suite, http: httpx.AsyncClient) -> None:
+    suite: Suite, http: httpx.AsyncClient
+) -> None:
     long = list(range(2, 300))  # longer than the 256-token context
     r = await http.post("/v1/embeddings", json={"model": suite.model, "input": long})
     assert_error(r, 400, param="input", code="context_length_exceeded")
-    r = await http.post("/v1/embeddings", json={"model": suite.model, "input": long,
-                                                "truncate_prompt_tokens": 40})
+    r = await http.post(
+        "/v1/embeddings", json={"model": suite.model, "input": long, "truncate_prompt_tokens": 40}
+    )
     assert r.status_code == 200, r.text
     close(r.json()["data"][0]["embedding"], suite.expected(long[-40:]))
 
 
 async def test_score_and_rerank_order_by_independent_cosine(
-        suite: Suite, http: httpx.AsyncClient) -> None:
+    suite: Suite, http: httpx.AsyncClient
+) -> None:
     query, docs = "where is paris", TEXTS
     q = suite.expected(query)
     cosine = [float(q @ suite.expected(d)) for d in docs]
-    r = await http.post("/v1/score", json={"model": suite.model, "text_1": query,
-                                           "text_2": docs})
+    r = await http.post("/v1/score", json={"model": suite.model, "text_1": query, "text_2": docs})
     assert r.status_code == 200, r.text
     validate_ours("ScoreResponse", r.json())
     assert [d["score"] for d in r.json()["data"]] == pytest.approx(cosine, abs=1e-4)
-    pairs = await http.post("/v1/score", json={"model": suite.model, "text_1": docs[:2],
-                                               "text_2": docs[2:]})
-    want = [float(suite.expected(a) @ suite.expected(b)) for a, b in zip(docs[:2], docs[2:],
-                                                                          strict=True)]
+    pairs = await http.post(
+        "/v1/score", json={"model": suite.model, "text_1": docs[:2], "text_2": docs[2:]}
+    )
+    want = [
+        float(suite.expected(a) @ suite.expected(b))
+        for a, b in zip(docs[:2], docs[2:], strict=True)
+    ]
     assert [d["score"] for d in pairs.json()["data"]] == pytest.approx(want, abs=1e-4)
     order = sorted(range(len(docs)), key=lambda i: -cosine[i])
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-        r = await http.post(path, json={"model": suite.model, "query": query,
-                                        "documents": docs, "top_n": 3})
+        r = await http.post(
+            path, json={"model": suite.model, "query": query, "documents": docs, "top_n": 3}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         validate_ours("RerankResponse", body)
         assert [x["index"] for x in body["results"]] == order[:3]
         assert [x["document"]["text"] for x in body["results"]] == [docs[i] for i in order[:3]]
         assert [x["relevance_score"] for x in body["results"]] == pytest.approx(
-            [cosine[i] for i in order[:3]], abs=1e-4)
-    r = await http.post("/v1/rerank", json={"query": query, "return_documents": False,
-                                            "documents": [{"text": d} for d in docs]})
+            [cosine[i] for i in order[:3]], abs=1e-4
+        )
+    r = await http.post(
+        "/v1/rerank",
+        json={"query": query, "return_documents": False, "documents": [{"text": d} for d in docs]},
+    )
     assert r.status_code == 200, r.text  # model left out: the one served
     assert [x["index"] for x in r.json()["results"]] == order
     assert all("document" not in x for x in r.json()["results"])
@@ -193,8 +220,7 @@ async def test_hostile_inputs_are_fast_400s(suite: Suite, http: httpx.AsyncClien
         ({"model": m, "input": "a", "dimensions": 65}, "dimensions"),
         ({"model": m, "input": [[3] * 200] * 11}, "input"),  # 2,200 tokens > 2,000 together
         ({"model": m, "input": ["the cat " * 40] * 20}, "input"),  # the same, counted as text
-        ({"model": m, "input": "a", "truncate_prompt_tokens": 10_000},
-         "truncate_prompt_tokens"),
+        ({"model": m, "input": "a", "truncate_prompt_tokens": 10_000}, "truncate_prompt_tokens"),
     ]
     for body, param in cases:
         t0 = time.monotonic()
@@ -203,22 +229,34 @@ async def test_hostile_inputs_are_fast_400s(suite: Suite, http: httpx.AsyncClien
         error = assert_error(r, 400)
         if param is not None:
             assert error["param"] == param, (body, error)
-    assert_error(await http.post("/v1/score", json={"model": m, "text_1": ["a", "b"],
-                                                    "text_2": ["c", "d", "e"]}), 400,
-                 param="text_1")
-    assert_error(await http.post("/v1/rerank", json={"model": m, "query": "q",
-                                                     "documents": []}), 400, param="documents")
+    assert_error(
+        await http.post(
+            "/v1/score", json={"model": m, "text_1": ["a", "b"], "text_2": ["c", "d", "e"]}
+        ),
+        400,
+        param="text_1",
+    )
+    assert_error(
+        await http.post("/v1/rerank", json={"model": m, "query": "q", "documents": []}),
+        400,
+        param="documents",
+    )
     assert_error(await http.post("/v1/embeddings", json={"model": "nope", "input": "a"}), 404)
 
 
 async def test_embeddings_share_the_engine_with_generation(
-        suite: Suite, sdk: openai.AsyncOpenAI) -> None:
+    suite: Suite, sdk: openai.AsyncOpenAI
+) -> None:
     """A completion and embeddings at once: both finish, the vectors unchanged."""
-    gen = asyncio.ensure_future(sdk.completions.create(model=suite.model, prompt=[5, 6, 7],
-                                                       max_tokens=16, temperature=0))
-    embs = await asyncio.gather(*(sdk.embeddings.create(model=suite.model, input=TEXTS,
-                                                        encoding_format="float")
-                                  for _ in range(4)))
+    gen = asyncio.ensure_future(
+        sdk.completions.create(model=suite.model, prompt=[5, 6, 7], max_tokens=16, temperature=0)
+    )
+    embs = await asyncio.gather(
+        *(
+            sdk.embeddings.create(model=suite.model, input=TEXTS, encoding_format="float")
+            for _ in range(4)
+        )
+    )
     done = await gen
     assert done.usage is not None and done.usage.completion_tokens >= 1
     for r in embs:
