@@ -46,13 +46,7 @@ from services.engine.executor import make_executor
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import LaunchedStep
-from services.engine.pooling import (
-    PoolingJob,
-    PoolingParams,
-    PoolingQueue,
-    finish_vector,
-    pool_rows,
-)
+from services.engine.pooling import PoolingJob, PoolingParams, PoolingQueue
 from services.engine.pooling_config import model_pooling
 from services.engine.request import Request, RequestStatus, TokenLogprobs
 from services.engine.request_error import RequestError
@@ -193,17 +187,13 @@ class Engine:
         if not self.executor.supports_pooling:
             raise ValueError("pooling (embeddings, score, rerank) is not supported with tensor "
                              "parallelism yet")
-        n = len(token_ids)
-        if not 0 < n <= self.max_model_len:
-            raise ValueError(f"the input has {n} tokens; the context holds {self.max_model_len}")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise ValueError(f"input token ids must be in [0, {self.vocab_size})")
-        if request_id in self.pooling.jobs or request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id} is already running")
-        self.pooling.add(PoolingJob(request_id, list(token_ids), params, priority, deadline))
+        job = PoolingJob(request_id, list(token_ids), params, priority, deadline)
+        self.pooling.add(job, self.max_model_len, self.vocab_size)
         if deadline is not None:
             self.deadlines.add(request_id, deadline)
-        self._counts.prompt_tokens += n
+        self._counts.prompt_tokens += job.num_tokens
 
     def _finish_pooling(self, request_id: str, status: RequestStatus,
                         error: RequestError | None = None) -> bool:
@@ -363,26 +353,15 @@ class Engine:
 
     def _pool_step(self) -> list[RequestOutput]:
         """One pooling batch (pooling.py); the outputs of the jobs it finished."""
-        chunks = self.pooling.schedule(self.kv, self.config.max_num_batched_tokens,
-                                       self.config.max_num_seqs)
-        if not chunks:
-            return []
-        hidden = self.executor.pool_hidden([c.scheduled() for c in chunks])
-        outputs, row = [], 0
-        for chunk in chunks:
-            job, request = chunk.job, chunk.job.request
-            rows = hidden[row:row + chunk.num_tokens]
-            row += chunk.num_tokens
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
-            job.value = pool_rows(rows, job.params, chunk.start == 0, job.done, job.value)
-            if job.done and job.value is not None:
-                self.pooling.remove(job.request_id, self.kv)
-                request.status = RequestStatus.FINISHED_STOPPED
-                out = self._output(request, [], num_output_tokens=0)
-                out.stop_token_id = None
-                out.pooled = finish_vector(job.value, job.num_tokens, job.params)
-                outputs.append(out)
-                self._counts.pooled += 1
+        outputs = []
+        for job, vector in self.pooling.run_batch(self.kv, self.executor.pool_hidden,
+                                                  self.config.max_num_batched_tokens,
+                                                  self.config.max_num_seqs):
+            job.request.status = RequestStatus.FINISHED_STOPPED
+            out = self._output(job.request, [], num_output_tokens=0)
+            out.stop_token_id, out.pooled = None, vector  # nothing was generated
+            outputs.append(out)
+        self._counts.pooled += len(outputs)
         return outputs
 
     def _output(

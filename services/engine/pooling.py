@@ -20,6 +20,7 @@ Rules:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -131,9 +132,43 @@ class PoolingQueue:
     def num_tokens(self) -> int:
         return sum(j.num_tokens - j.request.num_computed_tokens for j in self.jobs.values())
 
-    def add(self, job: PoolingJob) -> None:
+    def add(self, job: PoolingJob, max_model_len: int, vocab_size: int) -> None:
+        """Queue a job; ValueError for an input the engine cannot take (empty, longer than the
+        context, ids outside the vocabulary) or an id already queued."""
+        ids, n = job.request.token_ids, job.num_tokens
+        if n > max_model_len:
+            raise ValueError(f"the input has {n} tokens; the context holds {max_model_len}")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"input token ids must be in [0, {vocab_size})")
+        if job.request_id in self.jobs:
+            raise ValueError(f"request id {job.request_id} is already running")
         job.request.arrival = next(self._order)
         self.jobs[job.request_id] = job
+
+    def run_batch(
+        self,
+        kv: KVCacheManager,
+        forward: Callable[[list[ScheduledRequest]], torch.Tensor],
+        budget: int,
+        max_seqs: int,
+    ) -> list[tuple[PoolingJob, torch.Tensor]]:
+        """Schedule and run one batch (`forward`: the hidden states of its chunks' tokens);
+        the jobs it finished, taken off the queue with their blocks freed, and their vectors."""
+        chunks = self.schedule(kv, budget, max_seqs)
+        if not chunks:
+            return []
+        hidden = forward([c.scheduled() for c in chunks])
+        finished, row = [], 0
+        for chunk in chunks:
+            job = chunk.job
+            rows = hidden[row : row + chunk.num_tokens]
+            row += chunk.num_tokens
+            job.request.num_computed_tokens = chunk.start + chunk.num_tokens
+            job.value = pool_rows(rows, job.params, chunk.start == 0, job.done, job.value)
+            if job.done and job.value is not None:
+                self.remove(job.request_id, kv)
+                finished.append((job, finish_vector(job.value, job.num_tokens, job.params)))
+        return finished
 
     def remove(self, request_id: str, kv: KVCacheManager) -> PoolingJob | None:
         job = self.jobs.pop(request_id, None)

@@ -59,6 +59,7 @@ def test_last_token_pooling_matches_transformers_batched_beside_generation(plain
     for i, p in enumerate(ps):
         out = done[f"e{i}"]
         assert out.finish_reason == "stop" and out.num_prompt_tokens == len(p)
+        assert out.stop_token_id is None and out.num_output_tokens == 0
         assert out.pooled is not None
         torch.testing.assert_close(out.pooled, reference(model, p, "last"), atol=1e-4, rtol=1e-4)
     assert engine.stats()["pooling"] == 0 and engine.kv.pool.num_used_blocks == 0
