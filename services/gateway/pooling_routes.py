@@ -14,11 +14,14 @@ Rules:
   an embedding model (docs/api_compatibility.md).
 - `dimensions` and `normalize` apply to /v1/embeddings only; score and rerank always compare
   normalized full vectors.
+- A client that disconnects while its request runs gets it cancelled: a Cancel broadcast, on
+  which the engine aborts the request's pooling jobs.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,14 +32,23 @@ from fastapi.responses import JSONResponse
 from libs.common import subjects
 from libs.common.deadline import Deadline
 from libs.common.errors import FlotillaError, internal, invalid_request
+from libs.common.messages import Cancel
 from libs.common.pooling_messages import EmbedRequest, PoolingOptions, PoolReply
 from services.gateway.plan import new_request_id
-from services.gateway.routes import gateway, read_json, request_deadline
+from services.gateway.routes import (
+    CLIENT_CLOSED,
+    ClientGone,
+    gateway,
+    read_json,
+    request_deadline,
+    unless_disconnected,
+)
 from services.gateway.token_routes import served_model
 
 if TYPE_CHECKING:
     from services.gateway.app import GatewayState
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -61,7 +73,29 @@ def _check_token_ids(gw: GatewayState, inputs: list[str | list[int]]) -> None:
         )
 
 
+class _PoolCancel:
+    """Cancels one pooling request when its client leaves (see unless_disconnected)."""
+
+    def __init__(self, gw: GatewayState, request_id: str) -> None:
+        self.gw, self.request_id = gw, request_id
+
+    def cancel(self, reason: str = "client_disconnect") -> None:
+        self.gw.bus.spawn(self._publish())
+
+    async def _publish(self) -> None:
+        try:
+            await self.gw.bus.publish(
+                subjects.CANCEL, Cancel(request_id=self.request_id, reason="client_disconnect")
+            )
+        except Exception as exc:  # connection closing: the engine finishes the work unseen
+            log.warning("cannot publish cancel for %s: %s", self.request_id, exc)
+
+    def close(self) -> None:
+        return None
+
+
 async def embed(
+    request: Request,
     gw: GatewayState,
     model: str,
     inputs: list[str | list[int]],
@@ -69,11 +103,13 @@ async def embed(
     pooling: PoolingOptions,
     deadline: Deadline,
 ) -> PoolReply:
-    """The vectors of `inputs` from the model's tokenizer and an engine (see module rules)."""
+    """The vectors of `inputs` from the model's tokenizer and an engine (see module rules);
+    ClientGone if the client left meanwhile."""
     _check_token_ids(gw, inputs)
     add = body.get("add_special_tokens")
+    rid = new_request_id()
     req = EmbedRequest(
-        request_id=new_request_id(),
+        request_id=rid,
         model=model,
         inputs=inputs,
         pooling=pooling,
@@ -86,7 +122,8 @@ async def embed(
     remaining = deadline.remaining()
     if remaining <= 0:
         raise deadline.error()
-    reply = await gw.bus.request(subjects.tokenizer_embed(model), req, PoolReply, timeout=remaining)
+    asked = gw.bus.request(subjects.tokenizer_embed(model), req, PoolReply, timeout=remaining)
+    reply = await unless_disconnected(request, asked, _PoolCancel(gw, rid))
     if reply.error is not None:
         raise FlotillaError(reply.error)
     if len(reply.embeddings) != len(inputs):
@@ -117,7 +154,10 @@ async def create_embedding(request: Request) -> Response:
     pooling = PoolingOptions(
         normalize=normalize is None or bool(normalize), dimensions=body.get("dimensions")
     )
-    reply = await embed(gw, info.id, inputs, body, pooling, deadline)
+    try:
+        reply = await embed(request, gw, info.id, inputs, body, pooling, deadline)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
     as_base64 = body.get("encoding_format") == "base64"
     data = [
         {
@@ -164,7 +204,12 @@ async def create_score(request: Request) -> Response:
     text_1 = [body["text_1"]] if isinstance(body["text_1"], str) else body["text_1"]
     text_2 = [body["text_2"]] if isinstance(body["text_2"], str) else body["text_2"]
     pairs = _score_pairs(text_1, text_2)
-    reply = await embed(gw, info.id, [*text_1, *text_2], body, PoolingOptions(), deadline)
+    try:
+        reply = await embed(
+            request, gw, info.id, [*text_1, *text_2], body, PoolingOptions(), deadline
+        )
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
     vecs = vectors(reply)
     left, right = vecs[: len(text_1)], vecs[len(text_1) :]
     data = [
@@ -193,7 +238,12 @@ async def create_rerank(request: Request) -> Response:
     gw.spec.validate("createRerank", body)
     info = await served_model(gw, body)
     documents = [d if isinstance(d, str) else d["text"] for d in body["documents"]]
-    reply = await embed(gw, info.id, [body["query"], *documents], body, PoolingOptions(), deadline)
+    try:
+        reply = await embed(
+            request, gw, info.id, [body["query"], *documents], body, PoolingOptions(), deadline
+        )
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
     vecs = vectors(reply)
     scores = vecs[1:] @ vecs[0]
     order = sorted(range(len(documents)), key=lambda i: -float(scores[i]))
