@@ -424,9 +424,8 @@ class Engine:
         pool = self.kv.pool
         return {
             "running": len(self.scheduler.running),
-            # pooling jobs count as waiting: queue bounds and routing see them
-            "waiting": len(self.scheduler.waiting) + len(self.pooling),
-            "waiting_tokens": self.scheduler.waiting.num_tokens + self.pooling.num_tokens,
+            "waiting": len(self.scheduler.waiting),
+            "waiting_tokens": self.scheduler.waiting.num_tokens,
             "finished": self._counts.finished,
             "aborted": self._counts.aborted,
             "failed": self._counts.failed,

@@ -3,9 +3,12 @@
 Rules:
 - Admission answers at once, in the reply, what it can: an empty input, a token id outside the
   vocabulary or an input longer than the context is a 400 naming `input`; `dimensions` the
-  model cannot honour a 400 naming it (pooling_config.py); a passed deadline a 504; a full
-  queue (the same bounds as generation's, admission.py) a 503 with retry_after_s; an executor
-  without pooling (tensor-parallel pods) a 400.
+  model cannot honour a 400 naming it (pooling_config.py); a passed deadline a 504; an executor
+  without pooling (tensor-parallel pods) a 400. Pooling has its own queue bound, the same
+  numbers as generation's (admission.py) counted over pooling requests in flight and their
+  tokens: past it a 503 with retry_after_s (a lone request always passes). Generation's queue
+  does not count pooling work, so a large embeddings batch never makes chat requests 503, nor
+  the reverse.
 - Each input becomes one engine pooling job `<request id>.<index>`; the reply waits for all of
   them. A job's error (its deadline, a failed engine) fails the whole reply with that error;
   a Cancel for the request aborts every job still running.
@@ -59,6 +62,7 @@ class PoolService:
         self.engine, self.loop, self.limits, self._crashed = engine, loop, limits, crashed
         self._jobs: dict[str, asyncio.Future[Any]] = {}  # job id -> its output
         self._groups: dict[str, list[str]] = {}  # request id -> its job ids
+        self._tokens: dict[str, int] = {}  # request id -> its tokens (the queue bound)
 
     def _check(self, req: PoolRequest) -> PoolingParams:
         engine = self.engine
@@ -111,18 +115,21 @@ class PoolService:
             params = self._check(req)
         except FlotillaError as exc:
             return PoolReply(error=exc.info)
+        tokens = sum(len(p) for p in req.prompts)
         refusal = check_deadline(req.deadline)
         if refusal is None:
-            queue = self.loop.queue_state()
-            tokens = sum(len(p) for p in req.prompts)
             refusal = self.limits.check(
-                queue.waiting, queue.waiting_tokens, tokens, queue.tokens_per_s
+                len(self._groups),
+                sum(self._tokens.values()),
+                tokens,
+                self.loop.queue_state().tokens_per_s,
             )
         if refusal is not None:
             return PoolReply(error=_error_info(refusal))
         running = asyncio.get_running_loop()
         ids = [f"{req.request_id}.{i}" for i in range(len(req.prompts))]
         self._groups[req.request_id] = ids
+        self._tokens[req.request_id] = tokens
         futures = []
         for job_id, prompt in zip(ids, req.prompts, strict=True):
             self._jobs[job_id] = future = running.create_future()
@@ -132,6 +139,7 @@ class PoolService:
             outputs = await asyncio.gather(*futures, return_exceptions=True)
         finally:
             self.cancel(req.request_id)  # jobs still running after one failed
+            self._tokens.pop(req.request_id, None)
             for job_id in ids:
                 self._jobs.pop(job_id, None)
         vectors = []

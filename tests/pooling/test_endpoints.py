@@ -61,7 +61,12 @@ async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Suite
     )
     bus = await Bus.connect(NATS_URL, "pooling-test")
     engine = EngineSettings(
-        **common, device="cpu", quantization="none", kvcache_mem_mib=16, max_num_batched_tokens=64
+        **common,
+        device="cpu",
+        quantization="none",
+        kvcache_mem_mib=16,
+        max_num_batched_tokens=64,
+        max_waiting_requests=8,
     )
     services = [
         EngineService(engine, bus),
@@ -247,18 +252,23 @@ async def test_hostile_inputs_are_fast_400s(suite: Suite, http: httpx.AsyncClien
 async def test_embeddings_share_the_engine_with_generation(
     suite: Suite, sdk: openai.AsyncOpenAI
 ) -> None:
-    """A completion and embeddings at once: both finish, the vectors unchanged."""
-    gen = asyncio.ensure_future(
-        sdk.completions.create(model=suite.model, prompt=[5, 6, 7], max_tokens=16, temperature=0)
-    )
+    """Completions and embeddings (64 inputs each) at once, on an engine whose generation
+    queue holds 8 requests: everything finishes, the vectors unchanged."""
+    many = [TEXTS[i % len(TEXTS)] for i in range(64)]
+    gens = [
+        asyncio.ensure_future(
+            sdk.completions.create(model=suite.model, prompt=[5, 6, i], max_tokens=16)
+        )
+        for i in range(6)
+    ]
     embs = await asyncio.gather(
         *(
-            sdk.embeddings.create(model=suite.model, input=TEXTS, encoding_format="float")
-            for _ in range(4)
+            sdk.embeddings.create(model=suite.model, input=many, encoding_format="float")
+            for _ in range(3)
         )
     )
-    done = await gen
-    assert done.usage is not None and done.usage.completion_tokens >= 1
+    for done in await asyncio.gather(*gens):
+        assert done.usage is not None and done.usage.completion_tokens >= 1
     for r in embs:
-        for text, item in zip(TEXTS, r.data, strict=True):
+        for text, item in zip(many, r.data, strict=True):
             close(item.embedding, suite.expected(text))
