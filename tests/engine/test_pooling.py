@@ -195,3 +195,31 @@ def test_a_job_holding_blocks_is_set_back_for_an_earlier_one(plain) -> None:
         torch.testing.assert_close(
             done[f"e{i}"].pooled, reference(model, p, "last"), atol=1e-4, rtol=1e-4
         )
+
+
+async def test_pool_service_bounds_its_own_queue_and_cancels(plain) -> None:
+    """The engine's pooling subject: a second request past the pooling bound is a 503 while
+    generation's queue stays empty; a Cancel aborts the first's jobs (the loop is not started,
+    so the first stays in flight)."""
+    import asyncio
+
+    from libs.common.pooling_messages import PoolRequest
+    from services.engine.admission import QueueLimits
+    from services.engine.loop import EngineLoop
+    from services.engine.pool_service import PoolService
+
+    path, _ = plain
+    engine = make_engine(path)
+    loop = EngineLoop(engine, asyncio.get_running_loop(), lambda outs: None, lambda exc: None)
+    service = PoolService(engine, loop, QueueLimits(1, 10_000), lambda: None)
+    first = asyncio.ensure_future(
+        service.handle(PoolRequest(request_id="a", model="m", prompts=[[5, 6, 7]] * 40))
+    )
+    await asyncio.sleep(0)
+    second = await service.handle(PoolRequest(request_id="b", model="m", prompts=[[5]]))
+    assert second.error is not None and second.error.status == 503
+    assert loop.queue_state().waiting == 0  # generation's queue: pooling jobs not counted
+    bad = await service.handle(PoolRequest(request_id="c", model="m", prompts=[[VOCAB]]))
+    assert bad.error is not None and (bad.error.status, bad.error.param) == (400, "input")
+    assert service.cancel("a") and not service.cancel("a")
+    first.cancel()
