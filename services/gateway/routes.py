@@ -147,9 +147,11 @@ async def create_chat_completion(request: Request) -> Response:
     body = from_legacy(body)
     tools = await gw.tools.tools_for(body)
     if body.get("tools") is None and tools:  # injected MCP tools: the server runs their calls
-        from services.gateway.mcp_chat import complete_with_mcp  # it imports this module
+        if int(body.get("n") or 1) == 1:
+            from services.gateway.mcp_chat import complete_with_mcp  # it imports this module
 
-        return await complete_with_mcp(request, body)
+            return await complete_with_mcp(request, body)
+        tools = []  # the server's tool loop serves one choice; n choices answer without it
     return await generate(request, chat_plan(body, tools, gw.settings.max_n,
                                              reasoning_field=gw.settings.reasoning_field),
                           deadline)

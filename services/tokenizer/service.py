@@ -227,7 +227,8 @@ class TokenizerService:
         assert self.builder is not None
         proc = OutputProcessor.for_request(self.tokenizer, req, prepared.text,
                                            len(prepared.token_ids), self.builder.tool_format(),
-                                           stop_ids)
+                                           stop_ids, first_prompt_id=next(
+                                               iter(prepared.token_ids), None))
         try:
             if prepared.echo:
                 await writer.data(TextDelta(text=prepared.echo))

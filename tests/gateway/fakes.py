@@ -152,7 +152,9 @@ class FakeTokenizer:
         if any(i >= 0x110000 for i in req.token_ids):
             return DecodeReply(error=ErrorInfo(status=400, type="invalid_request_error",
                                                param="tokens", message="id out of range"))
-        return DecodeReply(text="".join(chr(i) for i in req.token_ids))
+        # ids in the surrogate range read as U+FFFD, as a real tokenizer's invalid bytes do
+        return DecodeReply(text="".join("\ufffd" if 0xD800 <= i < 0xE000 else chr(i)
+                                        for i in req.token_ids))
 
     async def _generate(self, req: TextRequest) -> Admission:
         self.requests.append(req)
