@@ -272,3 +272,20 @@ async def test_embeddings_share_the_engine_with_generation(
     for r in embs:
         for text, item in zip(many, r.data, strict=True):
             close(item.embedding, suite.expected(text))
+
+
+async def test_langchain_openai_embeddings(suite: Suite) -> None:
+    """langchain-openai's OpenAIEmbeddings as its docs set it up for OpenAI-compatible servers
+    (texts sent as they are: `check_embedding_ctx_length=False`, else it sends tiktoken ids)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    emb = langchain_openai.OpenAIEmbeddings(
+        model=suite.model,
+        base_url=f"{suite.url}/v1",
+        api_key="unused",
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
+    docs = await emb.aembed_documents(TEXTS)
+    for text, vec in zip(TEXTS, docs, strict=True):
+        close(vec, suite.expected(text))
+    close(await emb.aembed_query(TEXTS[0]), suite.expected(TEXTS[0]))
