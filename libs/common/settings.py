@@ -169,6 +169,10 @@ class TokenizerSettings(CommonSettings):
     max_prompt_chars: int = Field(
         4_000_000, ge=1, description="Most characters of a prompt, before and after the chat "
         "template (400 above)")
+    score_mode: Literal["auto", "embedding", "qwen3_reranker"] = Field(
+        "auto", description="How /v1/score and /v1/rerank score a pair: embedding (cosine "
+        "similarity of the two embeddings) | qwen3_reranker (Qwen3-Reranker's yes / no judging "
+        "prompt, P(yes)); auto: qwen3_reranker when the model's name says reranker")
     inline_prepare_chars: int = Field(
         2048, ge=0, description="Completion prompts up to this many characters (or token ids), "
         "without a response format, are tokenized on the event loop instead of a worker "

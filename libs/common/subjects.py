@@ -46,6 +46,12 @@ def tokenizer_embed(model: str) -> str:
     return f"{PREFIX}.tokenizer.{token(model)}.embed"
 
 
+def tokenizer_score(model: str) -> str:
+    """gateway → tokenizer: ScoreRequest; reply: ScoreReply (/v1/score, /v1/rerank). Queue
+    group `tokenizer`."""
+    return f"{PREFIX}.tokenizer.{token(model)}.score"
+
+
 def engine_pool(model: str) -> str:
     """tokenizer → engine: PoolRequest; reply: PoolReply (prefill-only pooling). Queue group
     `engine`."""

@@ -355,7 +355,7 @@ class Engine:
         """One pooling batch (pooling.py); the outputs of the jobs it finished."""
         outputs = []
         for job, vector in self.pooling.run_batch(self.kv, self.executor.pool_hidden,
-                                                  self.config.max_num_batched_tokens,
+                                                  self._lm_head, self.config.max_num_batched_tokens,
                                                   self.config.max_num_seqs):
             job.request.status = RequestStatus.FINISHED_STOPPED
             out = self._output(job.request, [], num_output_tokens=0)
@@ -363,6 +363,11 @@ class Engine:
             outputs.append(out)
         self._counts.pooled += len(outputs)
         return outputs
+
+    @torch.inference_mode()
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final-normed hidden rows (a reranker's yes / no, pooling.py)."""
+        return self.runner.model.compute_logits(hidden.to(self.runner.dtype))
 
     def _output(
         self, request: Request, new_token_ids: list[int],

@@ -75,6 +75,9 @@ class PoolService:
         if reason is not None:
             raise invalid_request(reason, param="dimensions", code="invalid_value")
         vocab, limit = engine.vocab_size, engine.max_model_len
+        logit_ids = req.pooling.logit_ids
+        if logit_ids is not None and not all(0 <= i < vocab for i in logit_ids):
+            raise invalid_request(f"logit ids must be in [0, {vocab})", param="logit_ids")
         for i, ids in enumerate(req.prompts):
             if not ids:
                 raise invalid_request(f"input {i} is empty", param="input")
@@ -95,6 +98,8 @@ class PoolService:
             raise invalid_request(
                 f"request id {req.request_id} is already running", param="request_id"
             )
+        if logit_ids is not None:  # a reranker's answer: the last token's logits
+            return PoolingParams("last", False, None, tuple(logit_ids))
         return PoolingParams(
             req.pooling.method or engine.model_pooling.method,
             req.pooling.normalize,

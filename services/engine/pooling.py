@@ -33,11 +33,14 @@ from services.engine.scheduler import ScheduledRequest
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """What the engine does with one input's hidden states (methods: last | mean | cls)."""
+    """What the engine does with one input's hidden states (methods: last | mean | cls);
+    with `logit_ids`, the LM head's logits of those ids at the last token instead (method
+    last, nothing cut or normalized)."""
 
     method: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    logit_ids: tuple[int, ...] | None = None
 
 
 def pool_rows(
@@ -53,8 +56,17 @@ def pool_rows(
     return rows[-1].float() if last else None
 
 
-def finish_vector(value: torch.Tensor, num_tokens: int, params: PoolingParams) -> torch.Tensor:
-    """The job's vector from its running value: averaged (mean), cut, normalized; on the host."""
+def finish_vector(
+    value: torch.Tensor,
+    num_tokens: int,
+    params: PoolingParams,
+    head: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The job's vector from its running value: averaged (mean), cut, normalized, or the
+    `head`'s (the LM head's) logits of `logit_ids`; float32 on the host."""
+    if params.logit_ids is not None:
+        logits = head(value[None])[0]
+        return logits[list(params.logit_ids)].float().cpu()
     if params.method == "mean":
         value = value / num_tokens
     if params.dimensions is not None:
@@ -149,6 +161,7 @@ class PoolingQueue:
         self,
         kv: KVCacheManager,
         forward: Callable[[list[ScheduledRequest]], torch.Tensor],
+        head: Callable[[torch.Tensor], torch.Tensor],
         budget: int,
         max_seqs: int,
     ) -> list[tuple[PoolingJob, torch.Tensor]]:
@@ -167,7 +180,8 @@ class PoolingQueue:
             job.value = pool_rows(rows, job.params, chunk.start == 0, job.done, job.value)
             if job.done and job.value is not None:
                 self.remove(job.request_id, kv)
-                finished.append((job, finish_vector(job.value, job.num_tokens, job.params)))
+                vector = finish_vector(job.value, job.num_tokens, job.params, head)
+                finished.append((job, vector))
         return finished
 
     def remove(self, request_id: str, kv: KVCacheManager) -> PoolingJob | None:

@@ -8,12 +8,11 @@ Rules:
 - One EmbedRequest per HTTP request goes to the model's tokenizer, which tokenizes (no chat
   template) and has one engine pool every input (prefill only); the reply carries the vectors
   as base64 float32, passed through for `encoding_format: base64`, decoded for `float`.
-- Score and rerank embed every text once and score each pair by the cosine similarity of the
-  two L2-normalized embeddings, which is what vLLM does for embedding models. The engine has no
-  sequence-classification (cross-encoder) head: a reranker checkpoint served here is used as
-  an embedding model (docs/api_compatibility.md).
-- `dimensions` and `normalize` apply to /v1/embeddings only; score and rerank always compare
-  normalized full vectors.
+- Score and rerank send the pairs (a ScoreRequest) to the tokenizer, which scores them as the
+  model wants (services/tokenizer/scoring.py): the cosine similarity of the two embeddings for
+  an embedding model (vLLM's rule), P(yes) of Qwen3-Reranker's judging prompt for a reranker.
+  Rerank orders the documents by it. `dimensions` and `normalize` apply to /v1/embeddings
+  only.
 - A client that disconnects while its request runs gets it cancelled: a Cancel broadcast, on
   which the engine aborts the request's pooling jobs.
 """
@@ -23,7 +22,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
@@ -33,7 +32,13 @@ from libs.common import subjects
 from libs.common.deadline import Deadline
 from libs.common.errors import FlotillaError, internal, invalid_request
 from libs.common.messages import Cancel
-from libs.common.pooling_messages import EmbedRequest, PoolingOptions, PoolReply
+from libs.common.pooling_messages import (
+    EmbedRequest,
+    PoolingOptions,
+    PoolReply,
+    ScoreReply,
+    ScoreRequest,
+)
 from services.gateway.plan import new_request_id
 from services.gateway.routes import (
     CLIENT_CLOSED,
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
     from services.gateway.app import GatewayState
 
 log = logging.getLogger(__name__)
+R = TypeVar("R", PoolReply, ScoreReply)
 router = APIRouter()
 
 
@@ -94,6 +100,38 @@ class _PoolCancel:
         return None
 
 
+def _common(gw: GatewayState, body: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
+    """The fields every pooling request to the tokenizer carries, from the body."""
+    add = body.get("add_special_tokens")
+    return dict(
+        request_id=new_request_id(),
+        truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+        add_special_tokens=add is None or bool(add),
+        max_total_tokens=gw.settings.max_embedding_tokens,
+        priority=body.get("priority") or 0,
+        deadline=deadline.at,
+    )
+
+
+async def _ask(
+    request: Request,
+    gw: GatewayState,
+    subject: str,
+    msg: Any,
+    reply_cls: type[R],
+    deadline: Deadline,
+) -> R:
+    """The tokenizer's reply (its error raised); ClientGone if the client left meanwhile."""
+    remaining = deadline.remaining()
+    if remaining <= 0:
+        raise deadline.error()
+    asked = gw.bus.request(subject, msg, reply_cls, timeout=remaining)
+    reply = await unless_disconnected(request, asked, _PoolCancel(gw, msg.request_id))
+    if reply.error is not None:
+        raise FlotillaError(reply.error)
+    return reply
+
+
 async def embed(
     request: Request,
     gw: GatewayState,
@@ -103,29 +141,10 @@ async def embed(
     pooling: PoolingOptions,
     deadline: Deadline,
 ) -> PoolReply:
-    """The vectors of `inputs` from the model's tokenizer and an engine (see module rules);
-    ClientGone if the client left meanwhile."""
+    """The vectors of `inputs` from the model's tokenizer and an engine (see module rules)."""
     _check_token_ids(gw, inputs)
-    add = body.get("add_special_tokens")
-    rid = new_request_id()
-    req = EmbedRequest(
-        request_id=rid,
-        model=model,
-        inputs=inputs,
-        pooling=pooling,
-        truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
-        add_special_tokens=add is None or bool(add),
-        max_total_tokens=gw.settings.max_embedding_tokens,
-        priority=body.get("priority") or 0,
-        deadline=deadline.at,
-    )
-    remaining = deadline.remaining()
-    if remaining <= 0:
-        raise deadline.error()
-    asked = gw.bus.request(subjects.tokenizer_embed(model), req, PoolReply, timeout=remaining)
-    reply = await unless_disconnected(request, asked, _PoolCancel(gw, rid))
-    if reply.error is not None:
-        raise FlotillaError(reply.error)
+    req = EmbedRequest(model=model, inputs=inputs, pooling=pooling, **_common(gw, body, deadline))
+    reply = await _ask(request, gw, subjects.tokenizer_embed(model), req, PoolReply, deadline)
     if len(reply.embeddings) != len(inputs):
         raise internal(
             f"the engine answered {len(reply.embeddings)} vectors for {len(inputs)} inputs"
@@ -133,9 +152,25 @@ async def embed(
     return reply
 
 
-def vectors(reply: PoolReply) -> np.ndarray:
-    """The reply's vectors as float32 rows [n, dim]."""
-    return np.stack([np.frombuffer(base64.b64decode(e), dtype="<f4") for e in reply.embeddings])
+async def score(
+    request: Request,
+    gw: GatewayState,
+    model: str,
+    queries: list[str],
+    documents: list[str],
+    body: dict[str, Any],
+    deadline: Deadline,
+) -> ScoreReply:
+    """The score of each pair (queries[i], documents[i]) (see module rules)."""
+    req = ScoreRequest(
+        model=model, queries=queries, documents=documents, **_common(gw, body, deadline)
+    )
+    reply = await _ask(request, gw, subjects.tokenizer_score(model), req, ScoreReply, deadline)
+    if len(reply.scores) != len(queries):
+        raise internal(
+            f"the tokenizer answered {len(reply.scores)} scores for {len(queries)} pairs"
+        )
+    return reply
 
 
 def _usage(tokens: int) -> dict[str, int]:
@@ -205,17 +240,18 @@ async def create_score(request: Request) -> Response:
     text_2 = [body["text_2"]] if isinstance(body["text_2"], str) else body["text_2"]
     pairs = _score_pairs(text_1, text_2)
     try:
-        reply = await embed(
-            request, gw, info.id, [*text_1, *text_2], body, PoolingOptions(), deadline
+        reply = await score(
+            request,
+            gw,
+            info.id,
+            [text_1[i] for i, _ in pairs],
+            [text_2[j] for _, j in pairs],
+            body,
+            deadline,
         )
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    vecs = vectors(reply)
-    left, right = vecs[: len(text_1)], vecs[len(text_1) :]
-    data = [
-        {"index": k, "object": "score", "score": float(left[i] @ right[j])}
-        for k, (i, j) in enumerate(pairs)
-    ]
+    data = [{"index": k, "object": "score", "score": s} for k, s in enumerate(reply.scores)]
     return JSONResponse(
         {
             "id": f"score-{new_request_id()}",
@@ -239,14 +275,13 @@ async def create_rerank(request: Request) -> Response:
     info = await served_model(gw, body)
     documents = [d if isinstance(d, str) else d["text"] for d in body["documents"]]
     try:
-        reply = await embed(
-            request, gw, info.id, [body["query"], *documents], body, PoolingOptions(), deadline
+        reply = await score(
+            request, gw, info.id, [body["query"]] * len(documents), documents, body, deadline
         )
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    vecs = vectors(reply)
-    scores = vecs[1:] @ vecs[0]
-    order = sorted(range(len(documents)), key=lambda i: -float(scores[i]))
+    scores = reply.scores
+    order = sorted(range(len(documents)), key=lambda i: -scores[i])
     top_n = body.get("top_n") or len(documents)
     with_documents = body.get("return_documents") is not False
     results = [

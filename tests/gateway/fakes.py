@@ -19,7 +19,8 @@ Prompts are tokenized one character per token (id = code point; BOS = 1 with
 `add_special_tokens`); /detokenize refuses ids of 0x110000 and above.
 Embeddings (`tokenizer_embed`): each input's vector has EMBED_DIM values, value k the count of
 its tokens (characters or ids) equal to k modulo EMBED_DIM, plus one, then L2-normalized;
-`dimensions` above EMBED_DIM and ids of 0x110000 and above are 400s.
+`dimensions` above EMBED_DIM and ids of 0x110000 and above are 400s. Scores
+(`tokenizer_score`): the dot product of the two texts' vectors.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from libs.common.messages import (
     ToolsListRequest,
     Usage,
 )
-from libs.common.pooling_messages import EmbedRequest, PoolReply
+from libs.common.pooling_messages import EmbedRequest, PoolReply, ScoreReply, ScoreRequest
 from libs.common.service import Announcer
 
 HEARTBEAT_S = 0.1
@@ -98,6 +99,8 @@ class FakeTokenizer:
                                                EncodeRequest, self._encode, queue="tokenizer"))
         self._subs.append(await self.bus.serve(subjects.tokenizer_embed(self.model),
                                                EmbedRequest, self._embed, queue="tokenizer"))
+        self._subs.append(await self.bus.serve(subjects.tokenizer_score(self.model),
+                                               ScoreRequest, self._score, queue="tokenizer"))
         self._subs.append(await self.bus.serve(subjects.tokenizer_decode(self.model),
                                                DecodeRequest, self._decode, queue="tokenizer"))
         self._subs.append(await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel))
@@ -147,6 +150,11 @@ class FakeTokenizer:
         return PoolReply(embeddings=[base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
                                      for v in vectors],
                          prompt_tokens=sum(len(i) for i in req.inputs))
+
+    async def _score(self, req: ScoreRequest) -> ScoreReply:
+        scores = [sum(a * b for a, b in zip(fake_embedding(q), fake_embedding(d), strict=True))
+                  for q, d in zip(req.queries, req.documents, strict=True)]
+        return ScoreReply(scores=scores, prompt_tokens=sum(map(len, req.queries + req.documents)))
 
     async def _decode(self, req: DecodeRequest) -> DecodeReply:
         if any(i >= 0x110000 for i in req.token_ids):

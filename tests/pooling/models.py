@@ -19,7 +19,7 @@ CORPUS = [
     "rerankers order documents by relevance",
     "paris is the capital of france",
     "the weather is sunny today",
-] * 20
+] * 20 + ["yes", "no"] * 200  # single tokens, as a reranker's answers are
 
 
 def save_tokenizer(path: Path) -> None:
@@ -57,7 +57,7 @@ def save_tiny_qwen3(
     from transformers import Qwen3Config, Qwen3ForCausalLM  # heavy: import only when used
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(
+    values: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -70,8 +70,8 @@ def save_tiny_qwen3(
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=1,
-        **overrides,
     )
+    cfg = Qwen3Config(**{**values, **overrides})
     model = Qwen3ForCausalLM(cfg).eval()
     model.save_pretrained(path)
     if tokenizer:

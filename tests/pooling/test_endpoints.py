@@ -18,15 +18,10 @@ import openai
 import pytest
 import torch
 
-from libs.common.bus import Bus
-from libs.common.settings import EngineSettings, GatewaySettings, TokenizerSettings
-from services.engine.service import EngineService
-from services.gateway.service import GatewayService
-from services.tokenizer.service import TokenizerService
-from tests.endpoints import NATS_URL
 from tests.gateway.schemas import validate_openai, validate_ours
 from tests.gateway.test_http import assert_error
 from tests.pooling.models import VOCAB, reference, save_tiny_qwen3
+from tests.pooling.suite import served
 
 TEXTS = [
     "the quick brown fox",
@@ -56,49 +51,8 @@ async def suite(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Suite
     path = tmp_path_factory.mktemp("qwen3-embedding")
     hf = save_tiny_qwen3(path, "lasttoken", tokenizer=True, is_matryoshka=True)
     model = f"embed-{uuid.uuid4().hex[:8]}"
-    common: dict[str, Any] = dict(
-        nats_url=NATS_URL, model=str(path), served_model_name=model, log_level="WARNING"
-    )
-    bus = await Bus.connect(NATS_URL, "pooling-test")
-    engine = EngineSettings(
-        **common,
-        device="cpu",
-        quantization="none",
-        kvcache_mem_mib=16,
-        max_num_batched_tokens=64,
-        max_waiting_requests=8,
-    )
-    services = [
-        EngineService(engine, bus),
-        TokenizerService(TokenizerSettings(**common), bus),
-        GatewayService(
-            GatewaySettings(
-                nats_url=NATS_URL,
-                port=0,
-                log_level="WARNING",
-                request_timeout_s=30.0,
-                max_embedding_inputs=64,
-                max_embedding_tokens=2000,
-            ),
-            bus,
-        ),
-    ]
-    started: list[Any] = []
-    try:
-        for svc in services:
-            await svc.start()
-            started.append(svc)
-        url = services[2].url
-        async with httpx.AsyncClient(base_url=url) as http:
-            for _ in range(200):
-                if any(m["id"] == model for m in (await http.get("/v1/models")).json()["data"]):
-                    break
-                await asyncio.sleep(0.1)
+    async with served(path, model) as url:
         yield Suite(path, model, hf, url)
-    finally:
-        for svc in reversed(started):
-            await svc.stop()
-        await bus.close()
 
 
 @pytest.fixture
