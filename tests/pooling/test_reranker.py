@@ -86,3 +86,8 @@ async def test_rerank_and_score_are_the_model_cards_p_yes(reranker) -> None:  # 
         )
         assert r.status_code == 200, r.text
         assert r.json()["data"][0]["score"] == pytest.approx(ref.score(QUERY, DOCS[0], n), abs=1e-4)
+        r = await http.post(
+            "/v1/rerank", json={"model": model, "query": QUERY, "documents": ["paris " * 400]}
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
