@@ -11,7 +11,7 @@ Rules:
   the reverse.
 - Each input becomes one engine pooling job `<request id>.<index>`; the reply waits for all of
   them. A job's error (its deadline, a failed engine) fails the whole reply with that error;
-  a Cancel for the request aborts every job still running.
+  a Cancel for the request aborts every job still running and answers at once.
 - Vectors go back as base64 of little-endian float32 (PoolReply).
 """
 
@@ -179,6 +179,12 @@ class PoolService:
             future = self._jobs.get(job_id)
             if future is not None and not future.done():
                 self.loop.abort(job_id)
+                # answered now: a job still held by the loop's admission window has no output
+                future.set_exception(
+                    RequestError(
+                        "the request was cancelled", 503, "service_unavailable", "cancelled"
+                    )
+                )
         return True
 
     def fail_all(self, error: RequestError) -> None:

@@ -199,8 +199,8 @@ def test_a_job_holding_blocks_is_set_back_for_an_earlier_one(plain) -> None:
 
 async def test_pool_service_bounds_its_own_queue_and_cancels(plain) -> None:
     """The engine's pooling subject: a second request past the pooling bound is a 503 while
-    generation's queue stays empty; a Cancel aborts the first's jobs (the loop is not started,
-    so the first stays in flight)."""
+    generation's queue stays empty; a Cancel aborts the first's jobs and answers it at once (the
+    loop is not started: no job of it would ever finish)."""
     import asyncio
 
     from libs.common.pooling_messages import PoolRequest
@@ -222,4 +222,5 @@ async def test_pool_service_bounds_its_own_queue_and_cancels(plain) -> None:
     bad = await service.handle(PoolRequest(request_id="c", model="m", prompts=[[VOCAB]]))
     assert bad.error is not None and (bad.error.status, bad.error.param) == (400, "input")
     assert service.cancel("a") and not service.cancel("a")
-    first.cancel()
+    cancelled = await asyncio.wait_for(first, 5)
+    assert cancelled.error is not None and cancelled.error.code == "cancelled"
