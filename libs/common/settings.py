@@ -122,6 +122,12 @@ class GatewaySettings(CommonSettings):
     max_stop_chars: int = Field(512, ge=1, description="Longest stop string, in characters")
     max_prompts: int = Field(64, ge=1, description="Most prompts in one /v1/completions request "
                              "(each with `n` choices)")
+    max_embedding_inputs: int = Field(
+        2048, ge=1, description="Most inputs in one /v1/embeddings request (OpenAI's limit), "
+        "and most texts or documents in one score / rerank request")
+    max_embedding_tokens: int = Field(
+        300_000, ge=1, description="Most tokens the inputs of one embeddings, score or rerank "
+        "request may hold together (OpenAI's limit); more is 400")
     # ---- overload control
     max_in_flight: int = Field(
         512, ge=1, description="Generation and tokenize requests one gateway process serves at "
@@ -201,6 +207,10 @@ class TokenizerSettings(CommonSettings):
     max_prompt_chars: int = Field(
         4_000_000, ge=1, description="Most characters of a prompt, before and after the chat "
         "template (400 above)")
+    score_mode: Literal["auto", "embedding", "qwen3_reranker"] = Field(
+        "auto", description="How /v1/score and /v1/rerank score a pair: embedding (cosine "
+        "similarity of the two embeddings) | qwen3_reranker (Qwen3-Reranker's yes / no judging "
+        "prompt, P(yes)); auto: qwen3_reranker when the model's name says reranker")
     inline_prepare_chars: int = Field(
         2048, ge=0, description="Completion prompts up to this many characters (or token ids), "
         "without a response format, are tokenized on the event loop instead of a worker "
@@ -294,6 +304,10 @@ class EngineSettings(CommonSettings):
     tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = Field(
         "auto", description="How GPU tensor-parallel ranks sum small tensors: auto (symmetric-"
         "memory one-shot kernel up to 512 KiB, NCCL above) | nccl | one_shot | two_shot")
+    pooling: Literal["auto", "last", "mean", "cls"] = Field(
+        "auto", description="How embeddings (and score / rerank) pool the hidden states: auto "
+        "(the checkpoint's sentence-transformers Pooling config, else the last token, as for "
+        "decoder embedders such as Qwen3-Embedding) | last | mean | cls")
 
 
 class ToolsSettings(CommonSettings):

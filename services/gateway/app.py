@@ -35,6 +35,7 @@ from services.gateway.auth import ApiKeyAuth
 from services.gateway.health import router as health_router
 from services.gateway.limits import spec_limits
 from services.gateway.overload import InFlight, InFlightLimit
+from services.gateway.pooling_routes import router as pooling_router
 from services.gateway.rate_limits import Limiter, make_limiter
 from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.responses.routes import install as install_responses
@@ -94,6 +95,7 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.include_router(anthropic_router)
     install_responses(app)
     app.include_router(token_router)
+    app.include_router(pooling_router)
     app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,
                        retry_after_s=settings.overload_retry_after_s)
     app.include_router(health_router)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -43,6 +43,14 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log
 
 class ClientGone(Exception):
     pass
+
+
+class Cancellable(Protocol):
+    """What a client's disconnect cancels: its choices (ChoiceStreams), or one pooling request."""
+
+    def cancel(self, reason: str = "client_disconnect") -> None: ...
+
+    def close(self) -> None: ...
 
 
 def gateway(request: Request) -> GatewayState:
@@ -76,7 +84,7 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T], streams: ChoiceStreams) -> T:
+async def unless_disconnected(request: Request, work: Awaitable[T], streams: Cancellable) -> T:
     """Await `work` in this task; if the client disconnects first, cancel it and the choices and
     raise ClientGone. (In this task, not a new one: a new task goes to the back of the event
     loop's ready queue, so in a burst every request would reach the bus only after all of them

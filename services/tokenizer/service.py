@@ -52,9 +52,11 @@ from libs.common.model_cache import resolve_model, served_name
 from libs.common.service import Announcer, instance_id
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from services.tokenizer.embed import Embedder, serve_embed
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.preparation import Preparer, check_deadline
 from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
+from services.tokenizer.scoring import Scorer, score_mode, serve_score
 from services.tokenizer.token_codec import TokenCodec, serve_token_codec
 from services.tokenizer.tokenizer import Tokenizer
 from services.tokenizer.warmup import warm_up
@@ -114,6 +116,8 @@ class TokenizerService:
         self.builder = PromptBuilder(self.tokenizer, max_len, override, s.template_timeout_s,
                                      s.max_prompt_chars)
         self.preparer = Preparer(self.builder, s)
+        embedder = Embedder(self.tokenizer, max_len)
+        mode = score_mode(s.score_mode, self.tokenizer, [self.model, str(path)])
         took = await asyncio.to_thread(warm_up, self.builder)
         log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)
         self._subs = [
@@ -123,6 +127,8 @@ class TokenizerService:
                                  self._render, queue="tokenizer"),
             await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
             *await serve_token_codec(self.bus, self.model, TokenCodec(self.tokenizer, max_len)),
+            await serve_embed(self.bus, self.model, embedder, s.request_timeout_s),
+            await serve_score(self.bus, self.model, Scorer(embedder, mode), s.request_timeout_s),
         ]
         self._announcer = Announcer(
             self.bus, "tokenizer", self.instance, s.discovery_interval_s,
@@ -131,7 +137,8 @@ class TokenizerService:
                                       running=len(self._active)),
             health=self._health)
         await self._announcer.start()
-        log.info("tokenizer for %s (%s) ready, max_model_len=%d", self.model, path, max_len)
+        log.info("tokenizer for %s (%s) ready, max_model_len=%d, score mode %s", self.model,
+                 path, max_len, mode)
 
     async def stop(self) -> None:
         await self.bus.unsubscribe_all(self._subs)
