@@ -18,6 +18,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,8 @@ class EngineService:
         self.limits = QueueLimits(settings.max_waiting_requests, settings.max_waiting_tokens)
         self.announcer: Announcer | None = None
         self.pool: PoolService | None = None  # embeddings, score, rerank (pool_service.py)
+        # the one thread that builds and then steps the engine (loop.py)
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-loop")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -95,11 +98,14 @@ class EngineService:
             path = await asyncio.to_thread(resolve_model, self.settings.model)
             self.model_name = self.settings.served_model_name or served_name(self.settings.model,
                                                                              path)
-            self._engine = await asyncio.to_thread(build_engine, self.settings, path)
+            # built on the thread that will step it (loop.py: one OpenMP pool on CPU)
+            self._engine = await asyncio.get_running_loop().run_in_executor(
+                self._engine_thread, build_engine, self.settings, path)
         elif not self.model_name:
             raise ValueError("an injected engine needs settings.served_model_name")
         self.loop = EngineLoop.for_service(self._engine, asyncio.get_running_loop(),
-                                           self._on_outputs, self._on_crash, self.settings)
+                                           self._on_outputs, self._on_crash, self.settings,
+                                           executor=self._engine_thread)
         self.loop.start()
         s, engine = self.settings, self._engine
         assert engine is not None
@@ -142,6 +148,7 @@ class EngineService:
         shutdown = getattr(self._engine, "shutdown", None)
         if self._owns_engine and shutdown is not None:
             await asyncio.to_thread(shutdown)
+        self._engine_thread.shutdown(wait=False)
 
     # ------------------------------------------------------------------ handlers
 

@@ -81,7 +81,9 @@ return {refused, retry, ru, rs + win - now, tu, ts + win - now, ts}
 RESERVE = _WINDOW + """
 local tpm, cost = tonumber(ARGV[2]), tonumber(ARGV[3])
 local ts, tu = window(KEYS[1])
-if tpm > 0 and tu + cost > tpm then return {'tokens', ts + win - now, 0, 0, tu, ts + win - now, ts} end
+if tpm > 0 and tu + cost > tpm then
+  return {'tokens', ts + win - now, 0, 0, tu, ts + win - now, ts}
+end
 tu = tu + cost
 count(KEYS[1], ts, tu)
 return {'', 0, 0, 0, tu, ts + win - now, ts}
