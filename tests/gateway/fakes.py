@@ -219,6 +219,11 @@ class FakeTokenizer:
             await writer.data(TextDelta(text="ok"))
             await writer.final(TextFinal(finish_reason="stop", usage=usage))
             return
+        if scenario == "stopseq":  # the text ended at the request's first stop string
+            await writer.data(TextDelta(text="ok"))
+            await writer.final(TextFinal(finish_reason="stop", usage=usage,
+                                         stop_string=req.stop[0] if req.stop else None))
+            return
         if scenario == "think":
             await writer.data(TextDelta(reasoning="Let me think."))
             await writer.data(TextDelta(text="42"))
