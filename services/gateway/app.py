@@ -8,6 +8,8 @@ Rules:
   server's limits written into its `x-limit` bounds.
 - `InFlightLimit` (overload.py) caps the generation and tokenize requests in flight in this
   process; the count lives in `GatewayState.in_flight`.
+- `/metrics` serves the gateway's Prometheus metrics (metrics.py); `MetricsMiddleware` counts
+  every request and `DrainGate` refuses new ones once a drain began (drain.py).
 - With `settings.ui` the chat web UI is served at `/` (services/gateway/ui.py).
 - FastAPI's own telemetry (newer FastAPI: a server span plus dependency and endpoint spans per
   request) is off: `TracingMiddleware`'s `gateway.request` is the gateway's one span per request;
@@ -26,8 +28,11 @@ from libs.common.settings import GatewaySettings
 from libs.common.store import Store
 from services.gateway import http_errors
 from services.gateway.anthropic.routes import router as anthropic_router
+from services.gateway.drain import Drain, DrainGate
 from services.gateway.health import router as health_router
 from services.gateway.limits import spec_limits
+from services.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from services.gateway.metrics import router as metrics_router
 from services.gateway.overload import InFlight, InFlightLimit
 from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.responses.routes import install as install_responses
@@ -48,6 +53,8 @@ class GatewayState:
     registry: ModelRegistry
     tools: ToolsCache
     in_flight: InFlight
+    metrics: GatewayMetrics
+    drain: Drain
 
     async def start(self) -> None:
         await self.tools.start()
@@ -78,7 +85,8 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.state.gateway = GatewayState(
         settings, bus, store, spec, ModelRegistry(bus, store, settings.model_ttl_s),
         ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s),
-        InFlight(settings.max_in_flight))
+        InFlight(settings.max_in_flight), GatewayMetrics(settings.prometheus_multiproc_dir),
+        Drain(settings.overload_retry_after_s))
     http_errors.install(app)
     app.include_router(router)
     app.include_router(anthropic_router)
@@ -87,7 +95,10 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,
                        retry_after_s=settings.overload_retry_after_s)
     app.include_router(health_router)
+    app.include_router(metrics_router)
     if settings.ui:
         app.include_router(ui_router(load_assets()))
+    app.add_middleware(DrainGate, drain=app.state.gateway.drain)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.gateway.metrics)
     app.add_middleware(TracingMiddleware)
     return app

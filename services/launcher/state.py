@@ -52,6 +52,7 @@ class SuiteState:
     serving: bool = False
     ready: bool = False
     reasons: list[str] = field(default_factory=list)
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # service -> its /metrics
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

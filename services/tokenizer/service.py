@@ -48,10 +48,12 @@ from libs.common.messages import (
     TokenFrame,
     TokenRequest,
 )
+from libs.common.metrics import MetricsServer
 from libs.common.model_cache import resolve_model, served_name
-from libs.common.service import Announcer, instance_id
+from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.preparation import Preparer, check_deadline
 from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
@@ -91,6 +93,8 @@ class TokenizerService:
         self.builder: PromptBuilder | None = None
         self.preparer: Preparer | None = None
         self._active: dict[str, _Active] = {}
+        self.metrics: TokenizerMetrics | None = None
+        self._metrics_server: MetricsServer | None = None
         self._cancelled: dict[str, float] = {}
         self._subs: list[Subscription] = []
         self._announcer: Announcer | None = None
@@ -114,6 +118,10 @@ class TokenizerService:
         self.builder = PromptBuilder(self.tokenizer, max_len, override, s.template_timeout_s,
                                      s.max_prompt_chars)
         self.preparer = Preparer(self.builder, s)
+        self.metrics = TokenizerMetrics(self.model, lambda: len(self._active))
+        self._metrics_server = MetricsServer(self.metrics.registry, s.metrics_host,
+                                             s.metrics_port)
+        self._metrics_server.start()
         took = await asyncio.to_thread(warm_up, self.builder)
         log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)
         self._subs = [
@@ -133,6 +141,15 @@ class TokenizerService:
         await self._announcer.start()
         log.info("tokenizer for %s (%s) ready, max_model_len=%d", self.model, path, max_len)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new generate or render requests (other tokenizers of the model get them) and
+        let the streams in flight finish, up to `timeout_s`."""
+        await self.bus.unsubscribe_all(self._subs[:2])  # tokenizer_generate, tokenizer_render
+        del self._subs[:2]
+        if not await wait_idle(lambda: len(self._active), timeout_s):
+            log.warning("tokenizer %s: %d streams unfinished after the %gs drain", self.instance,
+                        len(self._active), timeout_s)
+
     async def stop(self) -> None:
         await self.bus.unsubscribe_all(self._subs)
         if self.preparer is not None:
@@ -144,6 +161,8 @@ class TokenizerService:
             await active.writer.error(unavailable("the tokenizer service is shutting down").info)
             if active.task:
                 active.task.cancel()
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
 
     async def _health(self) -> dict[str, Any]:
         return {"model": self.model, "active": len(self._active)}
@@ -177,6 +196,8 @@ class TokenizerService:
                 admission = Admission(request_id=rid, accepted=False,
                                       error=internal(f"tokenizer failure: {exc}").info)
         if not admission.accepted:
+            if self.metrics is not None and admission.error is not None:
+                self.metrics.refused(admission.error)
             span.set_status(trace.Status(trace.StatusCode.ERROR,
                                          admission.error.message if admission.error else ""))
             span.end()
@@ -185,19 +206,24 @@ class TokenizerService:
     async def _admit(self, req: TextRequest, span: trace.Span) -> Admission:
         assert self.builder is not None
         rid = req.request_id
+        assert self.metrics is not None
+        started = time.monotonic()
         prepared = await self._prepare(req)
+        self.metrics.prepare.observe(time.monotonic() - started)
         sampling = self.builder.sampling(req, len(prepared.token_ids), prepared.guided)
         check_deadline(req, "before the engine got it")
         span.set_attribute("flotilla.prompt_tokens", len(prepared.token_ids))
         stream = subjects.token_stream(rid)
         reader = await self.bus.open_reader(stream, TokenFrame, self.settings.heartbeat_timeout_s)
         try:
+            sent = time.monotonic()
             engine = await self.bus.request(
                 subjects.engine_generate(self.model),
                 TokenRequest(request_id=rid, model=self.model, prompt_token_ids=prepared.token_ids,
                              sampling=sampling, stream_subject=stream, priority=req.priority,
                              deadline=req.deadline),
                 Admission, timeout=self.settings.request_timeout_s)
+            self.metrics.engine.observe(time.monotonic() - sent)
             if not engine.accepted:
                 refused = engine.error or unavailable("the engine refused the request").info
                 raise FlotillaError(refused)
