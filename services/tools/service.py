@@ -12,8 +12,6 @@ import logging
 import time
 from typing import Any
 
-from prometheus_client import Counter, Histogram
-
 from libs.common import subjects
 from libs.common.bus import Bus
 from libs.common.messages import (
@@ -24,10 +22,11 @@ from libs.common.messages import (
     ToolsListReply,
     ToolsListRequest,
 )
-from libs.common.metrics import LATENCY_BUCKETS, MetricsServer, name, service_registry
+from libs.common.metrics import MetricsServer
 from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import ToolsSettings
 from services.tools.config import load_mcp_config
+from services.tools.metrics import ToolsMetrics
 from services.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
@@ -49,15 +48,12 @@ class ToolsService:
                                    self._announcement, self._health)
         self._subs: list[Any] = []
         self._calls = 0  # tool calls running
-        registry = service_registry()
-        self.calls_total = Counter(name("tool_calls"), "MCP tool calls, by server and outcome",
-                                   ["server", "outcome"], registry=registry)
-        self.call_seconds = Histogram(name("tool_call_seconds"), "Duration of MCP tool calls",
-                                      ["server"], registry=registry, buckets=LATENCY_BUCKETS)
-        self.metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port)
+        self.metrics = ToolsMetrics()
+        self._metrics_server = MetricsServer(self.metrics.registry, settings.metrics_host,
+                                             settings.metrics_port)
 
     async def start(self) -> None:
-        self.metrics.start()
+        self._metrics_server.start()
         await self.registry.start()
         self._subs = [
             await self.bus.serve(subjects.TOOLS_LIST, ToolsListRequest, self._list, queue=QUEUE),
@@ -73,7 +69,7 @@ class ToolsService:
         await self.announcer.stop()
         await self.bus.unsubscribe_all(self._subs)
         await self.registry.close()
-        self.metrics.stop()
+        self._metrics_server.stop()
 
     async def _list(self, _: ToolsListRequest) -> ToolsListReply:
         routes = {name: McpToolRoute(server=r.server, tool=r.tool)
@@ -90,12 +86,12 @@ class ToolsService:
             result = await self.registry.call(req.name, req.arguments, req.servers)
         except Exception as exc:  # a reply, never silence: the caller would wait for nothing
             log.exception("tool call %s crashed", req.name)
-            self.calls_total.labels(server, "crashed").inc()
+            self.metrics.calls.labels(server, "crashed").inc()
             return ToolCallReply(ok=False, error=f"tool {req.name!r} crashed: {exc}")
         finally:
             self._calls -= 1
-            self.call_seconds.labels(server).observe(time.monotonic() - start)
-        self.calls_total.labels(server, "ok" if result.ok else "error").inc()
+            self.metrics.seconds.labels(server).observe(time.monotonic() - start)
+        self.metrics.calls.labels(server, "ok" if result.ok else "error").inc()
         if not result.ok:
             log.info("tool call %s failed: %s", req.name, result.error)
         return ToolCallReply(ok=result.ok, content=result.content, error=result.error)
