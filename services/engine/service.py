@@ -135,7 +135,10 @@ class EngineService:
 
     async def drain(self, timeout_s: float) -> None:
         """Take no new requests (other engines of the model get them; with none, the tokenizer
-        answers 503) and let the running ones finish, up to `timeout_s`."""
+        answers 503) and let the running ones finish, up to `timeout_s`. A broken engine (its
+        own SIGTERM after a crash) has nothing to finish."""
+        if self.crashed is not None:
+            return
         if self._subs:
             await self.bus.unsubscribe_all(self._subs[:1])  # engine_generate
             del self._subs[:1]
