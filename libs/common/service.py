@@ -31,7 +31,8 @@ def instance_id(kind: str) -> str:
 class Announcer:
     """Publishes `make()` on the discovery subject every `interval` seconds and whenever a Ping
     arrives; answers health requests for `service` (any instance) and for this instance alone
-    (`subjects.instance_health`, what /ready asks) with `health()` and `heartbeat_age()`.
+    (`subjects.instance_health`, what /ready asks) with `health()` and `heartbeat_age()`;
+    not ok (`detail["draining"]`) once `draining` is set.
 
     Answering at all is the liveness signal (a frozen or dead process does not), so the reply
     is built from what the process already knows, never from a call that can block."""
@@ -45,6 +46,7 @@ class Announcer:
         self._heartbeat_age = heartbeat_age
         self._task: asyncio.Task[Any] | None = None
         self._subs: list[Any] = []
+        self.draining = False  # set by the service's drain: health answers not ok
 
     async def start(self) -> None:
         async def on_ping(_: Ping) -> None:
@@ -53,8 +55,10 @@ class Announcer:
         async def on_health(_: HealthRequest) -> HealthReply:
             detail = await self._health() if self._health else {}
             age = self._heartbeat_age() if self._heartbeat_age else None
-            return HealthReply(service=self.service, instance=self.instance, ok=True,
-                               detail=detail, heartbeat_age_s=age)
+            if self.draining:
+                detail = {**detail, "draining": True}
+            return HealthReply(service=self.service, instance=self.instance,
+                               ok=not self.draining, detail=detail, heartbeat_age_s=age)
 
         self._subs.append(await self.bus.subscribe(subjects.DISCOVERY_PING, Ping, on_ping))
         for subject in (subjects.health(self.service),

@@ -139,6 +139,8 @@ class EngineService:
         own SIGTERM after a crash) has nothing to finish."""
         if self.crashed is not None:
             return
+        if self.announcer is not None:
+            self.announcer.draining = True
         if self._subs:
             await self.bus.unsubscribe_all(self._subs[:1])  # engine_generate
             del self._subs[:1]

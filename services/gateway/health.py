@@ -92,7 +92,8 @@ async def check_instance(gw: GatewayState, ann: Announcement) -> InstanceCheck:
     if age is not None and age > gw.settings.engine_stall_s:
         check.state, check.detail = "stalled", f"step loop stuck for {age:.1f}s"
     elif not reply.ok:
-        check.state, check.detail = "silent", "reports not ok"
+        check.state = "silent"
+        check.detail = "draining" if reply.detail.get("draining") else "reports not ok"
     return check
 
 

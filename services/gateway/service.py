@@ -111,6 +111,7 @@ class GatewayService:
         """New requests get 503 `draining` and /ready says not ready; wait up to `timeout_s`
         for the requests in flight (open streams) to end."""
         self.state.drain.begin()
+        self.announcer.draining = True
         if not await self.state.drain.wait(timeout_s):
             log.warning("gateway %s: %d requests still in flight after the %gs drain; cutting "
                         "them", self.instance, self.state.drain.active, timeout_s)

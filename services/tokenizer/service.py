@@ -144,6 +144,8 @@ class TokenizerService:
     async def drain(self, timeout_s: float) -> None:
         """Take no new generate or render requests (other tokenizers of the model get them) and
         let the streams in flight finish, up to `timeout_s`."""
+        if self._announcer is not None:
+            self._announcer.draining = True
         await self.bus.unsubscribe_all(self._subs[:2])  # tokenizer_generate, tokenizer_render
         del self._subs[:2]
         if not await wait_idle(lambda: len(self._active), timeout_s):

@@ -62,6 +62,7 @@ class ToolsService:
         await self.announcer.start()
 
     async def drain(self, timeout_s: float) -> None:
+        self.announcer.draining = True
         await self.bus.unsubscribe_all(self._subs)  # replicas take the new calls
         await wait_idle(lambda: self._calls, timeout_s)
 

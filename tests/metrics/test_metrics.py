@@ -4,6 +4,7 @@ The three real services run in this process with the real SmolLM2 model on the t
 with registries of its own. Streams are sent while /metrics is scraped; afterwards every count,
 token total and the TTFT histogram are checked against what the client saw (usage, finish
 reasons, its own time to the first content chunk), parsed with prometheus-client's parser.
+The module's last test drains the tokenizer and engine (what SIGTERM does) mid-stream.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ MAX_TOKENS = 6
 @dataclass
 class Suite:
     gateway: GatewayService
+    tokenizer: TokenizerService
+    engine: EngineService
     model: str
     engine_url: str
     tokenizer_url: str
@@ -68,13 +71,14 @@ async def suite() -> AsyncIterator[Suite]:
         for svc in services:
             await svc.start()
             started.append(svc)
-        gateway = services[2]
+        engine, tokenizer, gateway = services
+        assert isinstance(engine, EngineService) and isinstance(tokenizer, TokenizerService)
         assert isinstance(gateway, GatewayService)
         for _ in range(100):
             if await gateway.state.registry.get(model) is not None:
                 break
             await asyncio.sleep(0.05)
-        yield Suite(gateway, model, f"http://127.0.0.1:{engine_port}/metrics",
+        yield Suite(gateway, tokenizer, engine, model, f"http://127.0.0.1:{engine_port}/metrics",
                     f"http://127.0.0.1:{tokenizer_port}/metrics")
     finally:
         for svc in reversed(started):
@@ -82,9 +86,10 @@ async def suite() -> AsyncIterator[Suite]:
         await bus.close()
 
 
-async def _stream(http: httpx.AsyncClient, model: str, content: str) -> Seen:
+async def _stream(http: httpx.AsyncClient, model: str, content: str,
+                  max_tokens: int = MAX_TOKENS) -> Seen:
     body = {"model": model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.monotonic()
     ttft, finish, usage = None, None, None
@@ -167,3 +172,32 @@ async def test_metrics_match_what_was_sent(suite: Suite) -> None:
     assert engine.value("flotilla:engine_requests_finished_total", **model,
                         outcome="finished") == STREAMS
     assert "process_cpu_seconds_total" in engine.names()
+
+
+async def test_tokenizer_and_engine_drain_finishes_the_stream_in_flight(suite: Suite) -> None:
+    """Last in the module: it drains the module's tokenizer and engine."""
+    async with httpx.AsyncClient(base_url=suite.gateway.url, timeout=120) as http:
+        running = asyncio.ensure_future(_stream(http, suite.model, "Count to fifty.", 24))
+        for _ in range(200):  # until the engine runs it
+            engine = await scrape(suite.engine_url)
+            if engine.value("flotilla:num_requests_running", model_name=suite.model) == 1:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the stream never reached the engine")
+        started = time.monotonic()
+        drains = asyncio.ensure_future(asyncio.gather(suite.tokenizer.drain(30),
+                                                      suite.engine.drain(30)))
+        await asyncio.sleep(0.1)
+        refused = await http.post("/v1/chat/completions", json={
+            "model": suite.model, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2})
+        assert refused.status_code == 503, refused.text
+        ready = await http.get("/ready")
+        assert ready.status_code == 503
+        assert any("draining" in reason for reason in ready.json()["reasons"]), ready.json()
+        assert not drains.done()  # the drains wait for the stream
+        seen = await running
+        await asyncio.wait_for(drains, 5)
+    assert seen.completion_tokens == 24 or seen.finish_reason == "stop"
+    assert time.monotonic() - started < 30
