@@ -297,7 +297,7 @@ def defined_series() -> dict[str, set[str]]:
     timer.data(0)
     timer.final(TextFinal(finish_reason="stop", usage=Usage(prompt_tokens=1,
                                                             completion_tokens=1)))
-    gateway.rate_limit_hit("key")
+    gateway.rate_limit_hit("key", "requests")
     gateway.http_requests.labels("/v1/models", "GET", "200").inc()
     gateway.rejections.labels("gateway", "too_large").inc()
     gateway.in_flight.inc()

@@ -36,6 +36,7 @@ def engine_config(settings: EngineSettings, path: Path) -> EngineConfig:
         async_scheduling=settings.async_scheduling,
         tp=settings.tp,
         tp_all_reduce=settings.tp_all_reduce,
+        pooling=settings.pooling,
         gemv=settings.gemv,
         device_ids=(tuple(int(i) for i in settings.device_ids.split(","))
                     if settings.device_ids else None),

@@ -21,7 +21,8 @@ Rules:
 - Queue state for admission (`queue_state`, any thread): the engine's waiting requests and
   prompt tokens as of its last step, plus those handed to the loop since (counted when `add`
   is called, so a burst between two steps is counted at once), and the engine's recent rate in
-  tokens per second (an average over steps that computed tokens).
+  tokens per second (an average over steps that computed tokens). Pooling jobs (PoolingParams)
+  are not counted: they have their own bound (pool_service.py).
 - Heartbeat: the thread notes the time every time round (each step, and every `idle_beat_s`
   while it waits for work); `stats()["heartbeat"]` carries it (monotonic clock, shared by the
   processes of one host), so a loop wedged inside a step is seen by /ready however healthy
@@ -47,6 +48,7 @@ from typing import IO, Any
 
 from libs.common.settings import EngineSettings
 from services.engine.engine import RequestOutput
+from services.engine.pooling import PoolingParams
 from services.engine.request_error import RequestError
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class _Add:
     priority: int = 0
     deadline: float | None = None
     t: float = field(default_factory=time.time)  # handed to the loop (step log)
+    counted: bool = True  # in queue_state (generation; pooling jobs are not)
 
 
 @dataclass
@@ -133,10 +136,13 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: Any,
             priority: int = 0, deadline: float | None = None) -> None:
-        with self._stats_lock:
-            self._queued[0] += 1
-            self._queued[1] += len(prompt_token_ids)
-        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, deadline))
+        counted = not isinstance(params, PoolingParams)
+        if counted:
+            with self._stats_lock:
+                self._queued[0] += 1
+                self._queued[1] += len(prompt_token_ids)
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, deadline,
+                                counted=counted))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -178,8 +184,7 @@ class EngineLoop:
             for i, held in enumerate(self._held):
                 if held.request_id == cmd.request_id:
                     del self._held[i]  # never reached the engine: nothing to free
-                    self._handed[0] += 1
-                    self._handed[1] += len(held.prompt_token_ids)
+                    self._count_handed(held)
                     return
             self.engine.abort(cmd.request_id)
             return
@@ -201,9 +206,13 @@ class EngineLoop:
         for cmd in held:
             self._add(cmd)
 
+    def _count_handed(self, cmd: _Add) -> None:
+        if cmd.counted:
+            self._handed[0] += 1
+            self._handed[1] += len(cmd.prompt_token_ids)
+
     def _add(self, cmd: _Add) -> None:
-        self._handed[0] += 1
-        self._handed[1] += len(cmd.prompt_token_ids)
+        self._count_handed(cmd)
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                     cmd.priority, cmd.deadline)

@@ -41,12 +41,14 @@ from libs.common.messages import (
 )
 from libs.common.metrics import MetricsServer
 from libs.common.model_cache import resolve_model, served_name
+from libs.common.pooling_messages import PoolRequest
 from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import EngineSettings
 from services.engine.admission import QueueLimits, check_deadline, to_sampling_params
 from services.engine.factory import build_engine
 from services.engine.loop import EngineLoop
 from services.engine.metrics import EngineMetrics
+from services.engine.pool_service import PoolService
 from services.engine.request_error import InvalidParameter, RequestError
 from services.engine.sampling_params import SamplingParams
 from services.engine.structured import GrammarCompileTimeout, StructuredOutputs
@@ -89,6 +91,7 @@ class EngineService:
         self.structured: StructuredOutputs | None = None
         self.limits = QueueLimits(settings.max_waiting_requests, settings.max_waiting_tokens)
         self.announcer: Announcer | None = None
+        self.pool: PoolService | None = None  # embeddings, score, rerank (pool_service.py)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -111,6 +114,7 @@ class EngineService:
         self.loop.start()
         s, engine = self.settings, self._engine
         assert engine is not None
+        self.pool = PoolService(engine, self.loop, self.limits, lambda: self.crashed)
         self.structured = StructuredOutputs(
             engine.config.model, engine.vocab_size, sorted(engine.eos_token_ids),
             s.grammar_cache_entries, s.grammar_cache_mib << 20, s.grammar_compile_workers,
@@ -124,6 +128,8 @@ class EngineService:
             executor.on_failure(lambda exc: loop.call_soon_threadsafe(self._on_crash, exc))
         self._subs.append(await self.bus.serve(subjects.engine_generate(self.model_name),
                                                TokenRequest, self._on_generate, queue="engine"))
+        self._subs.append(await self.bus.serve(subjects.engine_pool(self.model_name),
+                                               PoolRequest, self.pool.handle, queue="engine"))
         self._subs.append(await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel))
         self._subs.append(await self.bus.serve(subjects.engine_stats(self.instance), StatsRequest,
                                                self._on_stats))
@@ -142,9 +148,11 @@ class EngineService:
         if self.announcer is not None:
             self.announcer.draining = True
         if self._subs:
-            await self.bus.unsubscribe_all(self._subs[:1])  # engine_generate
-            del self._subs[:1]
-        if not await wait_idle(lambda: len(self._live), timeout_s):
+            await self.bus.unsubscribe_all(self._subs[:2])  # engine_generate, engine_pool
+            del self._subs[:2]
+        pool = self.pool
+        if not await wait_idle(lambda: len(self._live) + (pool.pending if pool else 0),
+                               timeout_s):
             log.warning("engine %s: %d requests unfinished after the %gs drain", self.instance,
                         len(self._live), timeout_s)
 
@@ -238,6 +246,8 @@ class EngineService:
                          error=_error_info(error))
 
     async def _on_cancel(self, msg: Cancel) -> None:
+        if self.pool is not None and self.pool.cancel(msg.request_id):
+            return
         live = self._live.pop(msg.request_id, None)
         if live is None or self.loop is None:
             return
@@ -257,6 +267,8 @@ class EngineService:
     def _on_outputs(self, outputs: list[Any]) -> None:
         now = time.monotonic()
         for out in outputs:
+            if self.pool is not None and self.pool.on_output(out):
+                continue
             live = self._live.get(out.request_id)
             if live is None:  # cancelled meanwhile; the engine got the abort
                 continue
@@ -310,6 +322,8 @@ class EngineService:
         live request, stop announcing (health stops answering) and call on_fatal once."""
         first = self.crashed is None
         self.crashed = self.crashed or exc
+        if self.pool is not None:
+            self.pool.fail_all(RequestError(f"the engine failed: {exc}", 500))
         for rid in list(self._live):
             self.bus.spawn(self._fail(rid, ErrorInfo(
                 status=500, type="server_error", message=f"the engine failed: {exc}")))

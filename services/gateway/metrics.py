@@ -12,7 +12,7 @@ Rules:
 - Per-choice timings come from the stream reader (`ChoiceTimer`, services/gateway/streams.py):
   TTFT and end-to-end from when the request's streams were created, inter-token latency between
   successive data frames of a choice, the gateway→tokenizer hop as the admission round trip.
-- `rate_limit_hit(key)` is the hook the per-key limits call on every 429 they send.
+- `rate_limit_hit(key, limit)` is the hook the per-key limits (auth.py) call on every 429.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class GatewayMetrics:
             "why (too_large 413, rate_limited 429, overloaded / draining / unavailable 503, "
             "deadline 504)", ["service", "cause"], registry=r)
         self.rate_limit_hits = Counter(
-            name("rate_limit_hits"), "429s sent by the per-key limits, by key name",
-            ["key"], registry=r)
+            name("rate_limit_hits"), "429s sent by the per-key limits, by key id and the limit "
+            "hit (requests or tokens)", ["key", "limit"], registry=r)
         self.request_success = Counter(
             name("request_success"), "Choices finished, by finish reason",
             ["model_name", "finished_reason"], registry=r)
@@ -88,9 +88,10 @@ class GatewayMetrics:
 
         self._models: dict[str, ModelSeries] = {}
 
-    def rate_limit_hit(self, key: str) -> None:
-        """A per-key limit refused a request of `key` (its name, never the secret)."""
-        self.rate_limit_hits.labels(key).inc()
+    def rate_limit_hit(self, key: str, limit: str) -> None:
+        """A per-key limit (`requests` or `tokens`) refused a request of `key` (its id, never
+        the secret)."""
+        self.rate_limit_hits.labels(key, limit).inc()
 
     def timer(self, model: str) -> ChoiceTimer:
         series = self._models.get(model)

@@ -28,7 +28,8 @@ from libs.common.settings import GatewaySettings
 from services.gateway.http_errors import error_response
 from services.gateway.metrics import CAUSE_KEY
 
-LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize"})
+LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize",
+                           "/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank"})
 TIMEOUT_HEADER = "x-request-timeout"
 MIN_TIMEOUT_S = 1.0
 

@@ -53,10 +53,12 @@ from libs.common.model_cache import resolve_model, served_name
 from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from services.tokenizer.embed import Embedder, serve_embed
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.preparation import Preparer, check_deadline
 from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
+from services.tokenizer.scoring import Scorer, score_mode, serve_score
 from services.tokenizer.token_codec import TokenCodec, serve_token_codec
 from services.tokenizer.tokenizer import Tokenizer
 from services.tokenizer.warmup import warm_up
@@ -97,6 +99,7 @@ class TokenizerService:
         self._metrics_server: MetricsServer | None = None
         self._cancelled: dict[str, float] = {}
         self._subs: list[Subscription] = []
+        self._work_subs: list[Subscription] = []
         self._announcer: Announcer | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -122,13 +125,19 @@ class TokenizerService:
         self._metrics_server = MetricsServer(self.metrics.registry, s.metrics_host,
                                              s.metrics_port)
         self._metrics_server.start()
+        embedder = Embedder(self.tokenizer, max_len)
+        mode = score_mode(s.score_mode, self.tokenizer, [self.model, str(path)])
         took = await asyncio.to_thread(warm_up, self.builder)
         log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)
-        self._subs = [
+        self._work_subs = [  # new work: left first when draining
             await self.bus.serve(subjects.tokenizer_generate(self.model), TextRequest,
                                  self._generate, queue="tokenizer"),
             await self.bus.serve(subjects.tokenizer_render(self.model), TextRequest,
                                  self._render, queue="tokenizer"),
+            await serve_embed(self.bus, self.model, embedder, s.request_timeout_s),
+            await serve_score(self.bus, self.model, Scorer(embedder, mode), s.request_timeout_s),
+        ]
+        self._subs = [
             await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
             *await serve_token_codec(self.bus, self.model, TokenCodec(self.tokenizer, max_len)),
         ]
@@ -139,20 +148,21 @@ class TokenizerService:
                                       running=len(self._active)),
             health=self._health)
         await self._announcer.start()
-        log.info("tokenizer for %s (%s) ready, max_model_len=%d", self.model, path, max_len)
+        log.info("tokenizer for %s (%s) ready, max_model_len=%d, score mode %s", self.model,
+                 path, max_len, mode)
 
     async def drain(self, timeout_s: float) -> None:
-        """Take no new generate or render requests (other tokenizers of the model get them) and
-        let the streams in flight finish, up to `timeout_s`."""
+        """Take no new generate, render, embed or score requests (other tokenizers of the model
+        get them) and let the streams in flight finish, up to `timeout_s`."""
         if self._announcer is not None:
             self._announcer.draining = True
-        await self.bus.unsubscribe_all(self._subs[:2])  # tokenizer_generate, tokenizer_render
-        del self._subs[:2]
+        await self.bus.unsubscribe_all(self._work_subs)
         if not await wait_idle(lambda: len(self._active), timeout_s):
             log.warning("tokenizer %s: %d streams unfinished after the %gs drain", self.instance,
                         len(self._active), timeout_s)
 
     async def stop(self) -> None:
+        await self.bus.unsubscribe_all(self._work_subs)
         await self.bus.unsubscribe_all(self._subs)
         if self.preparer is not None:
             self.preparer.shutdown()
@@ -252,7 +262,8 @@ class TokenizerService:
         assert self.builder is not None
         proc = OutputProcessor.for_request(self.tokenizer, req, prepared.text,
                                            len(prepared.token_ids), self.builder.tool_format(),
-                                           stop_ids)
+                                           stop_ids, first_prompt_id=next(
+                                               iter(prepared.token_ids), None))
         try:
             if prepared.echo:
                 await writer.data(TextDelta(text=prepared.echo))

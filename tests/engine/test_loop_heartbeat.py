@@ -19,7 +19,8 @@ class BlockingEngine:
         self.release = threading.Event()
         self.in_step = threading.Event()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                    priority: int = 0, deadline: float | None = None) -> None:
         self.pending.append(request_id)
 
     def abort(self, request_id: str) -> None:
