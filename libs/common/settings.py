@@ -44,6 +44,16 @@ class CommonSettings(BaseSettings):
         10.0, gt=0, description="Reply timeout for request/reply calls (not for streams)"
     )
     discovery_interval_s: float = Field(1.0, gt=0, description="Period of service announcements")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of the Prometheus /metrics endpoint of the "
+        "tokenizer, engine and tools services (the gateway serves /metrics on its API port and "
+        "ignores this); 0 = off (`flotilla up` and docker-compose.yml turn it on)")
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address the metrics port binds (0.0.0.0 in containers)")
+    drain_timeout_s: float = Field(
+        20.0, ge=0, description="On SIGTERM a service stops taking new work and waits this long "
+        "for the work in flight (open streams) to finish before it exits; SIGINT, or a second "
+        "signal, stops at once. Container stop grace periods must exceed it")
     # ---- a closed bus (docs/security.md): every NATS connection of every service uses these
     nats_user: str | None = Field(None, description="NATS user name (with nats_password)")
     nats_password: SecretStr | None = Field(None, description="NATS password of nats_user")
@@ -140,6 +150,11 @@ class GatewaySettings(CommonSettings):
         "cancels the request on every hop")
     ui: bool = Field(False, description="Serve the chat web UI at / (same port and origin as "
                      "the API; its files ship in the package)")
+    prometheus_multiproc_dir: Path | None = Field(
+        None, validation_alias="PROMETHEUS_MULTIPROC_DIR", description="Directory where "
+        "several gateway worker processes keep their metrics (prometheus-client's multiprocess "
+        "mode, under its own variable's name); the parent of FLOTILLA_GATEWAY_WORKERS > 1 sets "
+        "it for its workers. Unset = this process's metrics only")
     # ---- API keys and per-key limits (docs/security.md)
     api_keys: SecretStr | None = Field(
         None, description="API keys the gateway accepts, comma-separated (only their SHA-256 "

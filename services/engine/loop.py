@@ -120,6 +120,9 @@ class EngineLoop:
         self._handed = [0, 0]
         self._rate = 0.0  # tokens per second, averaged over steps
         self._idle = False  # the last step did nothing
+        # called from this loop's thread after every step with (seconds, SchedulerOutput): the
+        # engine's step metrics (metrics.py)
+        self.on_step: Callable[[float, Any], None] | None = None
 
     @classmethod
     def for_service(cls, engine: Any, loop: asyncio.AbstractEventLoop,
@@ -312,6 +315,8 @@ class EngineLoop:
                 self._idle = not outputs and sched is not None and sched.is_empty
                 # stats first: whoever sees a request's output sees a queue without it
                 self._refresh_stats()
+                if self.on_step is not None:
+                    self.on_step(dt, sched)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
                 if self._step_log is not None:

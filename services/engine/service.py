@@ -40,13 +40,15 @@ from libs.common.messages import (
     TokenLogprob,
     TokenRequest,
 )
+from libs.common.metrics import MetricsServer
 from libs.common.model_cache import resolve_model, served_name
 from libs.common.pooling_messages import PoolRequest
-from libs.common.service import Announcer, instance_id
+from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import EngineSettings
 from services.engine.admission import QueueLimits, check_deadline, to_sampling_params
 from services.engine.factory import build_engine
 from services.engine.loop import EngineLoop
+from services.engine.metrics import EngineMetrics
 from services.engine.pool_service import PoolService
 from services.engine.request_error import InvalidParameter, RequestError
 from services.engine.sampling_params import SamplingParams
@@ -79,6 +81,9 @@ class EngineService:
         self._live: dict[str, _Live] = {}
         self._aborted: collections.deque[str] = collections.deque(maxlen=1000)
         self._counts = collections.Counter[str]()
+        self._refusals = collections.Counter[str]()  # overload refusals by cause (error code)
+        self.metrics: EngineMetrics | None = None
+        self._metrics_server: MetricsServer | None = None
         self._subs: list[Any] = []
         self._outbox: asyncio.Queue[Coroutine[Any, Any, None]] = asyncio.Queue()
         self._sender: asyncio.Task[Any] | None = None
@@ -106,6 +111,12 @@ class EngineService:
         self.loop = EngineLoop.for_service(self._engine, asyncio.get_running_loop(),
                                            self._on_outputs, self._on_crash, self.settings,
                                            executor=self._engine_thread)
+        self.metrics = EngineMetrics(self.model_name, self.instance, self.loop.stats,
+                                     lambda: dict(self._refusals))
+        self.loop.on_step = self.metrics.observe_step
+        self._metrics_server = MetricsServer(self.metrics.registry, self.settings.metrics_host,
+                                             self.settings.metrics_port)
+        self._metrics_server.start()
         self.loop.start()
         s, engine = self.settings, self._engine
         assert engine is not None
@@ -134,6 +145,23 @@ class EngineService:
         await self.announcer.start()
         log.info("engine %s serving %s", self.instance, self.model_name)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new requests (other engines of the model get them; with none, the tokenizer
+        answers 503) and let the running ones finish, up to `timeout_s`. A broken engine (its
+        own SIGTERM after a crash) has nothing to finish."""
+        if self.crashed is not None:
+            return
+        if self.announcer is not None:
+            self.announcer.draining = True
+        if self._subs:
+            await self.bus.unsubscribe_all(self._subs[:2])  # engine_generate, engine_pool
+            del self._subs[:2]
+        pool = self.pool
+        if not await wait_idle(lambda: len(self._live) + (pool.pending if pool else 0),
+                               timeout_s):
+            log.warning("engine %s: %d requests unfinished after the %gs drain", self.instance,
+                        len(self._live), timeout_s)
+
     async def stop(self) -> None:
         if self.announcer:
             await self.announcer.stop()
@@ -149,6 +177,8 @@ class EngineService:
         if self._owns_engine and shutdown is not None:
             await asyncio.to_thread(shutdown)
         self._engine_thread.shutdown(wait=False)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
 
     # ------------------------------------------------------------------ handlers
 
@@ -216,8 +246,9 @@ class EngineService:
                                       req.sampling.ignore_eos)
 
     def _refuse(self, req: TokenRequest, error: RequestError) -> Admission:
-        if error.status >= 500:
+        if error.status >= 500 or error.status == 429:
             self._counts["refused"] += 1
+            self._refusals[error.code or error.type] += 1
         return Admission(request_id=req.request_id, accepted=False, instance=self.instance,
                          error=_error_info(error))
 

@@ -53,6 +53,7 @@ class SuiteState:
     ready: bool = False
     reasons: list[str] = field(default_factory=list)
     nats_token_file: str | None = None  # the private nats-server's token (0600), for status
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # service -> its /metrics
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
