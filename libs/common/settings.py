@@ -128,7 +128,9 @@ class TokenizerSettings(CommonSettings):
     model: str = Field("default", description="Model path, hub id, or 'default' (SmolLM2)")
     served_model_name: str | None = Field(None, description="Name clients use; derived if unset")
     chat_template: Path | None = Field(None, description="Jinja file overriding the model template")
-    max_model_len: int | None = Field(None, ge=16, description="Context length cap in tokens")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length cap in tokens (the engines' published context "
+        "length, when smaller, wins)")
     template_timeout_s: float = Field(
         2.0, gt=0, description="Chat template rendering budget, timed from when a worker "
         "starts rendering (never the wait before); an overrun is a 503 with Retry-After")
@@ -175,6 +177,10 @@ class EngineSettings(CommonSettings):
     engine_id: str | None = Field(None, description="Instance id; random if unset")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length cap in tokens; the engine's context length is "
+        "the smallest of this, the model's own and what the KV cache holds, and it publishes "
+        "that number (the tokenizer and /v1/models use it)")
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block")
     kvcache_mem_mib: int | None = Field(None, ge=1, description="KV cache size; unset = measured")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory share to use")

@@ -19,7 +19,8 @@ Rules:
   reports them per request), or its deadline passed (checked at the start of every step). The
   other requests of the batch go on unchanged; only a failing forward raises from `step()`.
 - `add_request` checks what the engine itself relies on (token ids inside the vocabulary, room
-  in the context) and raises ValueError; the service checks the rest before (admission.py).
+  in the context: libs/common/context.py, max_tokens None = the room left, more = refused) and
+  raises ValueError; the service checks the rest before (admission.py).
 - Priority (lower first) and arrival order decide which waiting request is admitted next
   (waiting_queue.py).
 - With prompt_logprobs, the request's first output carries them (one entry per prompt token,
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from libs.common.context import resolve_max_tokens
 from libs.common.model_cache import resolve_model
 from services.engine import prompt_logprobs
 from services.engine.config import EngineConfig
@@ -148,13 +150,9 @@ class Engine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_model_len} "
-                             "and at least one must be left to generate")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        room = self.max_model_len - n
-        max_tokens = min(params.max_tokens or room, room)
+        max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
                              "this request may generate")

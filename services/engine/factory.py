@@ -17,6 +17,7 @@ def engine_config(settings: EngineSettings, path: Path) -> EngineConfig:
         model=str(path),
         dtype=settings.dtype,
         device=settings.device,
+        max_model_len=settings.max_model_len,
         block_size=settings.block_size,
         kvcache_mem_mib=settings.kvcache_mem_mib,
         gpu_memory_utilization=settings.gpu_memory_utilization,

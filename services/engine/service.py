@@ -25,6 +25,7 @@ from opentelemetry import trace
 
 from libs.common import subjects, telemetry
 from libs.common.bus import Bus, StreamWriter
+from libs.common.context import ContextLengthExceeded
 from libs.common.messages import (
     Admission,
     Announcement,
@@ -184,6 +185,9 @@ class EngineService:
                                         vocab)
         except InvalidParameter as exc:
             return _invalid(str(exc), exc.param)
+        except ContextLengthExceeded as exc:
+            return RequestError(str(exc), 400, "invalid_request_error", "context_length_exceeded",
+                                param=exc.param)
         queue = self.loop.queue_state()
         full = self.limits.check(queue.waiting, queue.waiting_tokens, len(ids),
                                  queue.tokens_per_s)
