@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +46,10 @@ from bench.engine_bench import (  # noqa: E402
     rand_prompts,
     run,
 )
-from kernels import dense_attention  # noqa: E402
+from kernels import dense_attention, selection  # noqa: E402
 from kernels.activation import silu_and_mul_triton  # noqa: E402
 from kernels.gated_gemm import CONFIGS, gated_gemm_triton  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.engine.quant import base as quant_base  # noqa: E402
 
 H, INTER, KV = 4096, 14336, 1024
 
@@ -126,7 +126,7 @@ VARIANTS = {  # name: (cuDNN attention for the long prompt, fused gate/up GEMM)
 def apply(variant: str, warm_max: int) -> None:
     dense, gated = VARIANTS[variant]
     dense_attention._warm_max = warm_max if dense else 0
-    quant_base.set_gated_gemm("1" if gated else "0")
+    selection.install(replace(selection.current(), gated_gemm="1" if gated else "0"))
 
 
 ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
@@ -287,7 +287,7 @@ def engine_ab(res: dict[str, Any], layers: int, rounds: int, kvcache_mem: int | 
                                  kvcache_mem_mib=kvcache_mem))
     res["kv_capacity_tokens"] = engine.runner.num_blocks * engine.config.block_size
     res["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    os.environ["FLOTILLA_DENSE_PREFILL"] = "1"
+    selection.install(replace(selection.current(), dense_prefill="1"))
     engine.runner.warm_up_dense_attention()
     warm_max = dense_attention._warm_max
     vocab = int(LLAMA3_8B["vocab_size"])

@@ -1,8 +1,9 @@
 """flotilla kernels: one function per op, dispatching on the device of its inputs.
 
 CUDA tensors run the Triton kernel (`*_triton` in each module); anything else runs the torch
-reference (`*_ref`), which is what the CPU engine serves with. Set FLOTILLA_KERNELS=torch to force
-the references on CUDA too (debugging, A/B comparisons).
+reference (`*_ref`), which is what the CPU engine serves with. The selection's `kernels="torch"`
+(FLOTILLA_KERNELS=torch, kernels/selection.py) forces the references on CUDA too (debugging, A/B
+comparisons).
 
 Attention dispatch: decode-only batches (every sequence has q_len == 1) use the split-KV decode
 kernel; mixed or prefill batches use the prefill/extend kernel (see kernels/paged_attention.py).
@@ -20,10 +21,9 @@ rows' tokens (two small launches on CUDA instead of torch's one block per row).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kernels import selection
 from kernels.activation import SwigluOAI, silu_and_mul_ref, silu_and_mul_triton
 from kernels.fp8 import fp8_matmul_ref, fp8_matmul_triton
 from kernels.fused_moe import fused_moe_ref, fused_moe_triton
@@ -79,12 +79,9 @@ __all__ = [
     "write_kv_cache",
 ]
 
-_FORCE_TORCH = os.environ.get("FLOTILLA_KERNELS", "").lower() == "torch"
-
-
 def use_triton(t: torch.Tensor) -> bool:
-    """True when `t` lives on CUDA and the references are not forced."""
-    return t.is_cuda and not _FORCE_TORCH
+    """True when `t` lives on CUDA and the references are not forced (kernels/selection.py)."""
+    return t.is_cuda and selection.current().kernels != "torch"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

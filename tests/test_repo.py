@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -44,3 +45,56 @@ def test_mypy_clean() -> None:
     pytest.importorskip("mypy")
     r = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:]
+
+
+def _environment_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every read of a FLOTILLA_* variable: os.environ[...], os.environ.get(...),
+    os.getenv(...), environ.pop (setting one for a child process, setdefault included, is no
+    read)."""
+    found = []
+    for node in ast.walk(tree):
+        key: ast.expr | None = None
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and (
+                ast.unparse(node.value).endswith("environ")):
+            key = node.slice
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            owner, method = ast.unparse(node.func.value), node.func.attr
+            if (owner.endswith("environ") and method in ("get", "pop")) or (
+                    method == "getenv"):
+                key = node.args[0]
+        elif isinstance(node, ast.Call) and node.args and ast.unparse(node.func) == "getenv":
+            key = node.args[0]
+        if key is None:
+            continue
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            if key.value.startswith("FLOTILLA_"):
+                found.append((node.lineno, key.value))
+        else:  # a computed name could be anything: name it in settings instead
+            found.append((node.lineno, ast.unparse(key)))
+    return found
+
+
+def test_no_flotilla_variable_is_read_outside_the_settings() -> None:
+    """One owner for every setting (STYLE.md rule 7): FLOTILLA_* variables are declared and read
+    in libs/common/settings.py only; everything else gets them passed down."""
+    allowed = {ROOT / "libs" / "common" / "settings.py"}
+    bad = []
+    for package in ("libs", "services", "kernels"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path in allowed:
+                continue
+            for line, name in _environment_reads(ast.parse(path.read_text(), str(path))):
+                if name.startswith("FLOTILLA_") or not name.startswith(("'", '"')):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} reads {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_environment_check_sees_every_spelling() -> None:
+    source = ("import os\nfrom os import environ, getenv\n"
+              "a = os.environ['FLOTILLA_A']\nb = os.environ.get('FLOTILLA_B', '')\n"
+              "c = os.getenv('FLOTILLA_C')\nd = getenv('FLOTILLA_D')\n"
+              "e = environ.get('FLOTILLA_E')\nf = os.environ.get('HOME')\n"
+              "env = {**os.environ, 'FLOTILLA_PORT': '1'}\nos.environ['FLOTILLA_X'] = '1'\n")
+    names = [name for _, name in _environment_reads(ast.parse(source))]
+    assert sorted(names) == ["FLOTILLA_A", "FLOTILLA_B", "FLOTILLA_C", "FLOTILLA_D",
+                             "FLOTILLA_E"]
