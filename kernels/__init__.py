@@ -13,10 +13,8 @@ The KV-cache ops take optional `kv_scales`: then the caches are fp8 e4m3 with on
 Quantized matmuls (gguf_matmul, w4a16_matmul, fp8_matmul) keep weights packed on the GPU and
 decode them in registers (GEMV for decode, tiled GEMM for prefill); the references dequantize.
 
-Sampling (kernels/sampling.py): apply_penalties / apply_temperature / apply_top_k_top_p_min_p /
-token_counts are vectorised torch on any device (no host sync); `sample` draws one token per row
-with a per-row (seed, step) counter-based RNG, identical on CPU and CUDA; `argmax` takes greedy
-rows' tokens (two small launches on CUDA instead of torch's one block per row).
+`argmax` (kernels/argmax.py) takes greedy rows' tokens (two small launches on CUDA instead of
+torch's one block per row); the rest of sampling is services/engine/sampler.py.
 """
 
 from __future__ import annotations
@@ -25,6 +23,8 @@ import torch
 
 from kernels import selection
 from kernels.activation import SwigluOAI, silu_and_mul_ref, silu_and_mul_triton
+from kernels.argmax import argmax_ref, argmax_triton
+from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import fp8_matmul_ref, fp8_matmul_triton
 from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 from kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
@@ -40,18 +40,7 @@ from kernels.rms_norm import (
 )
 from kernels.rotary import RotaryOutput, rotary_embedding_ref, rotary_embedding_triton
 from kernels.rotary_kv import rotary_write_kv_cache_ref, rotary_write_kv_cache_triton
-from kernels.sampling import (
-    apply_penalties,
-    apply_temperature,
-    apply_top_k_top_p_min_p,
-    argmax_ref,
-    argmax_triton,
-    sample_ref,
-    sample_triton,
-    token_counts,
-)
 from kernels.w4a16 import w4a16_matmul_ref, w4a16_matmul_triton
-from services.engine.forward_context import AttentionMetadata
 
 __all__ = [
     "FP8_KV_DTYPE",
@@ -59,9 +48,6 @@ __all__ = [
     "KVScales",
     "RotaryOutput",
     "SwigluOAI",
-    "apply_penalties",
-    "apply_temperature",
-    "apply_top_k_top_p_min_p",
     "argmax",
     "fused_add_rms_norm",
     "fused_moe",
@@ -71,9 +57,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "rotary_write_kv_cache",
-    "sample",
     "silu_and_mul",
-    "token_counts",
     "use_triton",
     "w4a16_matmul",
     "write_kv_cache",
@@ -189,12 +173,6 @@ def paged_attention(
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """int64 [B]: each row's argmax of logits [B, V], the lowest index on ties (torch.argmax)."""
     return (argmax_triton if use_triton(logits) else argmax_ref)(logits)
-
-
-def sample(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Token ids [B] drawn from softmax(logits [B, V]); row i's draw depends only on
-    (seeds[i], steps[i]) (int64 [B]). Apply temperature and filters to the logits first."""
-    return (sample_triton if use_triton(logits) else sample_ref)(logits, seeds, steps)
 
 
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import selection
+from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_quant import KVScales
-from services.engine.forward_context import AttentionMetadata
 
 log = logging.getLogger(__name__)
 DENSE_MIN_TOKENS = 1024  # shorter prompts: the paged kernel (launch-bound there anyway)

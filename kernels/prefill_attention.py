@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from kernels import selection
+from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_tile import attend_tile, fold_sink
 from kernels.kv_quant import KVScales, check_kv_scales, dequantize_kv_ref
-from services.engine.forward_context import AttentionMetadata
 
 
 def gather_kv_ref(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,

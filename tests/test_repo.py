@@ -98,3 +98,53 @@ def test_the_environment_check_sees_every_spelling() -> None:
     names = [name for _, name in _environment_reads(ast.parse(source))]
     assert sorted(names) == ["FLOTILLA_A", "FLOTILLA_B", "FLOTILLA_C", "FLOTILLA_D",
                              "FLOTILLA_E"]
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of libs/, services/ and kernels/ → the project modules it imports when it is
+    imported (top-level statements; imports inside functions or `if TYPE_CHECKING:` excluded)."""
+    modules = {}
+    for package in ("libs", "services", "kernels"):
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names}
+                deps |= subs & modules.keys()
+                if subs - modules.keys() and node.module in modules:
+                    deps.add(node.module)
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_kernels_import_nothing_from_the_services() -> None:
+    """kernels/ is the bottom layer: what it needs from the engine (AttentionMetadata) lives in
+    kernels/ itself."""
+    upward = {f"{m} imports {d}" for m, deps in _module_imports().items() if m.startswith("kernels")
+              for d in deps if not d.startswith("kernels")}
+    assert not upward, sorted(upward)
+
+
+def test_no_import_cycles() -> None:
+    graph = _module_imports()
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        seen[module] = 1
+        for dep in sorted(graph[module]):
+            if seen.get(dep) == 1:
+                return [*path[path.index(dep):], dep] if dep in path else [module, dep]
+            if dep not in seen and (cycle := visit(dep, [*path, dep])):
+                return cycle
+        seen[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in seen and (cycle := visit(module, [module])):
+            raise AssertionError("import cycle: " + " -> ".join(cycle))

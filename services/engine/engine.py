@@ -129,7 +129,7 @@ class Engine:
         # the latest step's plan and its phases (s): up to the launch (scheduling, or collecting
         # the previous step first when it cannot overlap), the launch, collecting after it
         self.last_scheduled: SchedulerOutput | None = None
-        self.last_phases = (0.0, 0.0, 0.0)
+        self.last_phases: tuple[float, ...] = (0.0, 0.0, 0.0)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  path, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  config.block_size, self.max_model_len)
@@ -349,6 +349,11 @@ class Engine:
         finally:
             self.kv.free(request)
         return torch.cat(parts)
+
+    def prepare_thread(self) -> None:
+        """Build the per-thread caches (cuDNN attention plans) on the thread that will call
+        `step()` (PyTorch keeps them per thread; loop.py calls this from its thread)."""
+        self.runner.warm_up_dense_attention()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the engine is unusable afterwards."""

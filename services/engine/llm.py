@@ -26,7 +26,8 @@ from typing import Any, Protocol
 import torch
 
 from libs.common.model_cache import resolve_model
-from services.engine.engine import Engine, EngineConfig, RequestOutput
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine, RequestOutput
 from services.engine.request import TokenLogprobs
 from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams

@@ -12,14 +12,19 @@ from services.engine.loop import EngineLoop
 
 
 class BlockingEngine:
-    """A stand-in Engine with one request whose step() blocks until released."""
+    """A stand-in Engine (loop.SteppedEngine) with one request whose step() blocks until
+    released."""
+
+    last_scheduled = None
+    last_phases: tuple[float, ...] = ()
 
     def __init__(self) -> None:
         self.pending: list[str] = []
         self.release = threading.Event()
         self.in_step = threading.Event()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                    priority: int = 0, deadline: float | None = None) -> None:
         self.pending.append(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -36,6 +41,9 @@ class BlockingEngine:
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+    def prepare_thread(self) -> None:
+        return None
 
 
 def _age(loop: EngineLoop) -> float:
