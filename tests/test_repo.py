@@ -148,3 +148,29 @@ def test_no_import_cycles() -> None:
     for module in sorted(graph):
         if module not in seen and (cycle := visit(module, [module])):
             raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def test_configuration_doc_and_example_env_are_generated_from_the_settings() -> None:
+    """docs/configuration.md and .example.env are what libs/common/settings_doc.py renders
+    now; after changing a setting, run `python -m libs.common.settings_doc`."""
+    from libs.common import settings_doc
+
+    stale = "stale: run `python -m libs.common.settings_doc`"
+    assert settings_doc.DOC.read_text(encoding="utf-8") == settings_doc.render_doc(), stale
+    assert settings_doc.EXAMPLE_ENV.read_text(encoding="utf-8") == (
+        settings_doc.render_example_env()), stale
+
+
+def test_every_variable_the_docs_name_is_a_setting() -> None:
+    """The README and docs/ name only FLOTILLA_* variables that exist (the test suite's own
+    FLOTILLA_TEST_* aside, tests/endpoints.py; docs/benchmarks.md records past runs)."""
+    from libs.common.settings_doc import SECTIONS, own_fields
+
+    known = {f"FLOTILLA_{name.upper()}" for _, cls, _ in SECTIONS for name in own_fields(cls)}
+    named: dict[str, set[str]] = {}
+    docs = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md"]
+    for path in [ROOT / "README.md", *docs]:
+        for name in re.findall(r"FLOTILLA_[A-Z0-9_]*[A-Z0-9]", path.read_text()):
+            if not name.startswith("FLOTILLA_TEST_") and name not in known:
+                named.setdefault(name, set()).add(path.name)
+    assert not named, named

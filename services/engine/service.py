@@ -136,8 +136,12 @@ class EngineService:
         # the compiler's vocabulary and xgrammar itself load now, not in a user's first request
         self.structured.compile_async(GuidedDecoding(kind="json_object"))
         self._sender = self.bus.spawn(self._drain_outbox())
-        loop = asyncio.get_running_loop()  # a dead tensor-parallel rank fails the pod at once
-        engine.executor.on_failure(lambda exc: loop.call_soon_threadsafe(self._on_crash, exc))
+        loop = asyncio.get_running_loop()
+
+        def rank_failed(exc: BaseException) -> None:  # a dead tensor-parallel rank fails the pod
+            loop.call_soon_threadsafe(self._on_crash, exc)
+
+        engine.executor.on_failure(rank_failed)
         self._subs.append(await self.bus.serve(subjects.engine_generate(self.model_name),
                                                TokenRequest, self._on_generate, queue="engine"))
         self._subs.append(await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel))
