@@ -217,7 +217,7 @@ def test_logprobs_are_returned_per_token(tiny) -> None:
 
 def test_llm_generate_and_stream(tiny) -> None:
     path, model = tiny
-    llm = LLM(str(path), device="cpu", num_kv_blocks=64, block_size=4)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, block_size=4, quantization=None)
     ps = prompts(3, seed=14)
     results = llm.generate(ps, GREEDY)
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 10) for p in ps]

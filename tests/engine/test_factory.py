@@ -43,3 +43,14 @@ def test_bad_kernel_switches_are_refused_at_start_up(monkeypatch: pytest.MonkeyP
         EngineSettings()
     with pytest.raises(ValueError, match="pdl"):
         KernelSelection(pdl="2")  # type: ignore[arg-type]
+
+
+def test_the_library_uses_the_servers_defaults(smollm2_path: Path) -> None:
+    """LLM() (the library API) keeps the same weights as the engine service: on CPU the
+    weight-only quantization `auto` picks, not the checkpoint's floats."""
+    from services.engine.llm import LLM
+
+    llm = LLM("default", device="cpu", kvcache_mem_mib=16)
+    server = engine_config(EngineSettings(device="cpu"), smollm2_path)
+    assert server.resolved_quantization is not None
+    assert llm.engine.config.resolved_quantization == server.resolved_quantization
