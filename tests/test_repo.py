@@ -174,3 +174,15 @@ def test_every_variable_the_docs_name_is_a_setting() -> None:
             if not name.startswith("FLOTILLA_TEST_") and name not in known:
                 named.setdefault(name, set()).add(path.name)
     assert not named, named
+
+
+def test_bench_holds_the_maintained_suite_only() -> None:
+    """Every script in bench/ is a benchmark of bench/run.py's table, its runner or a helper;
+    bench/README.md shows that table as it is."""
+    from bench.run import HELPERS, RUNNERS, SUITE, table
+
+    listed = {b.script for b in SUITE.values()} | HELPERS | RUNNERS
+    present = {p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh")}
+    assert present - listed == set(), "unlisted scripts (add to bench/run.py or delete)"
+    assert listed - present == set(), "bench/run.py names scripts that are gone"
+    assert table() in (ROOT / "bench" / "README.md").read_text(), "bench/README.md is stale"

@@ -11,8 +11,8 @@ from kernels.paged_attention import SHORT_SPLIT_KEYS
 from kernels.selection import KernelSelection
 from services.engine.loader import CPU_DEFAULT
 
-# Steps up to here are host-bound on an H100 host with a Llama-3-8B (bench/shape_probe.py); past
-# it the GPU's share grows and each graph costs capture time.
+# Steps up to here are host-bound on an H100 host with a Llama-3-8B (bench/shape_probe.py, a probe
+# now in git history); past it the GPU's share grows and each graph costs capture time.
 DEFAULT_STEP_GRAPH_TOKENS = 512
 # The step token budget when none is given. On CPU a step's time grows with its tokens, and a
 # running stream waits for every step: with 512 a 3,000-token prompt stalled another stream for
