@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import shutil
@@ -186,3 +187,30 @@ def test_bench_holds_the_maintained_suite_only() -> None:
     assert present - listed == set(), "unlisted scripts (add to bench/run.py or delete)"
     assert listed - present == set(), "bench/run.py names scripts that are gone"
     assert table() in (ROOT / "bench" / "README.md").read_text(), "bench/README.md is stale"
+
+
+def test_error_messages_name_only_real_flags() -> None:
+    """A `--flag` an error names (a string under a `raise` in services/ or libs/) is one
+    `flotilla` accepts or a service's own command line takes (every setting, kebab-case: the
+    services parse them with pydantic-settings); one once named a flag nothing accepted."""
+    from libs.common.settings import LauncherSettings
+    from libs.common.settings_doc import SECTIONS, own_fields
+    from services.launcher.cli import build_parser
+
+    parser = build_parser(LauncherSettings())
+    commands = [parser, *(c for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+                          for c in a.choices.values())]
+    flags = {s for c in commands for a in c._actions for s in a.option_strings}
+    flags |= {"--" + n.replace("_", "-") for _, cls, _ in SECTIONS for n in own_fields(cls)}
+    named: dict[str, set[str]] = {}
+    for package in ("libs", "services"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for raised in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(raised, ast.Raise):
+                    continue
+                for node in ast.walk(raised):
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", node.value):
+                            if flag not in flags:
+                                named.setdefault(flag, set()).add(str(path.relative_to(ROOT)))
+    assert not named, named

@@ -115,7 +115,7 @@ class TokenizerService:
             try:
                 ChatTemplate(override)
             except ChatTemplateError as exc:
-                raise ValueError(f"--chat-template {s.chat_template}: {exc}") from None
+                raise ValueError(f"FLOTILLA_CHAT_TEMPLATE {s.chat_template}: {exc}") from None
         max_len = resolve_max_model_len(self.tokenizer.max_model_len, s.max_model_len)
         self.context = EngineContext(self.model, max_len, _ENGINE_SILENT_PERIODS
                                      * s.discovery_interval_s)
