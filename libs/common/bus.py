@@ -15,6 +15,9 @@ Rules:
   reader if it waits; the timeout is one timer per wait. (nats-py's `next_msg(timeout)` costs a
   new task, two before Python 3.12, and a uuid per message: a large share of a streamed
   token's CPU in the gateway and the tokenizer.)
+- A request whose handler raises (or whose reply cannot be encoded) is answered at once with
+  the error (a `FlotillaError`'s own, else a 500) in the `Flotilla-Error` header; `request`
+  raises it. The requester never waits out its timeout for a handler that failed.
 - Payloads larger than the server's max_payload travel in parts (bus_parts.py: requests and
   replies pulled by their one receiver, stream frames pushed in order); handlers and readers
   see whole messages. A receiver assembles at most `max_message_bytes`.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 import time
 import weakref
@@ -53,8 +57,12 @@ from libs.common.bus_parts import Assembler, Offer, announced, part_size, pull, 
 from libs.common.deadline import Deadline
 from libs.common.errors import FlotillaError, internal, unavailable
 from libs.common.messages import ErrorInfo, StreamFrame, decode, encode
+from libs.common.nats_auth import NatsSecurity
 
 log = logging.getLogger(__name__)
+
+# a request whose handler failed is answered with an empty payload and its ErrorInfo (JSON) here
+ERROR_HEADER = "Flotilla-Error"
 
 Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
@@ -120,9 +128,11 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, write_now: bool = True,
-                      part_bytes: int | None = None) -> Bus:
+                      part_bytes: int | None = None,
+                      security: NatsSecurity | None = None) -> Bus:
         """`write_now`: requests and replies go to the socket when published (see the module
-        notes); False leaves every write to nats-py's flusher."""
+        notes); False leaves every write to nats-py's flusher. `security`: credentials and TLS
+        (nats_auth.py; None = an open connection)."""
         nc = _Client()
         nc.write_now = write_now
         bus = cls(nc, part_bytes)
@@ -136,6 +146,7 @@ class Bus:
             error_cb=bus._on_error,
             disconnected_cb=bus._on_disconnected,
             reconnected_cb=bus._on_reconnected,
+            **(security.connect_options() if security else {}),
         )
         return bus
 
@@ -197,6 +208,8 @@ class Bus:
         try:
             reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
             payload = reply.data
+            if reply.headers and ERROR_HEADER in reply.headers:
+                raise FlotillaError(ErrorInfo.model_validate_json(reply.headers[ERROR_HEADER]))
             if announced(reply.headers):
                 payload = await pull(self.nc, reply.headers, timeout, self.max_message_bytes)
         except NoRespondersError as exc:
@@ -229,21 +242,32 @@ class Bus:
             token = telemetry.attach(telemetry.extract_context(m.headers))
             try:
                 reply = await handler(decode(data, req_cls))
-            except Exception:
-                log.exception("handler for %s failed", subject)
+                payload = encode(reply) if reply is not None and m.reply else b""
+            except Exception as exc:  # the requester gets the error now, not a timeout
+                if not isinstance(exc, FlotillaError):
+                    log.exception("handler for %s failed", subject)
+                if m.reply:
+                    await self._reply_error(m.reply, exc, subject)
                 return
             finally:
                 telemetry.detach(token)
-            if reply is not None and m.reply:
-                await self._reply(m.reply, encode(reply))
+            if payload:
+                await self._reply(m.reply, payload)
 
         async def cb(m: Msg) -> None:
             self.spawn(run(m))
 
         return await self.nc.subscribe(subject, queue=queue or "", cb=cb)
 
-    async def _reply(self, inbox: str, data: bytes) -> None:
-        headers = None
+    async def _reply_error(self, inbox: str, exc: Exception, subject: str) -> None:
+        info = exc.info if isinstance(exc, FlotillaError) else internal(
+            f"the service failed handling {subject.split('.', 2)[-1]}: "
+            f"{type(exc).__name__}").info
+        # ASCII JSON: header values take no newlines, and lone surrogates stay escaped
+        await self._reply(inbox, b"", {ERROR_HEADER: json.dumps(info.model_dump())})
+
+    async def _reply(self, inbox: str, data: bytes,
+                     headers: dict[str, str] | None = None) -> None:
         if len(data) > self.part_bytes:  # pulled by the requester; the offer closes itself
             offer = Offer(self.nc, data, self.part_bytes, ttl_s=self.part_timeout_s)
             headers, data = await offer.open(), b""

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from libs.common import subjects, telemetry
 from libs.common.bus import Bus
 from libs.common.messages import Announcement, HealthReply, HealthRequest, Ping
+from libs.common.nats_auth import NatsSecurity
 from libs.common.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ def run_forever(name: str, settings: CommonSettings,
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        bus = await Bus.connect(settings.nats_url, name, settings.nats_write_now)
+        bus = await Bus.connect(settings.nats_url, name, settings.nats_write_now,
+                                security=NatsSecurity.from_settings(settings))
         service = build(bus)
         await service.start()
         freeze_heap(settings)

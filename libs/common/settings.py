@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "FLOTILLA_"
@@ -55,6 +55,18 @@ class CommonSettings(BaseSettings):
         10.0, gt=0, description="Reply timeout for request/reply calls (not for streams)"
     )
     discovery_interval_s: float = Field(1.0, gt=0, description="Period of service announcements")
+    # ---- a closed bus (docs/security.md): every NATS connection of every service uses these
+    nats_user: str | None = Field(None, description="NATS user name (with nats_password)")
+    nats_password: SecretStr | None = Field(None, description="NATS password of nats_user")
+    nats_token: SecretStr | None = Field(None, description="NATS authentication token (instead "
+                                         "of a user and password)")
+    nats_nkey_seed: Path | None = Field(None, description="File holding this service's NATS "
+                                        "nkey seed (SU...), instead of a password or token")
+    nats_tls_ca: Path | None = Field(None, description="CA certificate (PEM) that signed the "
+                                     "NATS server's certificate; set = connect with TLS")
+    nats_tls_cert: Path | None = Field(None, description="Client certificate (PEM) for NATS "
+                                       "servers that verify clients (with nats_tls_key)")
+    nats_tls_key: Path | None = Field(None, description="Private key of nats_tls_cert")
 
     @field_validator("heartbeat_timeout_s")
     @classmethod
@@ -121,6 +133,12 @@ class GatewaySettings(CommonSettings):
     max_stop_chars: int = Field(512, ge=1, description="Longest stop string, in characters")
     max_prompts: int = Field(64, ge=1, description="Most prompts in one /v1/completions request "
                              "(each with `n` choices)")
+    max_embedding_inputs: int = Field(
+        2048, ge=1, description="Most inputs in one /v1/embeddings request (OpenAI's limit), "
+        "and most texts or documents in one score / rerank request")
+    max_embedding_tokens: int = Field(
+        300_000, ge=1, description="Most tokens the inputs of one embeddings, score or rerank "
+        "request may hold together (OpenAI's limit); more is 400")
     # ---- overload control
     max_in_flight: int = Field(
         512, ge=1, description="Generation and tokenize requests one gateway process serves at "
@@ -133,6 +151,32 @@ class GatewaySettings(CommonSettings):
         "cancels the request on every hop")
     ui: bool = Field(False, description="Serve the chat web UI at / (same port and origin as "
                      "the API; its files ship in the package)")
+    # ---- API keys and per-key limits (docs/security.md)
+    api_keys: SecretStr | None = Field(
+        None, description="API keys the gateway accepts, comma-separated (only their SHA-256 "
+        "is kept); any key set here, in api_key_file or require_api_key turns authentication on")
+    api_key_file: Path | None = Field(
+        None, description="File of API keys, one a line (`#` starts a comment); a line may be "
+        "`sha256:<hex>`, the key's SHA-256, so the file need not hold the key itself")
+    require_api_key: bool = Field(
+        False, description="Require an API key even when none is set here: the keys are the "
+        "ones made with `flotilla keys create` (in Redis)")
+    auth_open_paths: str = Field(
+        "/health,/ready,/metrics", description="Paths answered without a key, comma-separated "
+        "(GET / and /ui/*, the chat UI's page and files, always are)")
+    key_rpm: int | None = Field(None, ge=1, description="Requests per minute of each key set "
+                                "in api_keys / api_key_file; unset = unlimited")
+    key_tpm: int | None = Field(None, ge=1, description="Tokens per minute (prompt + generated) "
+                                "of each key set in api_keys / api_key_file; unset = unlimited")
+    key_max_concurrent: int | None = Field(None, ge=1, description="Requests in flight at once "
+                                           "per key set in api_keys / api_key_file")
+    key_reserve_output_tokens: int = Field(
+        1024, ge=1, description="Tokens per choice a keyed request that names no max_tokens "
+        "reserves for its output against its tokens-per-minute limit (settled to the real "
+        "count when it ends)")
+    cors_origins: str | None = Field(
+        None, description="Origins allowed to call the API from a browser, comma-separated "
+        "(`*` = any); unset = no CORS headers (the chat UI is same-origin and needs none)")
 
 
 class TokenizerSettings(CommonSettings):
@@ -176,6 +220,10 @@ class TokenizerSettings(CommonSettings):
     max_prompt_chars: int = Field(
         4_000_000, ge=1, description="Most characters of a prompt, before and after the chat "
         "template (400 above)")
+    score_mode: Literal["auto", "embedding", "qwen3_reranker"] = Field(
+        "auto", description="How /v1/score and /v1/rerank score a pair: embedding (cosine "
+        "similarity of the two embeddings) | qwen3_reranker (Qwen3-Reranker's yes / no judging "
+        "prompt, P(yes)); auto: qwen3_reranker when the model's name says reranker")
     inline_prepare_chars: int = Field(
         2048, ge=0, description="Completion prompts up to this many characters (or token ids), "
         "without a response format, are tokenized on the event loop instead of a worker "
@@ -300,6 +348,10 @@ class EngineSettings(CommonSettings):
     tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = Field(
         "auto", description="How GPU tensor-parallel ranks sum small tensors: auto (symmetric-"
         "memory one-shot kernel up to 512 KiB, NCCL above) | nccl | one_shot | two_shot")
+    pooling: Literal["auto", "last", "mean", "cls"] = Field(
+        "auto", description="How embeddings (and score / rerank) pool the hidden states: auto "
+        "(the checkpoint's sentence-transformers Pooling config, else the last token, as for "
+        "decoder embedders such as Qwen3-Embedding) | last | mean | cls")
 
 
 class ToolsSettings(CommonSettings):
@@ -320,3 +372,5 @@ class LauncherSettings(CommonSettings):
     port: int = Field(8000, ge=0, le=65535, description="Gateway port")
     start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for health")
     ui: bool = Field(False, description="The gateway serves the chat web UI at /")
+    nats_auth: bool = Field(True, description="A private nats-server requires a password "
+                            "(generated for each start, given to the services, never logged)")

@@ -81,6 +81,9 @@ class EngineConfig:
     # how NCCL pods sum small tensors: auto | nccl | one_shot | two_shot
     # (services/engine/symm_all_reduce.py)
     tp_all_reduce: str = "auto"
+    # how embeddings pool hidden states: auto (the checkpoint's sentence-transformers config,
+    # else last token) | last | mean | cls (services/engine/pooling_config.py)
+    pooling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens == 0:
@@ -104,6 +107,8 @@ class EngineConfig:
                              f"{self.tp_all_reduce!r}")
         if self.step_graph_tokens is not None and self.step_graph_tokens < 0:
             raise ValueError(f"step_graph_tokens must be >= 0, got {self.step_graph_tokens}")
+        if self.pooling not in ("auto", "last", "mean", "cls"):
+            raise ValueError(f"pooling must be auto, last, mean or cls, got {self.pooling!r}")
         if self.tp is not None and self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
 

@@ -364,6 +364,15 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions)
         return self.model.compute_logits(hidden[: inputs.num_tokens]).float().cpu()
 
+    @torch.inference_mode()
+    def pool_hidden(self, requests: list[ScheduledRequest]) -> torch.Tensor:
+        """Final-normed hidden states of every new token of the requests (eager), [n, hidden]
+        on the device: what pooling requests (embeddings) reduce to one vector each."""
+        inputs = self.inputs.build(requests)
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        return hidden[: inputs.num_tokens]
+
 
 def _dummy_request(request_id: str, num_tokens: int, block_ids: list[int]) -> ScheduledRequest:
     return ScheduledRequest(

@@ -18,6 +18,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ from libs.common.messages import (
     TokenRequest,
 )
 from libs.common.model_cache import resolve_model, served_name
+from libs.common.pooling_messages import PoolRequest
 from libs.common.service import Announcer, instance_id
 from libs.common.settings import EngineSettings
 from services.engine.admission import QueueLimits, check_deadline, to_sampling_params
@@ -49,6 +51,7 @@ from services.engine.engine import RequestOutput
 from services.engine.executor import Executor
 from services.engine.factory import build_engine
 from services.engine.loop import EngineLoop, SteppedEngine
+from services.engine.pool_service import PoolService
 from services.engine.request import TokenLogprobs
 from services.engine.request_error import InvalidParameter, RequestError
 from services.engine.sampling_params import SamplingParams
@@ -113,6 +116,9 @@ class EngineService:
         self.structured: StructuredOutputs | None = None
         self.limits = QueueLimits(settings.max_waiting_requests, settings.max_waiting_tokens)
         self.announcer: Announcer | None = None
+        self.pool: PoolService | None = None  # embeddings, score, rerank (pool_service.py)
+        # the one thread that builds and then steps the engine (loop.py)
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-loop")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,14 +127,18 @@ class EngineService:
             path = await asyncio.to_thread(resolve_model, self.settings.model)
             self.model_name = self.settings.served_model_name or served_name(self.settings.model,
                                                                              path)
-            self._engine = await asyncio.to_thread(build_engine, self.settings, path)
+            # built on the thread that will step it (loop.py: one OpenMP pool on CPU)
+            self._engine = await asyncio.get_running_loop().run_in_executor(
+                self._engine_thread, build_engine, self.settings, path)
         elif not self.model_name:
             raise ValueError("an injected engine needs settings.served_model_name")
         self.loop = EngineLoop.for_service(self._engine, asyncio.get_running_loop(),
-                                           self._on_outputs, self._on_crash, self.settings)
+                                           self._on_outputs, self._on_crash, self.settings,
+                                           executor=self._engine_thread)
         self.loop.start()
         s, engine = self.settings, self._engine
         assert engine is not None
+        self.pool = PoolService(engine, self.loop, self.limits, lambda: self.crashed)
         self.structured = StructuredOutputs(
             engine.config.model, engine.vocab_size, sorted(engine.eos_token_ids),
             s.grammar_cache_entries, s.grammar_cache_mib << 20, s.grammar_compile_workers,
@@ -144,6 +154,8 @@ class EngineService:
         engine.executor.on_failure(rank_failed)
         self._subs.append(await self.bus.serve(subjects.engine_generate(self.model_name),
                                                TokenRequest, self._on_generate, queue="engine"))
+        self._subs.append(await self.bus.serve(subjects.engine_pool(self.model_name),
+                                               PoolRequest, self.pool.handle, queue="engine"))
         self._subs.append(await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel))
         self._subs.append(await self.bus.serve(subjects.engine_stats(self.instance), StatsRequest,
                                                self._on_stats))
@@ -166,6 +178,7 @@ class EngineService:
             self.structured.shutdown()
         if self._owns_engine and self._engine is not None:
             await asyncio.to_thread(self._engine.shutdown)
+        self._engine_thread.shutdown(wait=False)
 
     # ------------------------------------------------------------------ handlers
 
@@ -242,6 +255,8 @@ class EngineService:
                          error=_error_info(error))
 
     async def _on_cancel(self, msg: Cancel) -> None:
+        if self.pool is not None and self.pool.cancel(msg.request_id):
+            return
         live = self._live.pop(msg.request_id, None)
         if live is None or self.loop is None:
             return
@@ -261,6 +276,8 @@ class EngineService:
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
+            if self.pool is not None and self.pool.on_output(out):
+                continue
             live = self._live.get(out.request_id)
             if live is None:  # cancelled meanwhile; the engine got the abort
                 continue
@@ -314,6 +331,8 @@ class EngineService:
         live request, stop announcing (health stops answering) and call on_fatal once."""
         first = self.crashed is None
         self.crashed = self.crashed or exc
+        if self.pool is not None:
+            self.pool.fail_all(RequestError(f"the engine failed: {exc}", 500))
         for rid in list(self._live):
             self.bus.spawn(self._fail(rid, ErrorInfo(
                 status=500, type="server_error", message=f"the engine failed: {exc}")))

@@ -9,6 +9,9 @@ Rules:
 - `InFlightLimit` (overload.py) caps the generation and tokenize requests in flight in this
   process; the count lives in `GatewayState.in_flight`.
 - With `settings.ui` the chat web UI is served at `/` (services/gateway/ui.py).
+- `ApiKeyAuth` (auth.py) checks API keys and per-key limits outside the in-flight cap (a
+  request without a key takes no slot); CORS headers (`cors_origins`) are off unless set, and
+  preflights are answered before authentication (a browser sends them without the key).
 - FastAPI's own telemetry (newer FastAPI: a server span plus dependency and endpoint spans per
   request) is off: `TracingMiddleware`'s `gateway.request` is the gateway's one span per request;
   the three extra spans cost ~0.8 ms of CPU per streamed request (docs/benchmarks.md).
@@ -19,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from libs.common.bus import Bus
 from libs.common.errors import FlotillaError, model_not_found, unavailable
@@ -26,9 +30,13 @@ from libs.common.settings import GatewaySettings
 from libs.common.store import Store
 from services.gateway import http_errors
 from services.gateway.anthropic.routes import router as anthropic_router
+from services.gateway.api_keys import KeyRing
+from services.gateway.auth import ApiKeyAuth
 from services.gateway.health import router as health_router
 from services.gateway.limits import spec_limits
 from services.gateway.overload import InFlight, InFlightLimit
+from services.gateway.pooling_routes import router as pooling_router
+from services.gateway.rate_limits import Limiter, make_limiter
 from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.responses.routes import install as install_responses
 from services.gateway.routes import router
@@ -48,6 +56,8 @@ class GatewayState:
     registry: ModelRegistry
     tools: ToolsCache
     in_flight: InFlight
+    keys: KeyRing
+    limiter: Limiter
 
     async def start(self) -> None:
         await self.tools.start()
@@ -78,16 +88,25 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.state.gateway = GatewayState(
         settings, bus, store, spec, ModelRegistry(bus, store, settings.model_ttl_s),
         ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s),
-        InFlight(settings.max_in_flight))
+        InFlight(settings.max_in_flight), KeyRing.from_settings(settings, store),
+        make_limiter(store))
     http_errors.install(app)
     app.include_router(router)
     app.include_router(anthropic_router)
     install_responses(app)
     app.include_router(token_router)
+    app.include_router(pooling_router)
     app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,
                        retry_after_s=settings.overload_retry_after_s)
     app.include_router(health_router)
     if settings.ui:
         app.include_router(ui_router(load_assets()))
+    state = app.state.gateway
+    app.add_middleware(ApiKeyAuth, keys=state.keys, limiter=state.limiter, settings=settings)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=[
+            o.strip() for o in settings.cors_origins.split(",") if o.strip()],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
+            expose_headers=["*"])
     app.add_middleware(TracingMiddleware)
     return app

@@ -7,12 +7,14 @@ accepted and dropped here. Rules:
   `function_call: null`, null or empty `tool_calls`, null reasoning; `tool_calls[].index` (the
   stream helper's) and `tool_calls[].function.parsed_arguments` (`parse()` with tools);
 - `refusal`: an assistant turn whose only text is its refusal reads as that text (what the
-  user saw); refusal content parts likewise;
+  user saw); refusal content parts likewise; this server's `mcp_calls` (executed MCP calls)
+  are dropped like the other output fields;
 - content-part arrays (text parts, refusal parts) are joined with newlines into one string;
 - reasoning sent back as `reasoning` reaches templates as `reasoning_content`;
 - legacy function calling: an assistant `function_call: {name, arguments}` becomes a tool call
   with id `call_<message index>`, and a `function` message (`name`, `content`) the tool message
-  answering the latest such call of that name (400 naming it when there is none).
+  answering the latest such call of that name (a result with no such call, as in a
+  history the client trimmed, gets an id of its own: `call_<its index>`).
 The spec has checked the shapes (image, audio and file parts are refused there, by name).
 """
 
@@ -20,9 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.common.errors import invalid_request
-
-_OUTPUT_ONLY = ("id", "parsed", "refusal", "annotations", "audio", "function_call")
+_OUTPUT_ONLY = ("id", "parsed", "refusal", "annotations", "audio", "function_call",
+                "mcp_calls")
 
 
 def _text(content: Any) -> Any:
@@ -67,12 +68,8 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     open_calls: dict[str, str] = {}  # function name → id of its latest legacy call
     for i, message in enumerate(messages):
         if message["role"] == "function":
-            call_id = open_calls.pop(message["name"], None)
-            if call_id is None:
-                raise invalid_request(
-                    f"`messages[{i}]` is the result of the function `{message['name']}`, but "
-                    "no earlier assistant message has a `function_call` of it.",
-                    param=f"messages[{i}].name")
+            # a result without a call (history trimmed by the client) keeps its own id
+            call_id = open_calls.pop(message["name"], None) or f"call_{i}"
             out.append({"role": "tool", "tool_call_id": call_id, "name": message["name"],
                         "content": message.get("content") or ""})
             continue

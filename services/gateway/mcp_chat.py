@@ -13,7 +13,10 @@ Rules:
   in the extension field `mcp_calls` (`name`, `arguments`, `output` or `error`) of the message
   and, streamed, of the last chunk's delta. Streamed, every turn's content and reasoning go out
   as they come (one assistant message); call deltas are never sent.
-- One choice only: `n` > 1 with injected tools is refused (400, naming `n`).
+- One choice only: a request with `n` > 1 is not offered the injected tools (routes.py).
+- A turn whose calls cannot run ends the loop: cut off by `max_tokens` (finish `length`) the
+  calls are incomplete and none runs; a call whose arguments are not a JSON object is recorded
+  with its error and the loop stops there (its arguments could not go back into history).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common.errors import FlotillaError, envelope, internal, invalid_request
+from libs.common.errors import FlotillaError, envelope, internal
 from libs.common.messages import TextDelta
 from services.gateway.chunks import ChatChunks
-from services.gateway.mcp import McpToolset, injected_toolset, run_call
+from services.gateway.mcp import McpToolset, call_arguments, injected_toolset, run_call
 from services.gateway.plan import chat_plan, new_request_id
 from services.gateway.results import ChoiceResult, chat_completion
 from services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
@@ -84,11 +87,19 @@ class McpChat:
             if turn.result.final is None:
                 return  # cancelled
             self.usage.add(turn.result.final.usage)
-            if not turn.result.tool_calls:
+            if not turn.result.tool_calls or turn.result.final.finish_reason == "length":
                 return
-            await self._run_calls(turn.result)
+            if not await self._run_calls(turn.result):
+                return
 
-    async def _run_calls(self, result: ChoiceResult) -> None:
+    async def _run_calls(self, result: ChoiceResult) -> bool:
+        """Run the turn's calls; False (the loop ends) when a call's arguments are unusable."""
+        bad = [c for _, c in sorted(result.tool_calls.items())
+               if call_arguments(c["arguments"]) is None]
+        if bad:
+            self.calls.extend({"name": c["name"], "arguments": c["arguments"],
+                               "error": "the arguments are not a JSON object"} for c in bad)
+            return False
         calls: list[dict[str, Any]] = [
             {"id": c["id"] or f"call_{self.rid}_{len(self.calls) + k}", "type": "function",
              "function": {"name": c["name"], "arguments": c["arguments"]}}
@@ -108,6 +119,7 @@ class McpChat:
             content = outcome.output if outcome.error is None else f"Error: {outcome.error}"
             self.messages.append({"role": "tool", "tool_call_id": call["id"],
                                   "content": content or ""})
+        return True
 
     def cancel(self) -> None:
         if self.turn is not None:
@@ -165,9 +177,6 @@ async def _sse(chat: McpChat, chunks: ChatChunks, include_usage: bool) -> AsyncI
 async def complete_with_mcp(request: Request, body: dict[str, Any]) -> Response:
     """Serve a validated chat request that was offered the injected MCP tools."""
     gw: GatewayState = request.app.state.gateway
-    if int(body.get("n") or 1) > 1:
-        raise invalid_request("`n` > 1 is not supported with the server's MCP tools; send "
-                              '`"tools": []` to opt out of them.', param="n")
     chat = McpChat(gw, body, injected_toolset(await gw.tools.listing()))
     idle = ChoiceStreams(gw.bus, [], 0, 0)  # McpChat cancels its own turns
     created = int(time.time())

@@ -27,7 +27,8 @@ from libs.common.errors import FlotillaError, invalid_request, unavailable_retry
 from libs.common.settings import GatewaySettings
 from services.gateway.http_errors import error_response
 
-LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize"})
+LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize",
+                           "/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank"})
 TIMEOUT_HEADER = "x-request-timeout"
 MIN_TIMEOUT_S = 1.0
 

@@ -13,6 +13,8 @@ Rules:
 - `deadline` (optional): admission waits and every stream read stop when it passes; the
   request then fails with 504 `deadline_exceeded` and every unfinished choice is cancelled
   (reason `deadline`), whatever the tokenizer and engine do on their side.
+- The request's API-key meter (key_usage.py), if any, hears each choice's admission (its
+  prompt tokens) and final usage, for the key's tokens-per-minute count.
 - Cancels are published from tasks of their own (`Bus.spawn`), so they go out even while the
   caller is being cancelled (client disconnect). `close()` may be called any number of times.
 """
@@ -36,6 +38,7 @@ from libs.common.messages import (
     TextFrame,
     TextRequest,
 )
+from services.gateway.key_usage import CURRENT as KEY_USAGE
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class ChoiceStreams:
         self._unfinished: set[int] = set()
         self._pumps: list[asyncio.Task[Any]] = []
         self._closed = False
+        self._prompt_tokens: dict[int, int] = {}
+        self.key_usage = KEY_USAGE.get()  # the API key's meter (key_usage.py), if any
 
     @property
     def unfinished(self) -> list[str]:
@@ -94,6 +99,9 @@ class ChoiceStreams:
             self._unfinished.discard(index)
             raise FlotillaError(reply.error) if reply.error else internal(
                 f"the tokenizer refused {req.request_id} without a reason")
+        self._prompt_tokens[index] = reply.prompt_tokens
+        if self.key_usage is not None:
+            self.key_usage.choice_admitted(reply.prompt_tokens)
 
     async def start(self) -> None:
         try:
@@ -131,7 +139,7 @@ class ChoiceStreams:
                 except Exception as exc:
                     self._fail(index, exc)
                 if frame.kind == "final":
-                    self._unfinished.discard(index)
+                    self._finished(index, frame)
                 yield ChoiceEvent(index, frame)
             return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -141,8 +149,13 @@ class ChoiceStreams:
             if isinstance(item, BaseException):
                 self._fail(index, item)
             if item.kind == "final":
-                self._unfinished.discard(index)
+                self._finished(index, item)
             yield ChoiceEvent(index, item)
+
+    def _finished(self, index: int, frame: TextFrame) -> None:
+        self._unfinished.discard(index)
+        if self.key_usage is not None and frame.final is not None:
+            self.key_usage.choice_finished(frame.final.usage, self._prompt_tokens.get(index, 0))
 
     def _fail(self, index: int, exc: BaseException) -> NoReturn:
         """Choice `index` failed: cancel every unfinished choice (the failed one too: a silent

@@ -52,6 +52,7 @@ class SuiteState:
     serving: bool = False
     ready: bool = False
     reasons: list[str] = field(default_factory=list)
+    nats_token_file: str | None = None  # the private nats-server's token (0600), for status
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,11 @@ Rules:
 - NATS (nats_server.py, `plan_nats`): private unless a URL is given. A private nats-server is
   a supervised child like the services, started and reachable before them, restarted on the
   same port when it dies (its own backoff, `nats_restart`); clients reconnect on their own.
+  It requires a token generated for this start (`nats_auth`), which reaches the services as
+  FLOTILLA_NATS_TOKEN in their environment and `flotilla status` through a file only the
+  owner can read (`nats_token_file` in the state); it is never logged. A shared NATS is
+  reached with the FLOTILLA_NATS_* credentials of the launcher's settings (the services
+  inherit the same environment).
 - Readiness: a `Prober` thread checks every 0.5 s (readiness.py: the gateway's /ready plus each
   NATS service's health). `poll()` combines its newest verdict with what the supervisors know
   at that moment: a dead child is not ready, and a verdict that began before the latest death
@@ -23,12 +28,16 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from libs.common.model_cache import resolve_model, served_name
+from libs.common.nats_auth import NatsSecurity
 from services.launcher.nats_server import NatsPlan, NatsServer, free_port, plan_nats, reachable
 from services.launcher.processes import ChildSpec, service_spec
 from services.launcher.readiness import Probe, Prober, Verdict
@@ -70,6 +79,9 @@ class SuiteOptions:
     isq: str | None = None  # in-situ weight quantization of the engine (FLOTILLA_ISQ)
     fp8_kvcache: bool = False  # fp8 KV cache of the engine (FLOTILLA_KV_CACHE_DTYPE=fp8)
     ui: bool = False  # the gateway serves the chat web UI at / (FLOTILLA_UI)
+    api_keys: str | None = None  # keys the gateway accepts, comma-separated (FLOTILLA_API_KEYS)
+    nats_auth: bool = True  # a private nats-server requires a token generated for this start
+    nats_security: NatsSecurity | None = None  # how to reach a shared NATS (from settings)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     nats_restart: RestartPolicy = field(
         default_factory=lambda: RestartPolicy(min_backoff_s=0.2, max_backoff_s=10.0))
@@ -93,6 +105,7 @@ class Suite:
         self.options = options
         self.stop_requested = False
         self.nats: NatsServer | None = None
+        self.nats_token: SecretStr | None = None
         self.infra: Supervisor | None = None  # the private nats-server, when we run one
         self.supervisor: Supervisor | None = None  # the four services
         self.prober: Prober | None = None
@@ -132,16 +145,23 @@ class Suite:
                 launcher_pid=os.getpid(), gateway_url=f"http://{host}:{port}/v1",
                 nats_url=plan.url, nats_private=plan.private, model=model,
                 model_path=str(path), log_dir=str(log_dir))
+            security = opts.nats_security
             if plan.private:
-                self._start_nats(plan, log_dir)
+                token = secrets.token_urlsafe(32) if opts.nats_auth else None
+                self._start_nats(plan, log_dir, token)
+                if token is not None:
+                    security = NatsSecurity(token=SecretStr(token))
+                    self.state.nats_token_file = str(self._write_token(token))
             else:
                 log.info("using the NATS server at %s (shared: given explicitly)", plan.url)
+            self.nats_token = security.token if security else None
             self.supervisor = Supervisor(self._specs(plan.url, port, path, model), log_dir,
                                          opts.restart, on_change=self._children_changed)
             log.info("starting %s (logs in %s, state in %s)", ", ".join(SERVICES), log_dir,
                      self.state_file)
             self.supervisor.start()
-            self.prober = Prober(Probe(f"http://{host}:{port}/ready", plan.url, NATS_SERVICES))
+            self.prober = Prober(Probe(f"http://{host}:{port}/ready", plan.url, NATS_SERVICES,
+                                       security))
             self.prober.start()
             self._wait_ready(opts.start_timeout_s)
         except BaseException as exc:
@@ -156,8 +176,16 @@ class Suite:
         self.write_state()
         return self
 
-    def _start_nats(self, plan: NatsPlan, log_dir: Path) -> None:
-        self.nats = NatsServer(plan.port, plan.host)
+    def _write_token(self, token: str) -> Path:
+        """The private server's token, for `flotilla status` (its owner only may read it)."""
+        assert self.nats is not None
+        path = self.nats.store / "token"
+        path.touch(mode=0o600)
+        path.write_text(token)
+        return path
+
+    def _start_nats(self, plan: NatsPlan, log_dir: Path, token: str | None) -> None:
+        self.nats = NatsServer(plan.port, plan.host, token=token)
         self.infra = Supervisor([self.nats.spec()], log_dir, self.options.nats_restart,
                                 on_change=self._children_changed)
         self.infra.start()
@@ -168,15 +196,19 @@ class Suite:
                 raise SuiteError(f"nats-server did not accept connections at {plan.url} "
                                  f"within 10s; see {log_dir / 'nats-server.log'}")
             time.sleep(0.05)
-        log.info("started a private nats-server (pid %s) at %s", self.infra.pids()["nats-server"],
-                 plan.url)
+        log.info("started a private nats-server (pid %s) at %s%s",
+                 self.infra.pids()["nats-server"], plan.url,
+                 " (clients need its generated token)" if token else "")
 
     def _specs(self, nats_url: str, port: int, model_path: Path, model: str) -> list[ChildSpec]:
         opts = self.options
         common = {"FLOTILLA_NATS_URL": nats_url, "FLOTILLA_LOG_LEVEL": opts.log_level}
+        if self.nats_token is not None and self.nats is not None:  # the private server's
+            common["FLOTILLA_NATS_TOKEN"] = self.nats_token.get_secret_value()
         extra: dict[str, dict[str, str]] = {
             "gateway": {"FLOTILLA_HOST": opts.host, "FLOTILLA_PORT": str(port),
-                        **({"FLOTILLA_UI": "1"} if opts.ui else {})},
+                        **({"FLOTILLA_UI": "1"} if opts.ui else {}),
+                        **({"FLOTILLA_API_KEYS": opts.api_keys} if opts.api_keys else {})},
             "tokenizer": {"FLOTILLA_MODEL": str(model_path), "FLOTILLA_SERVED_MODEL_NAME": model},
             "engine": {"FLOTILLA_MODEL": str(model_path), "FLOTILLA_SERVED_MODEL_NAME": model,
                        **({"FLOTILLA_TP": str(opts.tp)} if opts.tp else {}),

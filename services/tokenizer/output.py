@@ -71,7 +71,8 @@ def prompt_text_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob | Non
     return [None if lp is None else TextLogprob(
         token=tokenizer.token_text(lp.token_id), logprob=lp.logprob,
         bytes=list(tokenizer.bytes_of(lp.token_id, skip_special_tokens=False)),
-        top=[(tokenizer.token_text(tid), value) for tid, value in lp.top]) for lp in logprobs]
+        top=[(tokenizer.token_text(tid), value) for tid, value in lp.top],
+        token_id=lp.token_id, top_ids=[tid for tid, _ in lp.top]) for lp in logprobs]
 
 
 class OutputProcessor:
@@ -79,8 +80,9 @@ class OutputProcessor:
                  prompt_tokens: int = 0, reasoning: ReasoningParser | None = None,
                  tools: ToolCallParser | None = None, skip_special_tokens: bool = True,
                  include_stop: bool = False, stop_ids: frozenset[int] = frozenset(),
-                 check: OutputCheck | None = None):
+                 check: OutputCheck | None = None, first_prompt_id: int | None = None):
         self.tokenizer = tokenizer
+        self.first_prompt_id = first_prompt_id
         keep = ReasoningParser.tag_ids(tokenizer) if reasoning is not None else frozenset()
         if tools is not None:
             keep |= {i for i in tokenizer.special_ids if tokenizer.text_of(i) in ALL_MARKERS}
@@ -98,8 +100,10 @@ class OutputProcessor:
     @classmethod
     def for_request(cls, tokenizer: Tokenizer, req: TextRequest, prompt: str,
                     prompt_tokens: int, tool_format: ToolFormat = HERMES,
-                    stop_ids: frozenset[int] = frozenset()) -> OutputProcessor:
-        """`stop_ids`: the ids the engine stops at (`SamplingOptions.stop_token_ids`)."""
+                    stop_ids: frozenset[int] = frozenset(),
+                    first_prompt_id: int | None = None) -> OutputProcessor:
+        """`stop_ids`: the ids the engine stops at (`SamplingOptions.stop_token_ids`);
+        `first_prompt_id`: the prompt's first token (named first in echoed prompt logprobs)."""
         reasoning = tools = None
         if req.kind == "chat":
             reasoning = ReasoningParser.for_prompt(tokenizer, prompt)
@@ -110,7 +114,7 @@ class OutputProcessor:
                    prompt_tokens=prompt_tokens, reasoning=reasoning, tools=tools,
                    skip_special_tokens=req.skip_special_tokens,
                    include_stop=req.include_stop_str_in_output, stop_ids=stop_ids,
-                   check=OutputCheck.for_request(req))
+                   check=OutputCheck.for_request(req), first_prompt_id=first_prompt_id)
 
     @property
     def stopped(self) -> bool:
@@ -158,6 +162,8 @@ class OutputProcessor:
             out.logprobs = text_logprobs(self.tokenizer, delta.logprobs)
         if delta.prompt_logprobs is not None:
             out.prompt_logprobs = prompt_text_logprobs(self.tokenizer, delta.prompt_logprobs)
+            if self.first_prompt_id is not None:
+                out.prompt_first_token = self.tokenizer.token_text(self.first_prompt_id)
         return None if self._empty(out) else out
 
     def on_final(self, final: TokenFinal) -> tuple[TextDelta | None, TextFinal]:
@@ -171,12 +177,14 @@ class OutputProcessor:
                       completion_tokens=max(final.completion_tokens, self.completion_tokens),
                       cached_tokens=final.cached_tokens)
         return (None if self._empty(out) else out), TextFinal(
-            finish_reason=self._reason(final.finish_reason), usage=usage)
+            finish_reason=self._reason(final.finish_reason), usage=usage,
+            stop_string=self.stops.matched)
 
     def stop_final(self) -> TextFinal:
         """The final frame after a stop-string match (the engine is being cancelled)."""
         return TextFinal(finish_reason=self._reason("stop"), usage=Usage(
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens))
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens),
+            stop_string=self.stops.matched)
 
     def final_error(self, final: TextFinal) -> ErrorInfo | None:
         """The error that replaces `final` when the finished text breaks the request's

@@ -54,10 +54,12 @@ from libs.common.model_cache import resolve_model, served_name
 from libs.common.service import Announcer, instance_id
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from services.tokenizer.embed import Embedder, serve_embed
 from services.tokenizer.engine_context import EngineContext
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.preparation import Preparer, check_deadline
 from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
+from services.tokenizer.scoring import Scorer, score_mode, serve_score
 from services.tokenizer.token_codec import TokenCodec, serve_token_codec
 from services.tokenizer.tokenizer import Tokenizer
 from services.tokenizer.warmup import warm_up
@@ -100,6 +102,7 @@ class TokenizerService:
         self._announcer: Announcer | None = None
         self.context: EngineContext | None = None
         self._codec: TokenCodec | None = None
+        self._embedder: Embedder | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -123,6 +126,8 @@ class TokenizerService:
                                      s.max_prompt_chars)
         self._codec = TokenCodec(self.tokenizer, max_len)
         self.preparer = Preparer(self.builder, s)
+        embedder = self._embedder = Embedder(self.tokenizer, max_len)
+        mode = score_mode(s.score_mode, self.tokenizer, [self.model, str(path)])
         took = await asyncio.to_thread(warm_up, self.builder)
         log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)
         self._subs = [
@@ -132,6 +137,8 @@ class TokenizerService:
                                  self._render, queue="tokenizer"),
             await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
             *await serve_token_codec(self.bus, self.model, self._codec),
+            await serve_embed(self.bus, self.model, embedder, s.request_timeout_s),
+            await serve_score(self.bus, self.model, Scorer(embedder, mode), s.request_timeout_s),
             await self.bus.subscribe(subjects.DISCOVERY_ANNOUNCE, Announcement,
                                      self._on_announcement),
         ]
@@ -143,7 +150,8 @@ class TokenizerService:
             health=self._health)
         await self._announcer.start()
         await self.bus.publish(subjects.DISCOVERY_PING, Ping())  # engines: say your length now
-        log.info("tokenizer for %s (%s) ready, max_model_len=%d", self.model, path, max_len)
+        log.info("tokenizer for %s (%s) ready, max_model_len=%d, score mode %s", self.model,
+                 path, max_len, mode)
 
     def builder_length(self) -> int:
         assert self.builder is not None
@@ -152,7 +160,8 @@ class TokenizerService:
     async def _on_announcement(self, ann: Announcement) -> None:
         """An engine's published context length becomes the one requests are checked against
         (engine_context.py)."""
-        if self.context is None or self.builder is None or self._codec is None:
+        if (self.context is None or self.builder is None or self._codec is None
+                or self._embedder is None):
             return
         self.context.heard(ann)
         length = self.context.length()
@@ -160,6 +169,7 @@ class TokenizerService:
             log.info("max_model_len of %s is now %d (the engines' published context length)",
                      self.model, length)
         self.builder.max_model_len = self._codec.max_model_len = length
+        self._embedder.max_model_len = length
 
     async def stop(self) -> None:
         await self.bus.unsubscribe_all(self._subs)
@@ -252,7 +262,8 @@ class TokenizerService:
         assert self.builder is not None
         proc = OutputProcessor.for_request(self.tokenizer, req, prepared.text,
                                            len(prepared.token_ids), self.builder.tool_format(),
-                                           stop_ids)
+                                           stop_ids, first_prompt_id=next(
+                                               iter(prepared.token_ids), None))
         try:
             if prepared.echo:
                 await writer.data(TextDelta(text=prepared.echo))

@@ -46,6 +46,39 @@ async def test_request_reply_typed(bus: Bus) -> None:
     assert reply.accepted and reply.prompt_tokens == 3
 
 
+async def test_a_failing_handler_answers_with_its_error_at_once(bus: Bus) -> None:
+    """A handler that raises, a reply that cannot be encoded (a lone surrogate) and a request
+    that cannot be decoded all answer the requester now, never after its timeout."""
+    from libs.common.errors import invalid_request
+
+    subjects = [_subject() for _ in range(3)]
+
+    async def refuses(req: TokenRequest) -> Admission:
+        raise invalid_request("no such thing", param="x")
+
+    async def unencodable(req: TokenRequest) -> ErrorInfo:
+        return ErrorInfo(message="\udc64")
+
+    await bus.serve(subjects[0], TokenRequest, refuses)
+    await bus.serve(subjects[1], TokenRequest, unencodable)
+    await bus.serve(subjects[2], TokenRequest, refuses)
+    req = TokenRequest(request_id="r", model="m", prompt_token_ids=[1],
+                       sampling=SamplingOptions(), stream_subject="x")
+    loop = asyncio.get_running_loop()
+    for subject, status in zip(subjects[:2], (400, 500), strict=True):
+        t0 = loop.time()
+        with pytest.raises(FlotillaError) as err:
+            await bus.request(subject, req, Admission, timeout=5)
+        assert err.value.status == status and loop.time() - t0 < 1
+    assert err.value.info.type == "server_error"
+    t0 = loop.time()
+    with pytest.raises(FlotillaError) as err:  # NaN: not a TokenRequest
+        reply = await bus.nc.request(subjects[2], b'{"request_id": NaN}', timeout=5)
+        await bus.request(subjects[2], req, Admission, timeout=5)
+    assert err.value.status == 400 and loop.time() - t0 < 1
+    assert reply.headers and "Flotilla-Error" in reply.headers
+
+
 async def test_no_responders_is_503(bus: Bus) -> None:
     req = TokenRequest(request_id="r", model="m", prompt_token_ids=[1],
                        sampling=SamplingOptions(), stream_subject="x")

@@ -31,10 +31,12 @@ def test_chat_with_injected_tools_still_answers(client) -> None:
 
 
 def test_chat_without_tools_never_gets_mcp_tool_calls(client) -> None:
-    # `required` makes the model call one of the injected MCP tools (constrained decoding); the
-    # server runs it and answers, so the client sees the answer and the executed calls only
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
-                                       max_tokens=24, tool_choice="required")
+    # a named injected MCP tool (small arguments, so the tiny model's constrained call
+    # completes); the server runs it and answers: the client sees the answer and the executed
+    # calls only
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=64,
+        tool_choice={"type": "function", "function": {"name": "test_add"}})
     message = r.choices[0].message
     assert not message.tool_calls
     calls = message.model_extra["mcp_calls"]

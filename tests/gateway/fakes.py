@@ -17,11 +17,17 @@ tools service. The tokenizer's behaviour is chosen by the last message (or the p
 
 Prompts are tokenized one character per token (id = code point; BOS = 1 with
 `add_special_tokens`); /detokenize refuses ids of 0x110000 and above.
+Embeddings (`tokenizer_embed`): each input's vector has EMBED_DIM values, value k the count of
+its tokens (characters or ids) equal to k modulo EMBED_DIM, plus one, then L2-normalized;
+`dimensions` above EMBED_DIM and ids of 0x110000 and above are 400s. Scores
+(`tokenizer_score`): the dot product of the two texts' vectors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +56,21 @@ from libs.common.messages import (
     ToolsListRequest,
     Usage,
 )
+from libs.common.pooling_messages import EmbedRequest, PoolReply, ScoreReply, ScoreRequest
 from libs.common.service import Announcer
 
 HEARTBEAT_S = 0.1
 BOS = 1
 MAX_MODEL_LEN = 4096
+EMBED_DIM = 8
+
+
+def fake_embedding(item: str | list[int], dimensions: int | None = None) -> list[float]:
+    ids = [ord(c) for c in item] if isinstance(item, str) else item
+    vec = [1.0 + sum(1 for i in ids if i % EMBED_DIM == k) for k in range(EMBED_DIM)]
+    vec = vec[:dimensions]
+    norm = sum(v * v for v in vec) ** 0.5
+    return [v / norm for v in vec]
 
 
 def _scenario(req: TextRequest) -> str:
@@ -81,6 +97,10 @@ class FakeTokenizer:
                                                TextRequest, self._render, queue="tokenizer"))
         self._subs.append(await self.bus.serve(subjects.tokenizer_encode(self.model),
                                                EncodeRequest, self._encode, queue="tokenizer"))
+        self._subs.append(await self.bus.serve(subjects.tokenizer_embed(self.model),
+                                               EmbedRequest, self._embed, queue="tokenizer"))
+        self._subs.append(await self.bus.serve(subjects.tokenizer_score(self.model),
+                                               ScoreRequest, self._score, queue="tokenizer"))
         self._subs.append(await self.bus.serve(subjects.tokenizer_decode(self.model),
                                                DecodeRequest, self._decode, queue="tokenizer"))
         self._subs.append(await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel))
@@ -118,11 +138,31 @@ class FakeTokenizer:
         strs = ["<s>" if i == BOS else chr(i) for i in ids] if req.token_strs else None
         return EncodeReply(token_ids=ids, token_strs=strs, max_model_len=MAX_MODEL_LEN)
 
+    async def _embed(self, req: EmbedRequest) -> PoolReply:
+        dims = req.pooling.dimensions
+        if dims is not None and dims > EMBED_DIM:
+            return PoolReply(error=ErrorInfo(status=400, type="invalid_request_error",
+                                             param="dimensions", message="too many"))
+        if any(isinstance(i, list) and any(t >= 0x110000 for t in i) for i in req.inputs):
+            return PoolReply(error=ErrorInfo(status=400, type="invalid_request_error",
+                                             param="input", message="id out of range"))
+        vectors = [fake_embedding(i, dims) for i in req.inputs]
+        return PoolReply(embeddings=[base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+                                     for v in vectors],
+                         prompt_tokens=sum(len(i) for i in req.inputs))
+
+    async def _score(self, req: ScoreRequest) -> ScoreReply:
+        scores = [sum(a * b for a, b in zip(fake_embedding(q), fake_embedding(d), strict=True))
+                  for q, d in zip(req.queries, req.documents, strict=True)]
+        return ScoreReply(scores=scores, prompt_tokens=sum(map(len, req.queries + req.documents)))
+
     async def _decode(self, req: DecodeRequest) -> DecodeReply:
         if any(i >= 0x110000 for i in req.token_ids):
             return DecodeReply(error=ErrorInfo(status=400, type="invalid_request_error",
                                                param="tokens", message="id out of range"))
-        return DecodeReply(text="".join(chr(i) for i in req.token_ids))
+        # ids in the surrogate range read as U+FFFD, as a real tokenizer's invalid bytes do
+        return DecodeReply(text="".join("\ufffd" if 0xD800 <= i < 0xE000 else chr(i)
+                                        for i in req.token_ids))
 
     async def _generate(self, req: TextRequest) -> Admission:
         self.requests.append(req)
@@ -178,6 +218,11 @@ class FakeTokenizer:
         if scenario == "quick":
             await writer.data(TextDelta(text="ok"))
             await writer.final(TextFinal(finish_reason="stop", usage=usage))
+            return
+        if scenario == "stopseq":  # the text ended at the request's first stop string
+            await writer.data(TextDelta(text="ok"))
+            await writer.final(TextFinal(finish_reason="stop", usage=usage,
+                                         stop_string=req.stop[0] if req.stop else None))
             return
         if scenario == "think":
             await writer.data(TextDelta(reasoning="Let me think."))

@@ -83,9 +83,6 @@ BAD_COMPAT_CHAT: list[tuple[str, dict[str, Any], str, str]] = [
     ("assistant audio reference", {"messages": [
         *USER, {"role": "assistant", "content": "a", "audio": {"id": "audio_1"}}, *USER]},
      "messages[1].audio", "no audio"),
-    ("function result without call", {"messages": [
-        *USER, {"role": "function", "name": "f", "content": "1"}]}, "messages[1].name",
-     "no earlier assistant message"),
 ]
 
 

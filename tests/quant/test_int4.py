@@ -36,3 +36,14 @@ def test_int4_linear_matches_float_matmul() -> None:
     ref = x @ w.T
     # bf16 activations and scales: ~0.5% relative error, not 4-bit error (that is 10x larger).
     assert float((out - ref).norm() / ref.norm()) < 0.01
+
+
+def test_weight_only_linears_take_a_step_with_no_rows() -> None:
+    """A step whose only request is a non-final prefill chunk computes logits for 0 rows."""
+    from services.engine.quant.int8 import Int8WeightOnlyMethod
+
+    for method in (Int4WeightOnlyMethod(), Int8WeightOnlyMethod()):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(q4_1_weights(96, 64), requires_grad=False)
+        method.process_after_loading(layer)
+        assert method.apply(layer, torch.randn(0, 64)).shape == (0, 96)

@@ -27,7 +27,7 @@ from tests.responses.official import validate_event
 ROOT = Path(__file__).resolve().parents[2]
 CALLS = {"add": ("test_add", {"a": 2, "b": 40}), "sleep": ("test_sleep", {"seconds": 5}),
          "record": ("test_record", {"text": "hello"}), "other": ("other_record", {"text": "x"}),
-         "loop": ("test_echo", {"text": "again"})}
+         "loop": ("test_echo", {"text": "again"}), "bad": ("test_add", '{"a": 2,')}
 
 
 class ScriptedTokenizer(FakeTokenizer):
@@ -51,7 +51,7 @@ class ScriptedTokenizer(FakeTokenizer):
             raise AssertionError(f"{name} was not offered: {offered}")
         await writer.data(TextDelta(tool_calls=[ToolCallDelta(
             index=0, id=f"call_{uuid.uuid4().hex[:6]}", name=name,
-            arguments=json.dumps(args))]))
+            arguments=args if isinstance(args, str) else json.dumps(args))]))
         await writer.final(TextFinal(finish_reason="tool_calls", usage=usage))
 
 
@@ -214,3 +214,14 @@ async def test_chat_without_tools_gets_the_answer_not_tool_calls(
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 20
     for c in chunks:
         validate_openai("CreateChatCompletionStreamResponse", c.model_dump(exclude_unset=True))
+
+
+async def test_a_call_with_broken_arguments_ends_the_loop_with_its_error(
+        client: httpx.AsyncClient, tools: ToolsService, scripted: ScriptedTokenizer) -> None:
+    r = await client.post("/v1/chat/completions", json={
+        "model": scripted.model, "messages": [{"role": "user", "content": "bad"}]}, timeout=30)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert not message.get("tool_calls") and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert message["mcp_calls"] == [{"name": "test_add", "arguments": '{"a": 2,',
+                                     "error": "the arguments are not a JSON object"}]

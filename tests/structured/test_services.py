@@ -223,4 +223,8 @@ async def test_logprobs_in_chat_and_completions(client: tuple[openai.AsyncOpenAI
                                           temperature=0, max_tokens=6, logprobs=2, echo=True)
     lp = echoed.choices[0].logprobs
     assert lp is not None and echoed.choices[0].text.startswith("The capital of France is")
-    assert (lp.text_offset or [])[0] == len("The capital of France is")  # after the echo
+    # With echo, the logprobs cover the prompt too (as OpenAI's legacy API and lm-eval expect):
+    # the tokens spell the whole text, the first prompt token has no logprob.
+    assert "".join(lp.tokens or []) == echoed.choices[0].text
+    assert (lp.token_logprobs or [0.0])[0] is None and (lp.text_offset or [])[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset or [])

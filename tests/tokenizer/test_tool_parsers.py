@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from services.tokenizer.tool_calls import Parsed, ToolCallParser
@@ -83,6 +83,9 @@ def test_streamed_equals_whole_and_recovers_the_calls(fmt_name: str, made: list,
     fmt = FORMATS[fmt_name]
     if fmt_name not in ANYWHERE:
         before = " \n" if before.strip() else before  # these formats open the reply
+    # text that begins with the separator between calls ("; " for llama3_json) reads as one
+    sep = fmt.separator.strip()
+    assume(not (sep and after.lstrip().startswith(sep)))
     text = before + render(fmt, made, ascii_only) + after
     whole = run([text], fmt)
     assert same(run(pieces(text, cuts), fmt), whole)

@@ -206,7 +206,8 @@ def use_kernels(device: torch.device) -> bool:
 def linear_2d(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
               bias: torch.Tensor | None) -> torch.Tensor:
     """fn(x as [M, K]) -> [M, N], reshaped back to x's leading dims, plus the bias."""
-    y = fn(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+    y = fn(x.reshape(-1, x.shape[-1]))
+    y = y.reshape(*x.shape[:-1], y.shape[-1])  # explicit N: a step may have 0 rows here
     return y if bias is None else y + bias
 
 
