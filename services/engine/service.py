@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 
 from libs.common import subjects, telemetry
 from libs.common.bus import Bus, StreamWriter
+from libs.common.context import ContextLengthExceeded
 from libs.common.messages import (
     Admission,
     Announcement,
@@ -46,10 +47,14 @@ from libs.common.pooling_messages import PoolRequest
 from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import EngineSettings
 from services.engine.admission import QueueLimits, check_deadline, to_sampling_params
+from services.engine.config import EngineConfig
+from services.engine.engine import RequestOutput
+from services.engine.executor import Executor
 from services.engine.factory import build_engine
-from services.engine.loop import EngineLoop
+from services.engine.loop import EngineLoop, SteppedEngine
 from services.engine.metrics import EngineMetrics
 from services.engine.pool_service import PoolService
+from services.engine.request import TokenLogprobs
 from services.engine.request_error import InvalidParameter, RequestError
 from services.engine.sampling_params import SamplingParams
 from services.engine.structured import GrammarCompileTimeout, StructuredOutputs
@@ -68,13 +73,37 @@ class _Live:
     generated: int = 0
 
 
+class ServedEngine(SteppedEngine, Protocol):
+    """What the engine service needs from an engine beyond the step loop's part: `Engine`
+    (engine.py) is one. Its `executor` reports a failed tensor-parallel rank; `shutdown` stops
+    the workers."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context length, published in its announcements."""
+
+    @property
+    def executor(self) -> Executor: ...
+
+    def shutdown(self) -> None: ...
+
+
 class EngineService:
-    def __init__(self, settings: EngineSettings, bus: Bus, engine: Any | None = None,
+    def __init__(self, settings: EngineSettings, bus: Bus, engine: ServedEngine | None = None,
                  on_fatal: Callable[[], None] | None = None):
         """`on_fatal` runs once when the engine breaks (the process's cue to exit)."""
         self.settings, self.bus = settings, bus
         self.instance = settings.engine_id or instance_id("engine")
-        self._engine = engine
+        self._engine: ServedEngine | None = engine
         self._owns_engine = engine is None  # an injected engine is its owner's to shut down
         self._on_fatal = on_fatal
         self.crashed: BaseException | None = None
@@ -128,10 +157,12 @@ class EngineService:
         # the compiler's vocabulary and xgrammar itself load now, not in a user's first request
         self.structured.compile_async(GuidedDecoding(kind="json_object"))
         self._sender = self.bus.spawn(self._drain_outbox())
-        executor = getattr(self._engine, "executor", None)
-        if executor is not None:  # a dead tensor-parallel rank fails the pod at once
-            loop = asyncio.get_running_loop()
-            executor.on_failure(lambda exc: loop.call_soon_threadsafe(self._on_crash, exc))
+        loop = asyncio.get_running_loop()
+
+        def rank_failed(exc: BaseException) -> None:  # a dead tensor-parallel rank fails the pod
+            loop.call_soon_threadsafe(self._on_crash, exc)
+
+        engine.executor.on_failure(rank_failed)
         self._subs.append(await self.bus.serve(subjects.engine_generate(self.model_name),
                                                TokenRequest, self._on_generate, queue="engine"))
         self._subs.append(await self.bus.serve(subjects.engine_pool(self.model_name),
@@ -173,9 +204,8 @@ class EngineService:
             await asyncio.to_thread(self.loop.stop)
         if self.structured is not None:
             self.structured.shutdown()
-        shutdown = getattr(self._engine, "shutdown", None)
-        if self._owns_engine and shutdown is not None:
-            await asyncio.to_thread(shutdown)
+        if self._owns_engine and self._engine is not None:
+            await asyncio.to_thread(self._engine.shutdown)
         self._engine_thread.shutdown(wait=False)
         if self._metrics_server is not None:
             self._metrics_server.stop()
@@ -227,6 +257,9 @@ class EngineService:
                                         vocab)
         except InvalidParameter as exc:
             return _invalid(str(exc), exc.param)
+        except ContextLengthExceeded as exc:
+            return RequestError(str(exc), 400, "invalid_request_error", "context_length_exceeded",
+                                param=exc.param)
         queue = self.loop.queue_state()
         full = self.limits.check(queue.waiting, queue.waiting_tokens, len(ids),
                                  queue.tokens_per_s)
@@ -271,7 +304,7 @@ class EngineService:
 
     # ------------------------------------------------------------------ engine outputs
 
-    def _on_outputs(self, outputs: list[Any]) -> None:
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
             if self.pool is not None and self.pool.on_output(out):
@@ -302,8 +335,8 @@ class EngineService:
                 reason = out.finish_reason if out.finish_reason in ("stop", "length") else "abort"
                 final = TokenFinal(finish_reason=reason, prompt_tokens=live.prompt_tokens,
                                    completion_tokens=live.generated,
-                                   cached_tokens=getattr(out, "num_cached_tokens", 0) or 0,
-                                   stop_token_id=getattr(out, "stop_token_id", None))
+                                   cached_tokens=out.num_cached_tokens,
+                                   stop_token_id=out.stop_token_id)
                 self._outbox.put_nowait(live.writer.final(final))
                 self._end_span(live, now)
 
@@ -395,13 +428,13 @@ def _error_info(error: RequestError) -> ErrorInfo:
                      param=error.param, code=error.code, retry_after_s=error.retry_after_s)
 
 
-def _prompt_logprobs(entries: list[Any]) -> list[TokenLogprob | None]:
+def _prompt_logprobs(entries: list[TokenLogprobs | None]) -> list[TokenLogprob | None]:
     return [None if e is None else TokenLogprob(token_id=e.token_id, logprob=e.logprob,
                                                 top=list(e.top)) for e in entries]
 
 
-def _logprobs(out: Any) -> list[TokenLogprob] | None:
-    raw = getattr(out, "logprobs", None)
+def _logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
+    raw = out.logprobs
     if not raw:
         return None
     return [TokenLogprob(token_id=t, logprob=lp, top=list(top)) for t, lp, top in raw]

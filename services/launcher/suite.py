@@ -74,6 +74,7 @@ class SuiteOptions:
     served_model_name: str | None = None
     log_level: str = "INFO"
     state_file: Path | None = None
+    run_dir: Path | None = None  # where the state file goes without state_file (state.run_dir)
     start_timeout_s: float = 600.0
     drain_timeout_s: float = 20.0  # each service's drain on SIGTERM (FLOTILLA_DRAIN_TIMEOUT_S)
     stop_grace_s: float | None = None  # None: drain_timeout_s + 5, then SIGKILL
@@ -137,14 +138,13 @@ class Suite:
                 load_mcp_config(opts.mcp_config)  # a broken file fails here, before any start
             host = "127.0.0.1" if opts.host in _ANY_HOST else opts.host
             port = opts.port or free_port(host)
-            self.state_file = opts.state_file or default_state_file(port)
+            self.state_file = opts.state_file or default_state_file(port, opts.run_dir)
             self._lock = StateFileLock(self.state_file)
             self._lock.acquire()
             if opts.port:
                 check_port_free(opts.host, port)
             path = resolve_model(opts.model)
-            model = (opts.served_model_name or os.environ.get("FLOTILLA_SERVED_MODEL_NAME")
-                     or served_name(opts.model, path))
+            model = opts.served_model_name or served_name(opts.model, path)
             log_dir = self.state_file.with_name(self.state_file.stem + "-logs")
             plan = plan_nats(opts.nats_url)
             self.state = SuiteState(

@@ -17,7 +17,8 @@ Ownership: the service owns each request's reader, writer and task (`_Active`) f
 until the task ends; the task's `finally` releases them. One span "tokenizer.generate" per
 request, a child of the gateway's; the engine request carries it onward. `start()` warms what a
 first request would load (warmup.py: xgrammar, the template, every grammar kind) before it
-subscribes and announces, so the first request after a start pays nothing extra.
+subscribes and announces, so the first request after a start pays nothing extra. The context
+length requests are checked against is the one the engines publish (engine_context.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from libs.common.messages import (
     Admission,
     Announcement,
     Cancel,
+    Ping,
     RenderReply,
     TextDelta,
     TextFinal,
@@ -54,6 +56,7 @@ from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from services.tokenizer.embed import Embedder, serve_embed
+from services.tokenizer.engine_context import EngineContext
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.preparation import Preparer, check_deadline
@@ -67,13 +70,14 @@ log = logging.getLogger(__name__)
 tracer = telemetry.tracer("flotilla.tokenizer")
 
 _CANCEL_MEMORY_S = 30.0  # how long a cancel for a not-yet-admitted request is remembered
+_ENGINE_SILENT_PERIODS = 5  # an engine unheard for this many discovery periods no longer counts
 
 
 def resolve_max_model_len(model_len: int | None, cap: int | None) -> int:
     known = [n for n in (model_len, cap) if n is not None]
     if not known:
         raise ValueError("the model does not state its context length; "
-                         "set FLOTILLA_MAX_MODEL_LEN (--max-model-len)")
+                         "set FLOTILLA_MAX_MODEL_LEN")
     return min(known)
 
 
@@ -101,6 +105,9 @@ class TokenizerService:
         self._subs: list[Subscription] = []
         self._work_subs: list[Subscription] = []
         self._announcer: Announcer | None = None
+        self.context: EngineContext | None = None
+        self._codec: TokenCodec | None = None
+        self._embedder: Embedder | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,16 +123,19 @@ class TokenizerService:
             try:
                 ChatTemplate(override)
             except ChatTemplateError as exc:
-                raise ValueError(f"--chat-template {s.chat_template}: {exc}") from None
+                raise ValueError(f"FLOTILLA_CHAT_TEMPLATE {s.chat_template}: {exc}") from None
         max_len = resolve_max_model_len(self.tokenizer.max_model_len, s.max_model_len)
+        self.context = EngineContext(self.model, max_len, _ENGINE_SILENT_PERIODS
+                                     * s.discovery_interval_s)
         self.builder = PromptBuilder(self.tokenizer, max_len, override, s.template_timeout_s,
                                      s.max_prompt_chars)
+        self._codec = TokenCodec(self.tokenizer, max_len)
         self.preparer = Preparer(self.builder, s)
         self.metrics = TokenizerMetrics(self.model, lambda: len(self._active))
         self._metrics_server = MetricsServer(self.metrics.registry, s.metrics_host,
                                              s.metrics_port)
         self._metrics_server.start()
-        embedder = Embedder(self.tokenizer, max_len)
+        embedder = self._embedder = Embedder(self.tokenizer, max_len)
         mode = score_mode(s.score_mode, self.tokenizer, [self.model, str(path)])
         took = await asyncio.to_thread(warm_up, self.builder)
         log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)
@@ -139,15 +149,18 @@ class TokenizerService:
         ]
         self._subs = [
             await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
-            *await serve_token_codec(self.bus, self.model, TokenCodec(self.tokenizer, max_len)),
+            *await serve_token_codec(self.bus, self.model, self._codec),
+            await self.bus.subscribe(subjects.DISCOVERY_ANNOUNCE, Announcement,
+                                     self._on_announcement),
         ]
         self._announcer = Announcer(
             self.bus, "tokenizer", self.instance, s.discovery_interval_s,
             make=lambda: Announcement(service="tokenizer", instance=self.instance,
-                                      model=self.model, max_model_len=max_len,
+                                      model=self.model, max_model_len=self.builder_length(),
                                       running=len(self._active)),
             health=self._health)
         await self._announcer.start()
+        await self.bus.publish(subjects.DISCOVERY_PING, Ping())  # engines: say your length now
         log.info("tokenizer for %s (%s) ready, max_model_len=%d, score mode %s", self.model,
                  path, max_len, mode)
 
@@ -160,6 +173,24 @@ class TokenizerService:
         if not await wait_idle(lambda: len(self._active), timeout_s):
             log.warning("tokenizer %s: %d streams unfinished after the %gs drain", self.instance,
                         len(self._active), timeout_s)
+
+    def builder_length(self) -> int:
+        assert self.builder is not None
+        return self.builder.max_model_len
+
+    async def _on_announcement(self, ann: Announcement) -> None:
+        """An engine's published context length becomes the one requests are checked against
+        (engine_context.py)."""
+        if (self.context is None or self.builder is None or self._codec is None
+                or self._embedder is None):
+            return
+        self.context.heard(ann)
+        length = self.context.length()
+        if length != self.builder.max_model_len:
+            log.info("max_model_len of %s is now %d (the engines' published context length)",
+                     self.model, length)
+        self.builder.max_model_len = self._codec.max_model_len = length
+        self._embedder.max_model_len = length
 
     async def stop(self) -> None:
         await self.bus.unsubscribe_all(self._work_subs)
