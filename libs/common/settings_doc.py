@@ -61,6 +61,13 @@ def own_fields(cls: type[BaseSettings]) -> dict[str, FieldInfo]:
     return {n: f for n, f in cls.model_fields.items() if n not in inherited}
 
 
+def env_name(name: str, field: FieldInfo) -> str:
+    """The variable a field is read from: its own name when it has one (a library's variable,
+    e.g. PROMETHEUS_MULTIPROC_DIR), else FLOTILLA_<NAME>."""
+    alias = field.validation_alias
+    return alias if isinstance(alias, str) else f"{ENV_PREFIX}{name.upper()}"
+
+
 def _kind(annotation: Any) -> str:
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) is typing.Literal:
@@ -97,7 +104,7 @@ def render_doc() -> str:
         lines += [f"## {title}", "", f"`{cls.__name__}`, read by {readers}.", "",
                   "| variable | type | default | meaning |", "|---|---|---|---|"]
         for name, field in own_fields(cls).items():
-            lines.append(f"| `{ENV_PREFIX}{name.upper()}` | {_kind(field.annotation)}"
+            lines.append(f"| `{env_name(name, field)}` | {_kind(field.annotation)}"
                          f"{_bounds(field)} | {_default(field)} | "
                          f"{_cell(field.description or '')} |")
         lines.append("")
@@ -119,7 +126,7 @@ def render_example_env() -> str:
             seen.add(name)
             value = field.get_default(call_default_factory=True)
             text = "" if value is None else str(value).lower() if isinstance(value, bool) else value
-            lines.append(f"# {ENV_PREFIX}{name.upper()}={text}")
+            lines.append(f"# {env_name(name, field)}={text}")
         lines.append("")
     return "\n".join(lines)
 
