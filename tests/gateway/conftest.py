@@ -24,7 +24,9 @@ HEARTBEAT_TIMEOUT_S = 1.0
 def gateway_settings(**overrides: Any) -> GatewaySettings:
     values: dict[str, Any] = dict(
         nats_url=NATS_URL, redis_url=None, host="127.0.0.1", port=0, heartbeat_interval_s=0.1,
-        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, request_timeout_s=3.0, model_ttl_s=3.0,
+        # model_ttl_s: long enough that tests holding the event loop on a loaded machine do not
+        # outlive the fake tokenizer's announcements (0.5 s apart)
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, request_timeout_s=3.0, model_ttl_s=15.0,
         tools_timeout_s=0.5, max_n=4, discovery_interval_s=0.5, log_level="WARNING")
     values.update(overrides)
     return GatewaySettings(**values)
