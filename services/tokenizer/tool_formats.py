@@ -21,6 +21,9 @@ XML formats (`XML_FORMATS`: arguments one parameter per tag, read by xml_tool_ca
                   </tool_call>` (Qwen3-Coder, Qwen3.5, Qwen3-Next)
 For these, a forced call (tool_choice) constrains the opening and the function name; the
 arguments' text is free (the schema is not enforced by the grammar).
+- harmony         `<|channel|>commentary to=functions.N <|constrain|>json<|message|>A<|call|>`
+                  (gpt-oss: replies are read by harmony.py; this format is what a forced call
+                  writes, the model's reasoning skipped)
 `detect` picks the family from the chat template's text.
 """
 
@@ -123,6 +126,9 @@ GLM = ToolFormat("glm", "<tool_call>{name}\n", "</tool_call>", separator="\n", x
 QWEN_XML = ToolFormat("qwen_xml", "<tool_call>\n<function={name}>\n", "</function>\n</tool_call>",
                       separator="\n", xml=True, markers=("<tool_call>", "</tool_call>"))
 XML_FORMATS = {f.name: f for f in (GLM, QWEN_XML)}
+HARMONY = ToolFormat("harmony", "<|channel|>commentary to=functions.{name} <|constrain|>json"
+                     "<|message|>", "<|call|>", markers=("<|channel|>", "<|constrain|>",
+                                                         "<|message|>", "<|call|>"))
 # Texts the parsers must see even where they are control tokens (the detokenizer keeps them).
 ALL_MARKERS = frozenset(m for f in (*FORMATS.values(), *XML_FORMATS.values()) for m in f.markers)
 
@@ -133,6 +139,8 @@ def detect(template: str | None, reads_tools: bool) -> ToolFormat:
     source = template or ""
     if not reads_tools:
         return HERMES
+    if "<|channel|>" in source:
+        return HARMONY
     if "<arg_key>" in source:
         return GLM
     if "<parameter=" in source:

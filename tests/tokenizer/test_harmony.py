@@ -256,3 +256,19 @@ def test_any_text_parses_the_same_however_split(parts: list[str], cuts: list[int
 def test_control_ids_only_for_harmony_vocabularies(tok: Tokenizer, qwen3_dir: Path) -> None:
     assert len(control_ids(tok)) == 7
     assert control_ids(Tokenizer.from_path(qwen3_dir)) == frozenset()
+
+
+def test_a_forced_call_is_a_call_openai_harmony_reads(tok: Tokenizer, gptoss_dir: Path,
+                                                     harmony_encoding: Any) -> None:
+    """tool_choice "required" constrains gpt-oss to harmony's call syntax (detected from its
+    template), which both parsers read as the call."""
+    from services.tokenizer.guided import tool_call_spec
+    from services.tokenizer.tool_formats import HARMONY, detect
+
+    assert detect((gptoss_dir / "chat_template.jinja").read_text(), True) is HARMONY
+    spec = tool_call_spec(TOOLS, "required", True, HARMONY)  # xgrammar compiles it
+    assert spec.kind == "structural_tag" and "<|constrain|>" in spec.special_tokens
+    text = HARMONY.calls_text([("search", '{"q": "gpt-oss"}')])
+    ids = tok.encode(text, add_special_tokens=False)
+    assert reference_parse(harmony_encoding, ids) == ("", "", [("search", '{"q": "gpt-oss"}')])
+    assert ours(tok, ids, [])[2:] == ([("search", '{"q": "gpt-oss"}')], "tool_calls")
