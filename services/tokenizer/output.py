@@ -44,6 +44,7 @@ from libs.common.messages import (
     Usage,
 )
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.gemma4_tool_calls import Gemma4ToolCallParser
 from services.tokenizer.harmony import HarmonyParser, control_ids
 from services.tokenizer.output_check import OutputCheck
 from services.tokenizer.reasoning import ReasoningParser
@@ -54,6 +55,7 @@ from services.tokenizer.tool_formats import ALL_MARKERS, HERMES, ToolFormat
 from services.tokenizer.tool_prompt import tool_names
 from services.tokenizer.xml_tool_calls import SYNTAXES, XmlToolCallParser
 
+AnyToolParser = ToolCallParser | XmlToolCallParser | Gemma4ToolCallParser
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
@@ -82,7 +84,7 @@ def prompt_text_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob | Non
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, stop: list[str], logprobs: bool = False,
                  prompt_tokens: int = 0, reasoning: ReasoningParser | None = None,
-                 tools: ToolCallParser | XmlToolCallParser | None = None,
+                 tools: AnyToolParser | None = None,
                  skip_special_tokens: bool = True,
                  include_stop: bool = False, stop_ids: frozenset[int] = frozenset(),
                  check: OutputCheck | None = None, first_prompt_id: int | None = None,
@@ -113,14 +115,17 @@ class OutputProcessor:
         """`stop_ids`: the ids the engine stops at (`SamplingOptions.stop_token_ids`);
         `first_prompt_id`: the prompt's first token (named first in echoed prompt logprobs)."""
         reasoning = harmony = None
-        tools: ToolCallParser | XmlToolCallParser | None = None
+        tools: AnyToolParser | None = None
         names = tool_names(req.tools) if req.tools and req.tool_choice != "none" else None
         if req.kind == "chat" and control_ids(tokenizer):
             harmony = HarmonyParser(names or [], parallel=req.parallel_tool_calls,
                                     new_id=tool_format.new_call_id)
         elif req.kind == "chat":
             reasoning = ReasoningParser.for_prompt(tokenizer, prompt)
-            if names is not None and tool_format.xml:
+            if names is not None and tool_format.name == "gemma4":
+                tools = Gemma4ToolCallParser(names, parallel=req.parallel_tool_calls,
+                                             new_id=tool_format.new_call_id)
+            elif names is not None and tool_format.xml:
                 tools = XmlToolCallParser(SYNTAXES[tool_format.name], req.tools or [],
                                           parallel=req.parallel_tool_calls,
                                           new_id=tool_format.new_call_id)

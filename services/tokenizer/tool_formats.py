@@ -19,8 +19,10 @@ XML formats (`XML_FORMATS`: arguments one parameter per tag, read by xml_tool_ca
                   (GLM-4.5 / 4.6 / 4.7)
 - qwen_xml        `<tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>\n</function>\n
                   </tool_call>` (Qwen3-Coder, Qwen3.5, Qwen3-Next)
-For these, a forced call (tool_choice) constrains the opening and the function name; the
+For these and gemma4, a forced call (tool_choice) constrains the opening and the function name; the
 arguments' text is free (the schema is not enforced by the grammar).
+- gemma4          `<|tool_call>call:N{K:V,...}<tool_call|>`, strings quoted `<|"|>` (Gemma 4:
+                  read by gemma4_tool_calls.py)
 - harmony         `<|channel|>commentary to=functions.N <|constrain|>json<|message|>A<|call|>`
                   (gpt-oss: replies are read by harmony.py; this format is what a forced call
                   writes, the model's reasoning skipped)
@@ -35,6 +37,8 @@ import string
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from services.tokenizer.gemma4_tool_calls import write_value
 
 _ALNUM = string.ascii_letters + string.digits
 Structure = dict[str, Any]
@@ -60,7 +64,7 @@ class ToolFormat:
     closing: str = ""
     id_style: Literal["openai", "mistral"] = "openai"
     markers: tuple[str, ...] = ()  # format texts that are control tokens in the family's vocab
-    xml: bool = False  # arguments written one parameter per tag (XML formats)
+    xml: bool = False  # arguments not written as JSON (XML formats, Gemma 4)
 
     def new_call_id(self) -> str:
         if self.id_style == "mistral":
@@ -79,6 +83,8 @@ class ToolFormat:
     def _args(self, args: str) -> str:
         """Arguments as written: JSON text, or for XML formats one tag per parameter, strings
         as they are and other values as JSON (as their chat templates write them)."""
+        if self.name == "gemma4":
+            return ",".join(f"{k}:{write_value(v)}" for k, v in sorted(json.loads(args).items()))
         if not self.xml:
             return args
         values = json.loads(args)
@@ -126,11 +132,14 @@ GLM = ToolFormat("glm", "<tool_call>{name}\n", "</tool_call>", separator="\n", x
 QWEN_XML = ToolFormat("qwen_xml", "<tool_call>\n<function={name}>\n", "</function>\n</tool_call>",
                       separator="\n", xml=True, markers=("<tool_call>", "</tool_call>"))
 XML_FORMATS = {f.name: f for f in (GLM, QWEN_XML)}
+GEMMA4 = ToolFormat("gemma4", "<|tool_call>call:{name}{", "}<tool_call|>", xml=True,
+                    markers=("<|tool_call>", "<tool_call|>", '<|"|>'))
 HARMONY = ToolFormat("harmony", "<|channel|>commentary to=functions.{name} <|constrain|>json"
                      "<|message|>", "<|call|>", markers=("<|channel|>", "<|constrain|>",
                                                          "<|message|>", "<|call|>"))
 # Texts the parsers must see even where they are control tokens (the detokenizer keeps them).
-ALL_MARKERS = frozenset(m for f in (*FORMATS.values(), *XML_FORMATS.values()) for m in f.markers)
+ALL_MARKERS = frozenset(m for f in (*FORMATS.values(), *XML_FORMATS.values(), GEMMA4)
+                        for m in f.markers)
 
 
 def detect(template: str | None, reads_tools: bool) -> ToolFormat:
@@ -141,6 +150,8 @@ def detect(template: str | None, reads_tools: bool) -> ToolFormat:
         return HERMES
     if "<|channel|>" in source:
         return HARMONY
+    if "<|tool_call>" in source:
+        return GEMMA4
     if "<arg_key>" in source:
         return GLM
     if "<parameter=" in source:
