@@ -272,3 +272,27 @@ def test_a_forced_call_is_a_call_openai_harmony_reads(tok: Tokenizer, gptoss_dir
     ids = tok.encode(text, add_special_tokens=False)
     assert reference_parse(harmony_encoding, ids) == ("", "", [("search", '{"q": "gpt-oss"}')])
     assert ours(tok, ids, [])[2:] == ([("search", '{"q": "gpt-oss"}')], "tool_calls")
+
+
+def test_reasoning_before_a_call_is_rendered_back(tok: Tokenizer, gptoss_dir: Path) -> None:
+    """A tool loop: the assistant's reasoning_content (and its preamble) come back as the
+    template's `thinking`, rendered as transformers renders the same turn."""
+    pytest.importorskip("transformers")
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    sent = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Checking.", "reasoning_content": "Need weather.",
+             "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18C"}]
+    ours = PromptBuilder(tok, 131072).render_chat(request(sent, [WEATHER], "high"))
+    hf = [sent[0], {"role": "assistant", "content": "", "thinking": "Need weather.",
+                    "tool_calls": [{**call, "function": {**call["function"],
+                                                         "arguments": {"city": "Paris"}}}]},
+          sent[2]]
+    expected, _ = render_jinja_template(
+        [hf], chat_template=(gptoss_dir / "chat_template.jinja").read_text(), tools=[WEATHER],
+        add_generation_prompt=True, reasoning_effort="high")
+    assert ours == expected[0]
+    assert "<|channel|>analysis<|message|>Need weather.<|end|>" in ours
