@@ -47,6 +47,7 @@ from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.gemma4_tool_calls import Gemma4ToolCallParser
 from services.tokenizer.harmony import HarmonyParser, control_ids
 from services.tokenizer.output_check import OutputCheck
+from services.tokenizer.pythonic_tool_calls import PythonicToolCallParser
 from services.tokenizer.reasoning import ReasoningParser
 from services.tokenizer.stop_strings import StopStringMatcher
 from services.tokenizer.tokenizer import Tokenizer
@@ -55,7 +56,8 @@ from services.tokenizer.tool_formats import ALL_MARKERS, HERMES, ToolFormat
 from services.tokenizer.tool_prompt import tool_names
 from services.tokenizer.xml_tool_calls import SYNTAXES, XmlToolCallParser
 
-AnyToolParser = ToolCallParser | XmlToolCallParser | Gemma4ToolCallParser
+AnyToolParser = (ToolCallParser | XmlToolCallParser | Gemma4ToolCallParser
+                 | PythonicToolCallParser)
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
@@ -122,7 +124,10 @@ class OutputProcessor:
                                     new_id=tool_format.new_call_id)
         elif req.kind == "chat":
             reasoning = ReasoningParser.for_prompt(tokenizer, prompt)
-            if names is not None and tool_format.name == "gemma4":
+            if names is not None and tool_format.name == "pythonic":
+                tools = PythonicToolCallParser(names, parallel=req.parallel_tool_calls,
+                                               new_id=tool_format.new_call_id)
+            elif names is not None and tool_format.name == "gemma4":
                 tools = Gemma4ToolCallParser(names, parallel=req.parallel_tool_calls,
                                              new_id=tool_format.new_call_id)
             elif names is not None and tool_format.xml:
@@ -147,10 +152,10 @@ class OutputProcessor:
         """Route text through the reasoning and tool-call stages (`final`: flush them)."""
         if self.harmony is not None:
             got = self.harmony.push(text)
-            tail = self.harmony.flush() if final else None
-            out = TextDelta(text=got.content + (tail.content if tail else ""),
-                            reasoning=got.reasoning + (tail.reasoning if tail else ""),
-                            tool_calls=got.calls + (tail.calls if tail else []))
+            end = self.harmony.flush() if final else None
+            out = TextDelta(text=got.content + (end.content if end else ""),
+                            reasoning=got.reasoning + (end.reasoning if end else ""),
+                            tool_calls=got.calls + (end.calls if end else []))
             if self.check is not None:
                 self._content.append(out.text)
             return out

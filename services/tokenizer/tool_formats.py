@@ -21,6 +21,8 @@ XML formats (`XML_FORMATS`: arguments one parameter per tag, read by xml_tool_ca
                   </tool_call>` (Qwen3-Coder, Qwen3.5, Qwen3-Next)
 For these and gemma4, a forced call (tool_choice) constrains the opening and the function name; the
 arguments' text is free (the schema is not enforced by the grammar).
+- pythonic        `[N(k="v", n=1), M()]` opening the reply (Llama 4, Llama 3.2 pythonic
+                  prompts: read by pythonic_tool_calls.py)
 - gemma4          `<|tool_call>call:N{K:V,...}<tool_call|>`, strings quoted `<|"|>` (Gemma 4:
                   read by gemma4_tool_calls.py)
 - harmony         `<|channel|>commentary to=functions.N <|constrain|>json<|message|>A<|call|>`
@@ -83,6 +85,8 @@ class ToolFormat:
     def _args(self, args: str) -> str:
         """Arguments as written: JSON text, or for XML formats one tag per parameter, strings
         as they are and other values as JSON (as their chat templates write them)."""
+        if self.name == "pythonic":
+            return ", ".join(f"{k}={v!r}" for k, v in json.loads(args).items())
         if self.name == "gemma4":
             return ",".join(f"{k}:{write_value(v)}" for k, v in sorted(json.loads(args).items()))
         if not self.xml:
@@ -132,6 +136,8 @@ GLM = ToolFormat("glm", "<tool_call>{name}\n", "</tool_call>", separator="\n", x
 QWEN_XML = ToolFormat("qwen_xml", "<tool_call>\n<function={name}>\n", "</function>\n</tool_call>",
                       separator="\n", xml=True, markers=("<tool_call>", "</tool_call>"))
 XML_FORMATS = {f.name: f for f in (GLM, QWEN_XML)}
+PYTHONIC = ToolFormat("pythonic", "{name}(", ")", separator=", ", opening="[", closing="]",
+                      xml=True)
 GEMMA4 = ToolFormat("gemma4", "<|tool_call>call:{name}{", "}<tool_call|>", xml=True,
                     markers=("<|tool_call>", "<tool_call|>", '<|"|>'))
 HARMONY = ToolFormat("harmony", "<|channel|>commentary to=functions.{name} <|constrain|>json"
@@ -150,6 +156,8 @@ def detect(template: str | None, reads_tools: bool) -> ToolFormat:
         return HERMES
     if "<|channel|>" in source:
         return HARMONY
+    if "[func_name1(" in source:
+        return PYTHONIC
     if "<|tool_call>" in source:
         return GEMMA4
     if "<arg_key>" in source:

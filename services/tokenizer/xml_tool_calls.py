@@ -81,7 +81,7 @@ def _string_typed(schema: Any) -> bool:
     kind = schema.get("type")
     if kind == "string" or (isinstance(kind, list) and "string" in kind):
         return True
-    return any(_string_typed(s) for s in schema.get("anyOf", schema.get("oneOf", [])))
+    return any(_string_typed(s) for s in schema.get("anyOf") or schema.get("oneOf") or [])
 
 
 def value_json(raw: str, schema: Any) -> str:
