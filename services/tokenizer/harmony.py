@@ -39,6 +39,8 @@ from services.tokenizer.tokenizer import Tokenizer
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 CONTROL = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
+# A structured answer (response_format) is constrained from here on: reasoning stays free.
+FINAL = f"{CHANNEL}final{MESSAGE}"
 _BODY_ENDS = [END, CALL, RETURN, START]
 MAX_HEADER = 256
 _RECIPIENT = re.compile(r"to=(\S+?)(?=\s|<\||$)")

@@ -272,6 +272,14 @@ def test_a_forced_call_is_a_call_openai_harmony_reads(tok: Tokenizer, gptoss_dir
     ids = tok.encode(text, add_special_tokens=False)
     assert reference_parse(harmony_encoding, ids) == ("", "", [("search", '{"q": "gpt-oss"}')])
     assert ours(tok, ids, [])[2:] == ([("search", '{"q": "gpt-oss"}')], "tool_calls")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from services.tokenizer.guided import grammar_of
+
+    req = request([{"role": "user", "content": "Find gpt-oss"}], TOOLS)
+    req.tool_choice = "required"
+    guided = PromptBuilder(tok, 131072).prepare(req).guided
+    assert guided is not None and _is_grammar_accept_string(grammar_of(guided), text)
 
 
 def test_reasoning_before_a_call_is_rendered_back(tok: Tokenizer, gptoss_dir: Path) -> None:
@@ -296,3 +304,21 @@ def test_reasoning_before_a_call_is_rendered_back(tok: Tokenizer, gptoss_dir: Pa
         add_generation_prompt=True, reasoning_effort="high")
     assert ours == expected[0]
     assert "<|channel|>analysis<|message|>Need weather.<|end|>" in ours
+
+
+def test_a_structured_answer_is_the_final_channel(tok: Tokenizer) -> None:
+    """response_format constrains gpt-oss's final channel; its reasoning stays free."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from services.tokenizer.guided import grammar_of
+
+    req = request([{"role": "user", "content": "A cat?"}])
+    req.response_format = {"type": "json_object"}
+    prepared = PromptBuilder(tok, 131072).prepare(req)
+    assert prepared.guided is not None
+    assert "<|end|>" in prepared.guided.special_tokens
+    grammar = grammar_of(prepared.guided)
+    assert _is_grammar_accept_string(grammar, '<|channel|>analysis<|message|>A cat.<|end|>'
+                                     '<|start|>assistant<|channel|>final<|message|>{"cat": 1}')
+    assert _is_grammar_accept_string(grammar, '<|channel|>final<|message|>{"cat": 1}')
+    assert not _is_grammar_accept_string(grammar, '<|channel|>final<|message|>a cat')
