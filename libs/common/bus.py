@@ -57,6 +57,7 @@ from libs.common.bus_parts import Assembler, Offer, announced, part_size, pull, 
 from libs.common.deadline import Deadline
 from libs.common.errors import FlotillaError, internal, unavailable
 from libs.common.messages import ErrorInfo, StreamFrame, decode, encode
+from libs.common.nats_auth import NatsSecurity
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +128,11 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, write_now: bool = True,
-                      part_bytes: int | None = None) -> Bus:
+                      part_bytes: int | None = None,
+                      security: NatsSecurity | None = None) -> Bus:
         """`write_now`: requests and replies go to the socket when published (see the module
-        notes); False leaves every write to nats-py's flusher."""
+        notes); False leaves every write to nats-py's flusher. `security`: credentials and TLS
+        (nats_auth.py; None = an open connection)."""
         nc = _Client()
         nc.write_now = write_now
         bus = cls(nc, part_bytes)
@@ -143,6 +146,7 @@ class Bus:
             error_cb=bus._on_error,
             disconnected_cb=bus._on_disconnected,
             reconnected_cb=bus._on_reconnected,
+            **(security.connect_options() if security else {}),
         )
         return bus
 

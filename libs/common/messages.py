@@ -283,6 +283,7 @@ class Usage(BaseModel):
 class TextFinal(BaseModel):
     finish_reason: Literal["stop", "length", "tool_calls", "abort"]
     usage: Usage
+    stop_string: str | None = None  # the request's stop string that ended the text, if one did
 
 
 TokenFrame = StreamFrame[TokenDelta, TokenFinal]

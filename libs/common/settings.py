@@ -9,10 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "FLOTILLA_"
+
+
+class ModelCacheSettings(BaseSettings):
+    """Where models are kept; read by libs/common/model_cache.py (every service and the library
+    resolve model names through it)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    cache_dir: Path | None = Field(
+        None, description="Model cache (the default model, hub downloads); unset = "
+        "$XDG_CACHE_HOME/flotilla, else ~/.cache/flotilla")
 
 
 class CommonSettings(BaseSettings):
@@ -44,6 +55,28 @@ class CommonSettings(BaseSettings):
         10.0, gt=0, description="Reply timeout for request/reply calls (not for streams)"
     )
     discovery_interval_s: float = Field(1.0, gt=0, description="Period of service announcements")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of the Prometheus /metrics endpoint of the "
+        "tokenizer, engine and tools services (the gateway serves /metrics on its API port and "
+        "ignores this); 0 = off (`flotilla up` and docker-compose.yml turn it on)")
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address the metrics port binds (0.0.0.0 in containers)")
+    drain_timeout_s: float = Field(
+        20.0, ge=0, description="On SIGTERM a service stops taking new work and waits this long "
+        "for the work in flight (open streams) to finish before it exits; SIGINT, or a second "
+        "signal, stops at once. Container stop grace periods must exceed it")
+    # ---- a closed bus (docs/security.md): every NATS connection of every service uses these
+    nats_user: str | None = Field(None, description="NATS user name (with nats_password)")
+    nats_password: SecretStr | None = Field(None, description="NATS password of nats_user")
+    nats_token: SecretStr | None = Field(None, description="NATS authentication token (instead "
+                                         "of a user and password)")
+    nats_nkey_seed: Path | None = Field(None, description="File holding this service's NATS "
+                                        "nkey seed (SU...), instead of a password or token")
+    nats_tls_ca: Path | None = Field(None, description="CA certificate (PEM) that signed the "
+                                     "NATS server's certificate; set = connect with TLS")
+    nats_tls_cert: Path | None = Field(None, description="Client certificate (PEM) for NATS "
+                                       "servers that verify clients (with nats_tls_key)")
+    nats_tls_key: Path | None = Field(None, description="Private key of nats_tls_cert")
 
     @field_validator("heartbeat_timeout_s")
     @classmethod
@@ -110,6 +143,12 @@ class GatewaySettings(CommonSettings):
     max_stop_chars: int = Field(512, ge=1, description="Longest stop string, in characters")
     max_prompts: int = Field(64, ge=1, description="Most prompts in one /v1/completions request "
                              "(each with `n` choices)")
+    max_embedding_inputs: int = Field(
+        2048, ge=1, description="Most inputs in one /v1/embeddings request (OpenAI's limit), "
+        "and most texts or documents in one score / rerank request")
+    max_embedding_tokens: int = Field(
+        300_000, ge=1, description="Most tokens the inputs of one embeddings, score or rerank "
+        "request may hold together (OpenAI's limit); more is 400")
     # ---- overload control
     max_in_flight: int = Field(
         512, ge=1, description="Generation and tokenize requests one gateway process serves at "
@@ -122,13 +161,46 @@ class GatewaySettings(CommonSettings):
         "cancels the request on every hop")
     ui: bool = Field(False, description="Serve the chat web UI at / (same port and origin as "
                      "the API; its files ship in the package)")
+    prometheus_multiproc_dir: Path | None = Field(
+        None, validation_alias="PROMETHEUS_MULTIPROC_DIR", description="Directory where "
+        "several gateway worker processes keep their metrics (prometheus-client's multiprocess "
+        "mode, under its own variable's name); the parent of FLOTILLA_GATEWAY_WORKERS > 1 sets "
+        "it for its workers. Unset = this process's metrics only")
+    # ---- API keys and per-key limits (docs/security.md)
+    api_keys: SecretStr | None = Field(
+        None, description="API keys the gateway accepts, comma-separated (only their SHA-256 "
+        "is kept); any key set here, in api_key_file or require_api_key turns authentication on")
+    api_key_file: Path | None = Field(
+        None, description="File of API keys, one a line (`#` starts a comment); a line may be "
+        "`sha256:<hex>`, the key's SHA-256, so the file need not hold the key itself")
+    require_api_key: bool = Field(
+        False, description="Require an API key even when none is set here: the keys are the "
+        "ones made with `flotilla keys create` (in Redis)")
+    auth_open_paths: str = Field(
+        "/health,/ready,/metrics", description="Paths answered without a key, comma-separated "
+        "(GET / and /ui/*, the chat UI's page and files, always are)")
+    key_rpm: int | None = Field(None, ge=1, description="Requests per minute of each key set "
+                                "in api_keys / api_key_file; unset = unlimited")
+    key_tpm: int | None = Field(None, ge=1, description="Tokens per minute (prompt + generated) "
+                                "of each key set in api_keys / api_key_file; unset = unlimited")
+    key_max_concurrent: int | None = Field(None, ge=1, description="Requests in flight at once "
+                                           "per key set in api_keys / api_key_file")
+    key_reserve_output_tokens: int = Field(
+        1024, ge=1, description="Tokens per choice a keyed request that names no max_tokens "
+        "reserves for its output against its tokens-per-minute limit (settled to the real "
+        "count when it ends)")
+    cors_origins: str | None = Field(
+        None, description="Origins allowed to call the API from a browser, comma-separated "
+        "(`*` = any); unset = no CORS headers (the chat UI is same-origin and needs none)")
 
 
 class TokenizerSettings(CommonSettings):
     model: str = Field("default", description="Model path, hub id, or 'default' (SmolLM2)")
     served_model_name: str | None = Field(None, description="Name clients use; derived if unset")
     chat_template: Path | None = Field(None, description="Jinja file overriding the model template")
-    max_model_len: int | None = Field(None, ge=16, description="Context length cap in tokens")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length cap in tokens (the engines' published context "
+        "length, when smaller, wins)")
     template_timeout_s: float = Field(
         2.0, gt=0, description="Chat template rendering budget, timed from when a worker "
         "starts rendering (never the wait before); an overrun is a 503 with Retry-After")
@@ -163,6 +235,10 @@ class TokenizerSettings(CommonSettings):
     max_prompt_chars: int = Field(
         4_000_000, ge=1, description="Most characters of a prompt, before and after the chat "
         "template (400 above)")
+    score_mode: Literal["auto", "embedding", "qwen3_reranker"] = Field(
+        "auto", description="How /v1/score and /v1/rerank score a pair: embedding (cosine "
+        "similarity of the two embeddings) | qwen3_reranker (Qwen3-Reranker's yes / no judging "
+        "prompt, P(yes)); auto: qwen3_reranker when the model's name says reranker")
     inline_prepare_chars: int = Field(
         2048, ge=0, description="Completion prompts up to this many characters (or token ids), "
         "without a response format, are tokenized on the event loop instead of a worker "
@@ -175,6 +251,10 @@ class EngineSettings(CommonSettings):
     engine_id: str | None = Field(None, description="Instance id; random if unset")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length cap in tokens; the engine's context length is "
+        "the smallest of this, the model's own and what the KV cache holds, and it publishes "
+        "that number (the tokenizer and /v1/models use it)")
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block")
     kvcache_mem_mib: int | None = Field(None, ge=1, description="KV cache size; unset = measured")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory share to use")
@@ -250,12 +330,43 @@ class EngineSettings(CommonSettings):
     device_ids: str | None = Field(
         None, pattern=r"^\d+(,\d+)*$",
         description="GPU of each rank, comma-separated (e.g. 0,1); unset = GPUs 0..tp-1")
+    # ---- kernel selection (kernels/selection.py: one object the engine builds from these)
     gemv: Literal["auto", "cublas", "triton"] = Field(
         "auto", description="Unquantized decode GEMVs on CUDA: auto (our Triton GEMV for batch-1 "
         "rows, cuBLAS otherwise) | cublas | triton (ours up to 8 rows)")
+    kernels: Literal["auto", "torch"] = Field(
+        "auto", description="auto: Triton kernels on CUDA | torch: the torch reference of every "
+        "op even on CUDA (debugging, A/B comparisons)")
+    quant_kernels: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="Quantized layers: auto (packed weights and Triton kernels on CUDA, "
+        "dequantized float weights on CPU) | triton (the kernels everywhere; on CPU under "
+        "TRITON_INTERPRET=1, for tests) | torch (dequantized weights everywhere)")
+    fp8_gemv: Literal["auto", "fma", "mma"] = Field(
+        "auto", description="fp8 decode GEMV: auto (CUDA cores for one row, tensor cores for "
+        "two) | fma (CUDA cores) | mma (tensor cores), each where it can run")
+    gated_gemm: Literal["auto", "0", "1"] = Field(
+        "auto", description="Gated MLPs' gate/up projection with SiLU·mul in the GEMM's epilogue: "
+        "auto (prefill-sized 16-bit inputs on Hopper and later) | 1 (any CUDA input it takes) "
+        "| 0 (cuBLAS + SiLU·mul)")
+    dense_prefill: Literal["auto", "0", "1"] = Field(
+        "auto", description="cuDNN fused attention for long prompts without a cached prefix: "
+        "auto (Hopper and later) | 1 (any GPU) | 0 (the paged Triton kernel)")
+    pdl: Literal["auto", "0", "1"] = Field(
+        "auto", description="Programmatic dependent launch of the decode kernels: auto / 1 "
+        "(GPUs of compute capability 9.0+) | 0 (off)")
+    mla_kernel: Literal["torch", "triton"] = Field(
+        "torch", description="MLA attention (DeepSeek-V2/V3): torch | triton "
+        "(kernels/mla_attention.py over the latent cache; opt-in)")
+    prefill_tile: str | None = Field(
+        None, pattern=r"^\d+,\d+,\d+,\d+$", description="Prefill attention tile "
+        "'block_m,block_n,num_warps,num_stages' instead of the tuned defaults (benchmark sweeps)")
     tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = Field(
         "auto", description="How GPU tensor-parallel ranks sum small tensors: auto (symmetric-"
         "memory one-shot kernel up to 512 KiB, NCCL above) | nccl | one_shot | two_shot")
+    pooling: Literal["auto", "last", "mean", "cls"] = Field(
+        "auto", description="How embeddings (and score / rerank) pool the hidden states: auto "
+        "(the checkpoint's sentence-transformers Pooling config, else the last token, as for "
+        "decoder embedders such as Qwen3-Embedding) | last | mean | cls")
 
 
 class ToolsSettings(CommonSettings):
@@ -268,7 +379,13 @@ class ToolsSettings(CommonSettings):
 
 class LauncherSettings(CommonSettings):
     model: str = Field("default", description="Model path, hub id, or 'default' (SmolLM2)")
+    served_model_name: str | None = Field(None, description="Name clients use; derived if unset")
+    run_dir: Path | None = Field(
+        None, description="Where `flotilla up` writes its state files and `flotilla status` looks "
+        "for them; unset = <temp dir>/flotilla-<uid>")
     host: str = Field("127.0.0.1", description="Gateway bind address")
     port: int = Field(8000, ge=0, le=65535, description="Gateway port")
     start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for health")
     ui: bool = Field(False, description="The gateway serves the chat web UI at /")
+    nats_auth: bool = Field(True, description="A private nats-server requires a password "
+                            "(generated for each start, given to the services, never logged)")

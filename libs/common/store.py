@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from libs.common.errors import FlotillaError
@@ -177,6 +177,7 @@ class RedisStore:
         self._url = redacted(url)
         self._retry_after_s = retry_after_s
         self.outage = Outage(f"Redis at {self._url}", reminder_s)
+        self._scripts: dict[str, Any] = {}
 
     def describe(self) -> str:
         return f"Redis at {self._url}"
@@ -219,6 +220,13 @@ class RedisStore:
 
     async def ping(self) -> None:
         await self._call(self._redis.ping())
+
+    async def run_script(self, script: str, keys: list[str], args: list[int | str]) -> Any:
+        """Run a Lua script atomically (EVALSHA, loaded on first use) on namespaced `keys`."""
+        runner = self._scripts.get(script)
+        if runner is None:
+            runner = self._scripts[script] = self._redis.register_script(script)
+        return await self._call(runner(keys=[self._ns + k for k in keys], args=args))
 
     async def close(self) -> None:
         await self._redis.aclose()

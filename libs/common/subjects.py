@@ -40,6 +40,24 @@ def tokenizer_decode(model: str) -> str:
     return f"{PREFIX}.tokenizer.{token(model)}.decode"
 
 
+def tokenizer_embed(model: str) -> str:
+    """gateway → tokenizer: EmbedRequest; reply: PoolReply (embeddings, score, rerank). Queue
+    group `tokenizer`."""
+    return f"{PREFIX}.tokenizer.{token(model)}.embed"
+
+
+def tokenizer_score(model: str) -> str:
+    """gateway → tokenizer: ScoreRequest; reply: ScoreReply (/v1/score, /v1/rerank). Queue
+    group `tokenizer`."""
+    return f"{PREFIX}.tokenizer.{token(model)}.score"
+
+
+def engine_pool(model: str) -> str:
+    """tokenizer → engine: PoolRequest; reply: PoolReply (prefill-only pooling). Queue group
+    `engine`."""
+    return f"{PREFIX}.engine.{token(model)}.pool"
+
+
 def engine_generate(model: str) -> str:
     """tokenizer → engine: TokenRequest; reply: Admission. Queue group `engine`."""
     return f"{PREFIX}.engine.{token(model)}.generate"

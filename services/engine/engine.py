@@ -19,11 +19,15 @@ Rules:
   reports them per request), or its deadline passed (checked at the start of every step). The
   other requests of the batch go on unchanged; only a failing forward raises from `step()`.
 - `add_request` checks what the engine itself relies on (token ids inside the vocabulary, room
-  in the context) and raises ValueError; the service checks the rest before (admission.py).
+  in the context: libs/common/context.py, max_tokens None = the room left, more = refused) and
+  raises ValueError; the service checks the rest before (admission.py).
 - Priority (lower first) and arrival order decide which waiting request is admitted next
   (waiting_queue.py).
 - With prompt_logprobs, the request's first output carries them (one entry per prompt token,
   the first None).
+- Pooling requests (`add_request` with PoolingParams: embeddings, score, rerank) wait in their
+  own queue (pooling.py); every step runs one pooling batch before its generation step, and a
+  finished one comes out as a RequestOutput whose `pooled` holds its vector (finish 'stop').
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch
 
+from libs.common.context import resolve_max_tokens
 from libs.common.model_cache import resolve_model
 from services.engine import prompt_logprobs
 from services.engine.config import EngineConfig
@@ -43,6 +48,8 @@ from services.engine.executor import make_executor
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import LaunchedStep
+from services.engine.pooling import PoolingJob, PoolingParams, PoolingQueue
+from services.engine.pooling_config import model_pooling
 from services.engine.request import Request, RequestStatus, TokenLogprobs
 from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams
@@ -72,6 +79,7 @@ class RequestOutput:
     error: RequestError | None = None  # why it finished with 'error'
     # with prompt_logprobs, on its first output: one entry per prompt token (the first None)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    pooled: torch.Tensor | None = None  # a pooling request's vector, float32 on the host
 
 
 @dataclass
@@ -91,6 +99,7 @@ class _Counters:
     prompt_tokens: int = 0
     tokens_generated: int = 0
     steps: int = 0
+    pooled: int = 0
 
 
 class Engine:
@@ -118,6 +127,9 @@ class Engine:
             self.kv,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.pooling = PoolingQueue()
+        self.model_pooling = model_pooling(path, self.model_config.hf_config,
+                                           self.model_config.hidden_size, config.pooling)
         self._pending: list[RequestOutput] = []  # abort / error outputs, for the next step
         self.deadlines = Deadlines()
         self._inflight: _InFlight | None = None
@@ -127,7 +139,7 @@ class Engine:
         # the latest step's plan and its phases (s): up to the launch (scheduling, or collecting
         # the previous step first when it cannot overlap), the launch, collecting after it
         self.last_scheduled: SchedulerOutput | None = None
-        self.last_phases = (0.0, 0.0, 0.0)
+        self.last_phases: tuple[float, ...] = (0.0, 0.0, 0.0)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  path, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  config.block_size, self.max_model_len)
@@ -139,22 +151,22 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-        priority: int = 0, deadline: float | None = None,
+        self, request_id: str, prompt_token_ids: list[int],
+        params: SamplingParams | PoolingParams | None = None, priority: int = 0,
+        deadline: float | None = None,
     ) -> None:
         """Queue a request; `priority` lower first, `deadline` Unix time (see module rules)."""
+        if isinstance(params, PoolingParams):
+            self._add_pooling(request_id, prompt_token_ids, params, priority, deadline)
+            return
         params = params or SamplingParams()
         params.check_vocab(self.vocab_size)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_model_len} "
-                             "and at least one must be left to generate")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        room = self.max_model_len - n
-        max_tokens = min(params.max_tokens or room, room)
+        max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
                              "this request may generate")
@@ -168,8 +180,33 @@ class Engine:
             self.deadlines.add(request_id, deadline)
         self._counts.prompt_tokens += n
 
+    def _add_pooling(self, request_id: str, token_ids: list[int], params: PoolingParams,
+                     priority: int, deadline: float | None) -> None:
+        if not self.executor.supports_pooling:
+            raise ValueError("pooling (embeddings, score, rerank) is not supported with tensor "
+                             "parallelism yet")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id} is already running")
+        job = PoolingJob(request_id, list(token_ids), params, priority, deadline)
+        self.pooling.add(job, self.max_model_len, self.vocab_size)
+        if deadline is not None:
+            self.deadlines.add(request_id, deadline)
+        self._counts.prompt_tokens += job.num_tokens
+
+    def _finish_pooling(self, request_id: str, status: RequestStatus,
+                        error: RequestError | None = None) -> bool:
+        job = self.pooling.remove(request_id, self.kv)
+        if job is None:
+            return False
+        job.request.status, job.request.error = status, error
+        self._pending.append(self._output(job.request, []))
+        return True
+
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; False if it is unknown or already done."""
+        if self._finish_pooling(request_id, RequestStatus.FINISHED_ABORTED):
+            self._counts.aborted += 1
+            return True
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return False
@@ -182,6 +219,9 @@ class Engine:
     def fail(self, request_id: str, error: RequestError) -> bool:
         """Finish a request with an error now (blocks freed; its output, carrying the error,
         comes with the next step); False if it is unknown or already done."""
+        if self._finish_pooling(request_id, RequestStatus.FINISHED_ERROR, error):
+            self._counts.failed += 1
+            return True
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
         if request is None:
             return False
@@ -204,12 +244,14 @@ class Engine:
             return
         for request_id in self.deadlines.due(now):
             request = self.scheduler.requests.get(request_id)
+            if request is None and request_id in self.pooling.jobs:
+                request = self.pooling.jobs[request_id].request
             if request is not None:
                 self.fail(request_id, deadline_error(request, now))
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending)
-                or self._inflight is not None)
+                or self._inflight is not None or bool(self.pooling))
 
     # ------------------------------------------------------------------ the loop
 
@@ -217,7 +259,11 @@ class Engine:
         t0 = time.perf_counter()
         self.expire_deadlines()
         outputs, self._pending = self._pending, []
-        if self._inflight is not None and not self._can_overlap():
+        if self.pooling:  # the runner's buffers must be free: no step in flight
+            if self._inflight is not None:
+                outputs.extend(self._postprocess())
+            outputs.extend(self._pool_step())
+        elif self._inflight is not None and not self._can_overlap():
             outputs.extend(self._postprocess())
         scheduled = self.last_scheduled = self.scheduler.schedule()
         inflight = None
@@ -303,6 +349,24 @@ class Engine:
         self._counts.tokens_generated += generated
         return outputs
 
+    def _pool_step(self) -> list[RequestOutput]:
+        """One pooling batch (pooling.py); the outputs of the jobs it finished."""
+        outputs = []
+        for job, vector in self.pooling.run_batch(self.kv, self.executor.pool_hidden,
+                                                  self._lm_head, self.config.max_num_batched_tokens,
+                                                  self.config.max_num_seqs):
+            job.request.status = RequestStatus.FINISHED_STOPPED
+            out = self._output(job.request, [], num_output_tokens=0)
+            out.stop_token_id, out.pooled = None, vector  # nothing was generated
+            outputs.append(out)
+        self._counts.pooled += len(outputs)
+        return outputs
+
+    @torch.inference_mode()
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final-normed hidden rows (a reranker's yes / no, pooling.py)."""
+        return self.runner.model.compute_logits(hidden.to(self.runner.dtype))
+
     def _output(
         self, request: Request, new_token_ids: list[int],
         logprobs: list[TokenLogprobs] | None = None, num_output_tokens: int | None = None,
@@ -352,6 +416,11 @@ class Engine:
             self.kv.free(request)
         return torch.cat(parts)
 
+    def prepare_thread(self) -> None:
+        """Build the per-thread caches (cuDNN attention plans) on the thread that will call
+        `step()` (PyTorch keeps them per thread; loop.py calls this from its thread)."""
+        self.runner.warm_up_dense_attention()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the engine is unusable afterwards."""
         self.executor.shutdown()
@@ -378,5 +447,8 @@ class Engine:
             "tokens_generated": self._counts.tokens_generated,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self._counts.steps,
+            "pooling": len(self.pooling),
+            "pooling_tokens": self.pooling.num_tokens,
+            "pooled": self._counts.pooled,
         }
 

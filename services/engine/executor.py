@@ -16,17 +16,14 @@ import dataclasses
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.pod import pod_layout
 from services.engine.scheduler import ScheduledRequest
 from services.engine.step_output import LaunchedStep, RunnerOutput
-
-if TYPE_CHECKING:
-    from services.engine.engine import EngineConfig
 
 
 class TensorParallelError(RuntimeError):
@@ -35,6 +32,7 @@ class TensorParallelError(RuntimeError):
 
 class Executor(ABC):
     runner: ModelRunner
+    supports_pooling = False  # pool_hidden runs (tensor-parallel pods: not yet)
 
     @abstractmethod
     def launch(self, requests: list[ScheduledRequest], decode_only: bool,
@@ -49,6 +47,11 @@ class Executor(ABC):
     def all_logits(self, request: ScheduledRequest) -> torch.Tensor:
         """Logits of every new token of one sequence, float32 [n, vocab] on the host."""
 
+    def pool_hidden(self, requests: list[ScheduledRequest]) -> torch.Tensor:
+        """Final-normed hidden states of every new token of the requests, in order, on the
+        device (pooling requests: nothing sampled)."""
+        raise NotImplementedError("pooling is not supported by this executor")
+
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback` (from any thread) when a rank fails; a single process never does."""
         return None
@@ -59,6 +62,8 @@ class Executor(ABC):
 
 
 class UniProcExecutor(Executor):
+    supports_pooling = True
+
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         self.runner = ModelRunner(config, model_path)
 
@@ -68,6 +73,9 @@ class UniProcExecutor(Executor):
 
     def all_logits(self, request: ScheduledRequest) -> torch.Tensor:
         return self.runner.all_logits(request)
+
+    def pool_hidden(self, requests: list[ScheduledRequest]) -> torch.Tensor:
+        return self.runner.pool_hidden(requests)
 
 
 

@@ -1,7 +1,11 @@
 """Runs the Engine's step loop on its own thread, next to the asyncio service.
 
 Rules:
-- Only the loop thread touches the Engine. The asyncio side submits commands (add, abort)
+- Only the loop thread touches the Engine. With an `executor` (one thread: the service builds
+  the engine there first), the loop runs on that thread: on CPU each thread that runs torch's
+  parallel ops keeps its own OpenMP pool, and a second pool spinning beside the stepping one
+  on the same cores made every parallel op pay a wake-up (one int4 decode matmul 32 µs with one
+  pool, 78-99 µs with two). The asyncio side submits commands (add, abort)
   through a thread-safe queue and receives each step's outputs through `on_outputs`, called on
   the event loop with `call_soon_threadsafe`.
 - When there is no work the thread blocks on the command queue, so an idle engine burns no CPU.
@@ -21,7 +25,8 @@ Rules:
 - Queue state for admission (`queue_state`, any thread): the engine's waiting requests and
   prompt tokens as of its last step, plus those handed to the loop since (counted when `add`
   is called, so a burst between two steps is counted at once), and the engine's recent rate in
-  tokens per second (an average over steps that computed tokens).
+  tokens per second (an average over steps that computed tokens). Pooling jobs (PoolingParams)
+  are not counted: they have their own bound (pool_service.py).
 - Heartbeat: the thread notes the time every time round (each step, and every `idle_beat_s`
   while it waits for work); `stats()["heartbeat"]` carries it (monotonic clock, shared by the
   processes of one host), so a loop wedged inside a step is seen by /ready however healthy
@@ -42,12 +47,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from libs.common.settings import EngineSettings
 from services.engine.engine import RequestOutput
+from services.engine.pooling import PoolingParams
 from services.engine.request_error import RequestError
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +75,11 @@ class QueueState:
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
-    params: Any
+    params: SamplingParams | PoolingParams | None
     priority: int = 0
     deadline: float | None = None
     t: float = field(default_factory=time.time)  # handed to the loop (step log)
+    counted: bool = True  # in queue_state (generation; pooling jobs are not)
 
 
 @dataclass
@@ -77,14 +87,45 @@ class _Abort:
     request_id: str
 
 
+class SteppedEngine(Protocol):
+    """What the step loop needs from an engine: `Engine` (engine.py) is one; tests use small
+    stand-ins. Every method is called from the loop's thread only."""
+
+    @property
+    def last_scheduled(self) -> SchedulerOutput | None:
+        """The latest step's plan (None before the first step)."""
+
+    @property
+    def last_phases(self) -> tuple[float, ...]:
+        """The latest step's phases in seconds (for the step log)."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | PoolingParams | None = None, priority: int = 0,
+                    deadline: float | None = None) -> None: ...
+
+    def abort(self, request_id: str) -> bool | None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def prepare_thread(self) -> None:
+        """Build what the engine keeps per thread, on the thread that will step it."""
+
+
 class EngineLoop:
     idle_beat_s = 0.5  # an idle loop wakes this often to show it is alive
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop,
-                 on_outputs: Callable[[list[Any]], None],
+    def __init__(self, engine: SteppedEngine, loop: asyncio.AbstractEventLoop,
+                 on_outputs: Callable[[list[RequestOutput]], None],
                  on_crash: Callable[[BaseException], None], admit_window_s: float = 0.0,
-                 admit_window_max_s: float | None = None, step_log: str | None = None):
+                 admit_window_max_s: float | None = None, step_log: str | None = None,
+                 executor: Executor | None = None):
         self.engine = engine
+        self._executor = executor
+        self._future: Future[None] | None = None
         self.admit_window_s = admit_window_s
         self.admit_window_max_s = max(admit_window_s, admit_window_max_s or admit_window_s)
         self._loop = loop
@@ -109,31 +150,44 @@ class EngineLoop:
         self._handed = [0, 0]
         self._rate = 0.0  # tokens per second, averaged over steps
         self._idle = False  # the last step did nothing
+        # called from this loop's thread after every step with (seconds, SchedulerOutput): the
+        # engine's step metrics (metrics.py)
+        self.on_step: Callable[[float, Any], None] | None = None
 
     @classmethod
-    def for_service(cls, engine: Any, loop: asyncio.AbstractEventLoop,
-                    on_outputs: Callable[[list[Any]], None],
+    def for_service(cls, engine: SteppedEngine, loop: asyncio.AbstractEventLoop,
+                    on_outputs: Callable[[list[RequestOutput]], None],
                     on_crash: Callable[[BaseException], None],
-                    settings: EngineSettings) -> EngineLoop:
-        """The loop an engine service runs (in its process or in its core process)."""
+                    settings: EngineSettings, executor: Executor | None = None) -> EngineLoop:
+        """The loop an engine service runs (on `executor`'s thread, where it built the engine)."""
         return cls(engine, loop, on_outputs, on_crash,
                    admit_window_s=settings.admit_window_ms / 1000,
                    admit_window_max_s=settings.admit_window_max_ms / 1000,
-                   step_log=settings.step_log)
+                   step_log=settings.step_log, executor=executor)
 
     def start(self) -> None:
-        self._thread.start()
+        if self._executor is not None:
+            self._future = self._executor.submit(self._run)
+        else:
+            self._thread.start()
 
     def stop(self) -> None:
         self._commands.put(None)
-        self._thread.join(timeout=10)
+        if self._future is not None:
+            wait([self._future], timeout=10)
+        else:
+            self._thread.join(timeout=10)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: Any,
-            priority: int = 0, deadline: float | None = None) -> None:
-        with self._stats_lock:
-            self._queued[0] += 1
-            self._queued[1] += len(prompt_token_ids)
-        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, deadline))
+    def add(self, request_id: str, prompt_token_ids: list[int],
+            params: SamplingParams | PoolingParams | None, priority: int = 0,
+            deadline: float | None = None) -> None:
+        counted = not isinstance(params, PoolingParams)
+        if counted:
+            with self._stats_lock:
+                self._queued[0] += 1
+                self._queued[1] += len(prompt_token_ids)
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, deadline,
+                                counted=counted))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -159,8 +213,8 @@ class EngineLoop:
         self._handed = [0, 0]
 
     def _note_rate(self, dt: float) -> None:
-        sched = getattr(self.engine, "last_scheduled", None)
-        tokens = getattr(sched, "num_batched_tokens", 0)
+        sched = self.engine.last_scheduled
+        tokens = sched.num_batched_tokens if sched is not None else 0
         if tokens and dt > 0:
             rate = tokens / dt
             self._rate = rate if not self._rate else (
@@ -175,8 +229,7 @@ class EngineLoop:
             for i, held in enumerate(self._held):
                 if held.request_id == cmd.request_id:
                     del self._held[i]  # never reached the engine: nothing to free
-                    self._handed[0] += 1
-                    self._handed[1] += len(held.prompt_token_ids)
+                    self._count_handed(held)
                     return
             self.engine.abort(cmd.request_id)
             return
@@ -198,9 +251,13 @@ class EngineLoop:
         for cmd in held:
             self._add(cmd)
 
+    def _count_handed(self, cmd: _Add) -> None:
+        if cmd.counted:
+            self._handed[0] += 1
+            self._handed[1] += len(cmd.prompt_token_ids)
+
     def _add(self, cmd: _Add) -> None:
-        self._handed[0] += 1
-        self._handed[1] += len(cmd.prompt_token_ids)
+        self._count_handed(cmd)
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                     cmd.priority, cmd.deadline)
@@ -242,9 +299,9 @@ class EngineLoop:
 
     def _log_step(self, t0: float, dt: float, outputs: list[Any]) -> None:
         assert self._step_log is not None
-        sched = getattr(self.engine, "last_scheduled", None)
+        sched = self.engine.last_scheduled
         requests = sched.requests if sched is not None else []
-        phases = getattr(self.engine, "last_phases", ())
+        phases = self.engine.last_phases
         gc_ms, self._gc_ms = self._gc_ms, 0.0
         self._step_log.write(json.dumps({
             "t": round(t0, 6), "step_ms": round(dt * 1e3, 3),
@@ -271,9 +328,7 @@ class EngineLoop:
         try:
             # per-thread caches (cuDNN attention plans, FLOTILLA_DENSE_PREFILL) belong to the
             # thread that steps the engine, not to the one that built it
-            warm = getattr(getattr(self.engine, "runner", None), "warm_up_dense_attention", None)
-            if warm is not None:
-                warm()
+            self.engine.prepare_thread()
             while True:
                 self._beat = time.monotonic()
                 if not self._admit():
@@ -285,15 +340,18 @@ class EngineLoop:
                 outputs = self.engine.step()
                 dt = time.time() - t0
                 self._note_rate(dt)
-                sched = getattr(self.engine, "last_scheduled", None)
+                sched = self.engine.last_scheduled
                 self._idle = not outputs and sched is not None and sched.is_empty
+                # stats first: whoever sees a request's output sees a queue without it
+                self._refresh_stats()
+                if self.on_step is not None:
+                    self.on_step(dt, sched)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
                 if self._step_log is not None:
                     self._log_step(t0, dt, outputs)
                     if not self.engine.has_unfinished():  # going idle: write it out
                         self._step_log.flush()
-                self._refresh_stats()
         except BaseException as exc:  # the engine is broken: fail everything, don't hang
             log.exception("engine loop crashed")
             self._loop.call_soon_threadsafe(self._on_crash, exc)

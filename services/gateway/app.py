@@ -8,7 +8,13 @@ Rules:
   server's limits written into its `x-limit` bounds.
 - `InFlightLimit` (overload.py) caps the generation and tokenize requests in flight in this
   process; the count lives in `GatewayState.in_flight`.
+- `/metrics` serves the gateway's Prometheus metrics (metrics.py); `MetricsMiddleware`
+  (outermost but for tracing) counts every request, refusals of the key checks included, and
+  `DrainGate` refuses new ones once a drain began (drain.py), before any key check.
 - With `settings.ui` the chat web UI is served at `/` (services/gateway/ui.py).
+- `ApiKeyAuth` (auth.py) checks API keys and per-key limits outside the in-flight cap (a
+  request without a key takes no slot); CORS headers (`cors_origins`) are off unless set, and
+  preflights are answered before authentication (a browser sends them without the key).
 - FastAPI's own telemetry (newer FastAPI: a server span plus dependency and endpoint spans per
   request) is off: `TracingMiddleware`'s `gateway.request` is the gateway's one span per request;
   the three extra spans cost ~0.8 ms of CPU per streamed request (docs/benchmarks.md).
@@ -19,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from libs.common.bus import Bus
 from libs.common.errors import FlotillaError, model_not_found, unavailable
@@ -26,9 +33,16 @@ from libs.common.settings import GatewaySettings
 from libs.common.store import Store
 from services.gateway import http_errors
 from services.gateway.anthropic.routes import router as anthropic_router
+from services.gateway.api_keys import KeyRing
+from services.gateway.auth import ApiKeyAuth
+from services.gateway.drain import Drain, DrainGate
 from services.gateway.health import router as health_router
 from services.gateway.limits import spec_limits
+from services.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from services.gateway.metrics import router as metrics_router
 from services.gateway.overload import InFlight, InFlightLimit
+from services.gateway.pooling_routes import router as pooling_router
+from services.gateway.rate_limits import Limiter, make_limiter
 from services.gateway.registry import ModelInfo, ModelRegistry
 from services.gateway.responses.routes import install as install_responses
 from services.gateway.routes import router
@@ -48,6 +62,10 @@ class GatewayState:
     registry: ModelRegistry
     tools: ToolsCache
     in_flight: InFlight
+    keys: KeyRing
+    limiter: Limiter
+    metrics: GatewayMetrics
+    drain: Drain
 
     async def start(self) -> None:
         await self.tools.start()
@@ -78,16 +96,31 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.state.gateway = GatewayState(
         settings, bus, store, spec, ModelRegistry(bus, store, settings.model_ttl_s),
         ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s),
-        InFlight(settings.max_in_flight))
+        InFlight(settings.max_in_flight), KeyRing.from_settings(settings, store),
+        make_limiter(store), GatewayMetrics(settings.prometheus_multiproc_dir),
+        Drain(settings.overload_retry_after_s))
     http_errors.install(app)
     app.include_router(router)
     app.include_router(anthropic_router)
     install_responses(app)
     app.include_router(token_router)
+    app.include_router(pooling_router)
     app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,
                        retry_after_s=settings.overload_retry_after_s)
     app.include_router(health_router)
+    app.include_router(metrics_router)
     if settings.ui:
         app.include_router(ui_router(load_assets()))
+    state = app.state.gateway
+    app.add_middleware(ApiKeyAuth, keys=state.keys, limiter=state.limiter, settings=settings,
+                       on_rate_limited=lambda record, kind: state.metrics.rate_limit_hit(
+                           record.id, kind))
+    app.add_middleware(DrainGate, drain=state.drain)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=[
+            o.strip() for o in settings.cors_origins.split(",") if o.strip()],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
+            expose_headers=["*"])
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     app.add_middleware(TracingMiddleware)
     return app

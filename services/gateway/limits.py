@@ -34,7 +34,8 @@ from libs.common.errors import invalid_request, too_large
 from libs.common.settings import GatewaySettings
 
 _INT64_LIMIT = float(2**63)
-SPEC_LIMITS = ("max_n", "max_messages", "max_tools", "max_stop", "max_stop_chars", "max_prompts")
+SPEC_LIMITS = ("max_n", "max_messages", "max_tools", "max_stop", "max_stop_chars", "max_prompts",
+               "max_embedding_inputs")
 
 
 def spec_limits(settings: GatewaySettings) -> dict[str, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -24,6 +24,8 @@ from libs.common.deadline import Deadline
 from libs.common.errors import internal
 from services.gateway.chunks import chunk_builder
 from services.gateway.functions import from_legacy
+from services.gateway.key_usage import CURRENT as KEY_USAGE
+from services.gateway.key_usage import check_body
 from services.gateway.limits import check_schema_sizes, parse_json, read_body
 from services.gateway.overload import request_timeout
 from services.gateway.plan import Plan, chat_plan, completion_plan
@@ -43,13 +45,22 @@ class ClientGone(Exception):
     pass
 
 
+class Cancellable(Protocol):
+    """What a client's disconnect cancels: its choices (ChoiceStreams), or one pooling request."""
+
+    def cancel(self, reason: str = "client_disconnect") -> None: ...
+
+    def close(self) -> None: ...
+
+
 def gateway(request: Request) -> GatewayState:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
 async def read_json(request: Request, deadline: Deadline | None = None) -> Any:
     """The parsed body, within the size and depth limits; a body still arriving when the
-    request's deadline (by default its own: `request_deadline`) passes is a 504."""
+    request's deadline (by default its own: `request_deadline`) passes is a 504. A keyed
+    request's allowlist and token reservation are checked here (key_usage.py)."""
     settings = gateway(request).settings
     deadline = deadline or request_deadline(request)
     try:
@@ -57,7 +68,10 @@ async def read_json(request: Request, deadline: Deadline | None = None) -> Any:
             raw = await read_body(request, settings.max_body_bytes)
     except TimeoutError:
         raise deadline.error() from None
-    return parse_json(raw, settings.max_json_depth)
+    body = parse_json(raw, settings.max_json_depth)
+    if KEY_USAGE.get() is not None:
+        await check_body(request.url.path, body, len(raw), settings.key_reserve_output_tokens)
+    return body
 
 
 def request_deadline(request: Request) -> Deadline:
@@ -70,7 +84,7 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T], streams: ChoiceStreams) -> T:
+async def unless_disconnected(request: Request, work: Awaitable[T], streams: Cancellable) -> T:
     """Await `work` in this task; if the client disconnects first, cancel it and the choices and
     raise ClientGone. (In this task, not a new one: a new task goes to the back of the event
     loop's ready queue, so in a burst every request would reach the bus only after all of them
@@ -107,7 +121,8 @@ async def generate(request: Request, plan: Plan, deadline: Deadline) -> Response
         req.deadline = deadline.at
     streams = ChoiceStreams(gw.bus, plan.requests,
                             admission_timeout_s=gw.settings.request_timeout_s,
-                            stream_timeout_s=gw.settings.heartbeat_timeout_s, deadline=deadline)
+                            stream_timeout_s=gw.settings.heartbeat_timeout_s, deadline=deadline,
+                            timer=gw.metrics.timer(plan.requests[0].model))
     created = int(time.time())
     try:
         await unless_disconnected(request, streams.start(), streams)
@@ -163,11 +178,17 @@ async def create_completion(request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     models = await gateway(request).registry.models()
+    usage = KEY_USAGE.get()
+    if usage is not None:
+        models = [m for m in models if usage.record.allows(m.id)]
     return JSONResponse({"object": "list", "data": [m.openai() for m in models]})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str) -> Response:
+    usage = KEY_USAGE.get()
+    if usage is not None:
+        usage.check_model(model)
     info = await gateway(request).require_model(model)
     return JSONResponse(info.openai())
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 router = APIRouter()
 
 
-async def _served(gw: GatewayState, body: dict[str, Any]) -> ModelInfo:
+async def served_model(gw: GatewayState, body: dict[str, Any]) -> ModelInfo:
     if body.get("model") is not None:
         return await gw.require_model(body["model"])
     models = await gw.registry.models()
@@ -84,7 +84,7 @@ async def tokenize(request: Request) -> Response:
     body = await read_json(request)
     gw.spec.validate("tokenize", body)
     check_schema_sizes(body, gw.settings.max_schema_bytes)
-    info = await _served(gw, body)
+    info = await served_model(gw, body)
     want_strs = bool(body.get("return_token_strs"))
     token_strs = None
     if "messages" in body:
@@ -110,7 +110,7 @@ async def detokenize(request: Request) -> Response:
     gw = gateway(request)
     body = await read_json(request)
     gw.spec.validate("detokenize", body)
-    info = await _served(gw, body)
+    info = await served_model(gw, body)
     reply = await gw.bus.request(subjects.tokenizer_decode(info.id),
                                  DecodeRequest(model=info.id, token_ids=body["tokens"]),
                                  DecodeReply, timeout=gw.settings.request_timeout_s)

@@ -3,7 +3,9 @@
     flotilla up [--port N] [--host H] [--model PATH_OR_ID] [--mcp-config FILE] [--nats-url URL]
                 [--served-model-name NAME] [--state-file FILE] [--log-level LEVEL]
                 [--tp N] [--device-ids 0,1] [--isq TYPE] [--fp8-kvcache] [--ui]
+                [--api-key KEY] [--no-nats-auth]
     flotilla status [--state-file FILE]
+    flotilla keys create|list|revoke ...   (services/launcher/keys.py)
     flotilla fetch [--model PATH_OR_ID]
     flotilla chat [--url URL] [--model NAME] [--live] ...   (services/chat/cli.py)
 
@@ -30,10 +32,15 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from pydantic import SecretStr
+
 from libs.common import telemetry
 from libs.common.model_cache import resolve_model
+from libs.common.nats_auth import NatsSecurity
 from libs.common.settings import LauncherSettings
 from services.chat.args import add_arguments as add_chat_arguments
+from services.launcher.keys import add_arguments as add_keys_arguments
+from services.launcher.keys import run as run_keys
 from services.launcher.readiness import Probe, check_once
 from services.launcher.state import SuiteState, pid_alive, run_dir
 from services.launcher.suite import NATS_SERVICES, StopRequested, Suite, SuiteError, SuiteOptions
@@ -46,6 +53,7 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
         prog="flotilla", allow_abbrev=False,
         description="Serve a local LLM behind an OpenAI-compatible API (gateway, tokenizer, "
                     "engine and tools services over NATS).")
+    parser.set_defaults(settings=settings)  # `up` reads the shared NATS's credentials from it
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def model_option(p: argparse.ArgumentParser) -> None:
@@ -70,11 +78,11 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
                          "gets a private one on that port); default: a private nats-server on "
                          "a free port" + (f" (FLOTILLA_NATS_URL: {explicit})" if explicit
                                           else ""))
-    up.add_argument("--served-model-name", default=None, metavar="NAME",
+    up.add_argument("--served-model-name", default=settings.served_model_name, metavar="NAME",
                     help="model name clients use (default: derived from the model)")
     up.add_argument("--state-file", type=Path, default=None, metavar="FILE",
                     help="where to write pids and URLs (default: "
-                         f"{run_dir()}/flotilla-<port>.json)")
+                         f"{run_dir(settings.run_dir)}/flotilla-<port>.json)")
     up.add_argument("--log-level", default=settings.log_level,
                     help=f"log level of the launcher and services (default: {settings.log_level})")
     up.add_argument("--start-timeout", type=float, default=settings.start_timeout_s,
@@ -95,15 +103,28 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
     up.add_argument("--ui", "--ui-server", dest="ui", action="store_true", default=settings.ui,
                     help="serve the chat web UI at / on the gateway's port (FLOTILLA_UI)")
 
+    up.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                    metavar="KEY", help="require this API key (Authorization: Bearer KEY or "
+                    "x-api-key); repeat for more (default: FLOTILLA_API_KEYS; none = no "
+                    "authentication)")
+    up.add_argument("--no-nats-auth", dest="nats_auth", action="store_false",
+                    default=settings.nats_auth,
+                    help="run the private nats-server without its generated token "
+                         "(FLOTILLA_NATS_AUTH=0)")
+
     status = commands.add_parser(
         "status", help="show each running suite (from its state file), checked now")
     status.add_argument("--state-file", type=Path, default=None, metavar="FILE")
+    for command in (up, status):
+        command.set_defaults(run_dir=run_dir(settings.run_dir))
 
     fetch = commands.add_parser("fetch", help="download/resolve a model and print its path")
     model_option(fetch)
 
     add_chat_arguments(commands.add_parser(
         "chat", help="chat with a running gateway in this terminal"), settings)
+    add_keys_arguments(commands.add_parser(
+        "keys", help="create, list or revoke API keys (kept hashed in Redis)"), settings)
     return parser
 
 
@@ -117,12 +138,18 @@ def _device_ids(text: str) -> str:
 def cmd_up(args: argparse.Namespace) -> int:
     telemetry.setup_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    try:
+        nats_security = NatsSecurity.from_settings(args.settings)
+    except ValueError as exc:  # e.g. a TLS file that is not there
+        print(f"flotilla: {exc}", file=sys.stderr)
+        return 1
     suite = Suite(SuiteOptions(
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         mcp_config=args.mcp_config, served_model_name=args.served_model_name,
         log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout,
         tp=args.tp, device_ids=args.device_ids, isq=args.isq, fp8_kvcache=args.fp8_kvcache,
-        ui=args.ui))
+        ui=args.ui, api_keys=",".join(args.api_keys) if args.api_keys else None,
+        nats_auth=args.nats_auth, nats_security=nats_security, run_dir=args.run_dir))
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         if suite.stop_requested:  # a second Ctrl-C: stop waiting politely
@@ -155,7 +182,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     files = ([args.state_file] if args.state_file
-             else sorted(run_dir().glob("flotilla-*.json")) if run_dir().is_dir() else [])
+             else sorted(args.run_dir.glob("flotilla-*.json")) if args.run_dir.is_dir() else [])
     found, all_ready = False, True
     for path in files:
         try:
@@ -167,7 +194,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         ready = show_status(path, state)
         all_ready = all_ready and ready
     if not found:
-        print(f"no running flotilla found in {run_dir()}")
+        print(f"no running flotilla found in {args.run_dir}")
         return 1
     return 0 if all_ready else 2
 
@@ -181,7 +208,10 @@ def show_status(path: Path, state: SuiteState) -> bool:
             for name, pid in state.pids.items()
             if not pid_alive(pid) and (pid or name != "nats-server" or state.nats_private)]
     ready_url = state.gateway_url.removesuffix("/v1") + "/ready"
-    live = asyncio.run(check_once(Probe(ready_url, state.nats_url, NATS_SERVICES)))
+    token = Path(state.nats_token_file) if state.nats_token_file else None
+    security = (NatsSecurity(token=SecretStr(token.read_text())) if token and token.is_file()
+                else None)
+    live = asyncio.run(check_once(Probe(ready_url, state.nats_url, NATS_SERVICES, security)))
     reasons = down + list(live.reasons)
     if not reasons:
         verdict = "ready"
@@ -216,7 +246,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(LauncherSettings()).parse_args(argv)
     handler = {"up": cmd_up, "status": cmd_status, "fetch": cmd_fetch,
-               "chat": cmd_chat}[args.command]
+               "chat": cmd_chat, "keys": run_keys}[args.command]
     return handler(args)
 
 

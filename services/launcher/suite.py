@@ -12,6 +12,15 @@ Rules:
 - NATS (nats_server.py, `plan_nats`): private unless a URL is given. A private nats-server is
   a supervised child like the services, started and reachable before them, restarted on the
   same port when it dies (its own backoff, `nats_restart`); clients reconnect on their own.
+  It requires a token generated for this start (`nats_auth`), which reaches the services as
+  FLOTILLA_NATS_TOKEN in their environment and `flotilla status` through a file only the
+  owner can read (`nats_token_file` in the state); it is never logged. A shared NATS is
+  reached with the FLOTILLA_NATS_* credentials of the launcher's settings (the services
+  inherit the same environment).
+- Metrics: the tokenizer, engine and tools each get a free port for /metrics (the gateway
+  serves it on its own port); the state file lists every URL (`metrics_urls`).
+- Stopping: SIGTERM to every service, which drains (libs/common/service.py) for up to
+  `drain_timeout_s`; SIGKILL `stop_grace_s` later.
 - Readiness: a `Prober` thread checks every 0.5 s (readiness.py: the gateway's /ready plus each
   NATS service's health). `poll()` combines its newest verdict with what the supervisors know
   at that moment: a dead child is not ready, and a verdict that began before the latest death
@@ -23,12 +32,16 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from libs.common.model_cache import resolve_model, served_name
+from libs.common.nats_auth import NatsSecurity
 from services.launcher.nats_server import NatsPlan, NatsServer, free_port, plan_nats, reachable
 from services.launcher.processes import ChildSpec, service_spec
 from services.launcher.readiness import Probe, Prober, Verdict
@@ -61,14 +74,19 @@ class SuiteOptions:
     served_model_name: str | None = None
     log_level: str = "INFO"
     state_file: Path | None = None
+    run_dir: Path | None = None  # where the state file goes without state_file (state.run_dir)
     start_timeout_s: float = 600.0
-    stop_grace_s: float = 10.0
+    drain_timeout_s: float = 20.0  # each service's drain on SIGTERM (FLOTILLA_DRAIN_TIMEOUT_S)
+    stop_grace_s: float | None = None  # None: drain_timeout_s + 5, then SIGKILL
     remind_s: float = 30.0  # unchanged "waiting" / "not ready" reasons are logged this often
     tp: int | None = None  # engine tensor-parallel ranks (FLOTILLA_TP)
     device_ids: str | None = None  # "0,1": GPU of each engine rank (FLOTILLA_DEVICE_IDS)
     isq: str | None = None  # in-situ weight quantization of the engine (FLOTILLA_ISQ)
     fp8_kvcache: bool = False  # fp8 KV cache of the engine (FLOTILLA_KV_CACHE_DTYPE=fp8)
     ui: bool = False  # the gateway serves the chat web UI at / (FLOTILLA_UI)
+    api_keys: str | None = None  # keys the gateway accepts, comma-separated (FLOTILLA_API_KEYS)
+    nats_auth: bool = True  # a private nats-server requires a token generated for this start
+    nats_security: NatsSecurity | None = None  # how to reach a shared NATS (from settings)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     nats_restart: RestartPolicy = field(
         default_factory=lambda: RestartPolicy(min_backoff_s=0.2, max_backoff_s=10.0))
@@ -92,6 +110,7 @@ class Suite:
         self.options = options
         self.stop_requested = False
         self.nats: NatsServer | None = None
+        self.nats_token: SecretStr | None = None
         self.infra: Supervisor | None = None  # the private nats-server, when we run one
         self.supervisor: Supervisor | None = None  # the four services
         self.prober: Prober | None = None
@@ -100,6 +119,7 @@ class Suite:
         self._lock: StateFileLock | None = None
         self._changed_at = 0.0  # monotonic time of the latest death or restart
         self._restarts: dict[str, int] = {}
+        self._metrics_ports: dict[str, int] = {}  # tokenizer, engine, tools -> /metrics port
         self._said: list[str] = []  # the reasons last logged
         self._said_at = 0.0
 
@@ -118,30 +138,40 @@ class Suite:
                 load_mcp_config(opts.mcp_config)  # a broken file fails here, before any start
             host = "127.0.0.1" if opts.host in _ANY_HOST else opts.host
             port = opts.port or free_port(host)
-            self.state_file = opts.state_file or default_state_file(port)
+            self.state_file = opts.state_file or default_state_file(port, opts.run_dir)
             self._lock = StateFileLock(self.state_file)
             self._lock.acquire()
             if opts.port:
                 check_port_free(opts.host, port)
             path = resolve_model(opts.model)
-            model = (opts.served_model_name or os.environ.get("FLOTILLA_SERVED_MODEL_NAME")
-                     or served_name(opts.model, path))
+            model = opts.served_model_name or served_name(opts.model, path)
             log_dir = self.state_file.with_name(self.state_file.stem + "-logs")
             plan = plan_nats(opts.nats_url)
             self.state = SuiteState(
                 launcher_pid=os.getpid(), gateway_url=f"http://{host}:{port}/v1",
                 nats_url=plan.url, nats_private=plan.private, model=model,
                 model_path=str(path), log_dir=str(log_dir))
+            security = opts.nats_security
             if plan.private:
-                self._start_nats(plan, log_dir)
+                token = secrets.token_urlsafe(32) if opts.nats_auth else None
+                self._start_nats(plan, log_dir, token)
+                if token is not None:
+                    security = NatsSecurity(token=SecretStr(token))
+                    self.state.nats_token_file = str(self._write_token(token))
             else:
                 log.info("using the NATS server at %s (shared: given explicitly)", plan.url)
+            self.nats_token = security.token if security else None
+            self._metrics_ports = {name: free_port(host) for name in NATS_SERVICES}
+            self.state.metrics_urls = {
+                "gateway": f"http://{host}:{port}/metrics",
+                **{name: f"http://{host}:{p}/metrics" for name, p in self._metrics_ports.items()}}
             self.supervisor = Supervisor(self._specs(plan.url, port, path, model), log_dir,
                                          opts.restart, on_change=self._children_changed)
             log.info("starting %s (logs in %s, state in %s)", ", ".join(SERVICES), log_dir,
                      self.state_file)
             self.supervisor.start()
-            self.prober = Prober(Probe(f"http://{host}:{port}/ready", plan.url, NATS_SERVICES))
+            self.prober = Prober(Probe(f"http://{host}:{port}/ready", plan.url, NATS_SERVICES,
+                                       security))
             self.prober.start()
             self._wait_ready(opts.start_timeout_s)
         except BaseException as exc:
@@ -156,8 +186,16 @@ class Suite:
         self.write_state()
         return self
 
-    def _start_nats(self, plan: NatsPlan, log_dir: Path) -> None:
-        self.nats = NatsServer(plan.port, plan.host)
+    def _write_token(self, token: str) -> Path:
+        """The private server's token, for `flotilla status` (its owner only may read it)."""
+        assert self.nats is not None
+        path = self.nats.store / "token"
+        path.touch(mode=0o600)
+        path.write_text(token)
+        return path
+
+    def _start_nats(self, plan: NatsPlan, log_dir: Path, token: str | None) -> None:
+        self.nats = NatsServer(plan.port, plan.host, token=token)
         self.infra = Supervisor([self.nats.spec()], log_dir, self.options.nats_restart,
                                 on_change=self._children_changed)
         self.infra.start()
@@ -168,15 +206,22 @@ class Suite:
                 raise SuiteError(f"nats-server did not accept connections at {plan.url} "
                                  f"within 10s; see {log_dir / 'nats-server.log'}")
             time.sleep(0.05)
-        log.info("started a private nats-server (pid %s) at %s", self.infra.pids()["nats-server"],
-                 plan.url)
+        log.info("started a private nats-server (pid %s) at %s%s",
+                 self.infra.pids()["nats-server"], plan.url,
+                 " (clients need its generated token)" if token else "")
 
     def _specs(self, nats_url: str, port: int, model_path: Path, model: str) -> list[ChildSpec]:
         opts = self.options
-        common = {"FLOTILLA_NATS_URL": nats_url, "FLOTILLA_LOG_LEVEL": opts.log_level}
+        common = {"FLOTILLA_NATS_URL": nats_url, "FLOTILLA_LOG_LEVEL": opts.log_level,
+                  "FLOTILLA_DRAIN_TIMEOUT_S": str(opts.drain_timeout_s)}
+        if self.nats_token is not None and self.nats is not None:  # the private server's
+            common["FLOTILLA_NATS_TOKEN"] = self.nats_token.get_secret_value()
+        metrics = {name: {"FLOTILLA_METRICS_PORT": str(p), "FLOTILLA_METRICS_HOST": opts.host}
+                   for name, p in self._metrics_ports.items()}
         extra: dict[str, dict[str, str]] = {
             "gateway": {"FLOTILLA_HOST": opts.host, "FLOTILLA_PORT": str(port),
-                        **({"FLOTILLA_UI": "1"} if opts.ui else {})},
+                        **({"FLOTILLA_UI": "1"} if opts.ui else {}),
+                        **({"FLOTILLA_API_KEYS": opts.api_keys} if opts.api_keys else {})},
             "tokenizer": {"FLOTILLA_MODEL": str(model_path), "FLOTILLA_SERVED_MODEL_NAME": model},
             "engine": {"FLOTILLA_MODEL": str(model_path), "FLOTILLA_SERVED_MODEL_NAME": model,
                        **({"FLOTILLA_TP": str(opts.tp)} if opts.tp else {}),
@@ -188,7 +233,7 @@ class Suite:
         }
         specs = []
         for name in SERVICES:
-            spec = service_spec(name, {**common, **extra[name]})
+            spec = service_spec(name, {**common, **extra[name], **metrics.get(name, {})})
             if name in opts.commands:
                 spec = ChildSpec(name, opts.commands[name], spec.env)
             specs.append(spec)
@@ -304,10 +349,13 @@ class Suite:
         if self.prober is not None:
             self.prober.stop()
             self.prober = None
+        grace = self.options.stop_grace_s
+        if grace is None:
+            grace = self.options.drain_timeout_s + 5.0
         if self.supervisor is not None:
-            self.supervisor.stop(self.options.stop_grace_s)
+            self.supervisor.stop(grace)  # SIGTERM: each service drains first
         if self.infra is not None:
-            self.infra.stop(self.options.stop_grace_s)
+            self.infra.stop(grace)
         if self.nats is not None:
             self.nats.remove_store()
         if self._lock is not None and self._lock.held:

@@ -214,12 +214,14 @@ class OutputProcessor:
                       completion_tokens=max(final.completion_tokens, self.completion_tokens),
                       cached_tokens=final.cached_tokens)
         return (None if self._empty(out) else out), TextFinal(
-            finish_reason=self._reason(final.finish_reason), usage=usage)
+            finish_reason=self._reason(final.finish_reason), usage=usage,
+            stop_string=self.stops.matched)
 
     def stop_final(self) -> TextFinal:
         """The final frame after a stop-string match (the engine is being cancelled)."""
         return TextFinal(finish_reason=self._reason("stop"), usage=Usage(
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens))
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens),
+            stop_string=self.stops.matched)
 
     def final_error(self, final: TextFinal) -> ErrorInfo | None:
         """The error that replaces `final` when the finished text breaks the request's

@@ -39,6 +39,7 @@ class StopStringMatcher:
         self.include_stop = include_stop
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def _cut(self, buf: str, hit: tuple[int, str]) -> str:
         return buf[:hit[0] + (len(hit[1]) if self.include_stop else 0)]
@@ -56,7 +57,7 @@ class StopStringMatcher:
         hit = self._first_hit(buf)
         start = len(buf) - partial_suffix(buf, self.stops)  # earliest open partial match
         if hit is not None and hit[0] <= start:
-            self.stopped, self._held = True, ""
+            self.stopped, self._held, self.matched = True, "", hit[1]
             return StopResult(self._cut(buf, hit), True, hit[1])
         self._held = buf[start:]
         return StopResult(buf[:start], False)
@@ -74,6 +75,6 @@ class StopStringMatcher:
         out, self._held = ("" if self.stopped else self._held), ""
         hit = self._first_hit(out)
         if hit is not None:
-            self.stopped = True
+            self.stopped, self.matched = True, hit[1]
             return self._cut(out, hit)
         return out

@@ -55,6 +55,19 @@ async def test_plain_message(claude: anthropic.AsyncAnthropic, client: httpx.Asy
     strict(t.Message, raw.json())
 
 
+async def test_a_matched_stop_sequence_is_reported(claude: anthropic.AsyncAnthropic,
+                                                  model: str) -> None:
+    msg = await claude.messages.create(model=model, max_tokens=32, messages=user("stopseq"),
+                                       stop_sequences=["END", "STOP"])
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", "END")
+    async with claude.messages.stream(model=model, max_tokens=32, messages=user("stopseq"),
+                                      stop_sequences=["END"]) as s:
+        final = await s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "END")
+    plain = await claude.messages.create(model=model, max_tokens=32, messages=user("hi"))
+    assert (plain.stop_reason, plain.stop_sequence) == ("end_turn", None)
+
+
 async def test_stream_helper_and_events(claude: anthropic.AsyncAnthropic,
                                         client: httpx.AsyncClient, model: str) -> None:
     async with claude.messages.stream(model=model, max_tokens=32, messages=user("hi")) as s:

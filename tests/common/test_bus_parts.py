@@ -104,6 +104,9 @@ async def test_stream_frames_over_the_part_size_arrive_whole_and_in_order() -> N
     subject = _subject()
     try:
         reader = await reader_bus.open_reader(subject, TextFrame, timeout=2)
+        # the writer is on another connection: the server must have the subscription first
+        # (services send the request that starts a stream after it, on the same connection)
+        await reader_bus.nc.flush()
         writer = writer_bus.writer(subject, "r", TextFrame, heartbeat_interval=0.01)
         texts = [("é" * 3000) + str(i) if i % 2 else f"small {i}" for i in range(6)]
         for text in texts:

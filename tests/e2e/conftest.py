@@ -24,7 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
+from libs.common.nats_auth import NatsSecurity
 from tests.endpoints import REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +45,12 @@ class SuiteHandle:
     @property
     def nats_url(self) -> str:
         return str(self.state()["nats_url"])
+
+    @property
+    def nats_security(self) -> NatsSecurity | None:
+        """The private NATS's generated token (the launcher's 0600 file named in the state)."""
+        path = self.state().get("nats_token_file")
+        return NatsSecurity(token=SecretStr(Path(path).read_text())) if path else None
 
     @property
     def root_url(self) -> str:

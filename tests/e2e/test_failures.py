@@ -21,9 +21,9 @@ LONG = {"model": MODEL,
         "max_tokens": 400, "temperature": 0.7, "seed": 1, "stream": True}
 
 
-def _engine_stats(nats_url: str) -> dict:
+def _engine_stats(suite) -> dict:
     async def ask() -> dict:
-        bus = await Bus.connect(nats_url, "e2e-test")
+        bus = await Bus.connect(suite.nats_url, "e2e-test", security=suite.nats_security)
         try:
             reply = await bus.request(subjects.health("engine"), HealthRequest(), HealthReply, 5)
             return reply.detail
@@ -56,7 +56,7 @@ def test_client_disconnect_cancels_engine_work(suite, client) -> None:
     deadline = time.monotonic() + 10
     stats = {}
     while time.monotonic() < deadline:
-        stats = _engine_stats(suite.state()["nats_url"])
+        stats = _engine_stats(suite)
         if f"{rid}-0" in stats["aborted_request_ids"]:
             break
         time.sleep(0.2)

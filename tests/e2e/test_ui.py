@@ -24,12 +24,12 @@ from tests.ui.conftest import CHROMIUM_ARGS, WATCH_STREAM, chromium_path
 pytestmark = pytest.mark.timeout(240)
 
 
-def engine_stats(nats_url: str) -> dict:
+def engine_stats(suite) -> dict:
     """The engine's health detail (its stats), asked on a thread of its own: Playwright's sync
     API keeps an event loop running in this one."""
 
     async def ask() -> dict:
-        bus = await Bus.connect(nats_url, "e2e-ui-test")
+        bus = await Bus.connect(suite.nats_url, "e2e-ui-test", security=suite.nats_security)
         try:
             reply = await bus.request(subjects.health("engine"), HealthRequest(), HealthReply, 5)
             return reply.detail
@@ -91,7 +91,7 @@ def test_chat_ui_against_the_real_suite(suite: SuiteHandle, browser: Any) -> Non
         page.click("#close-settings")
 
         # an answer grows in over several DOM updates; Stop aborts it in the engine
-        aborted_before = engine_stats(suite.state()["nats_url"])["requests_aborted"]
+        aborted_before = engine_stats(suite)["requests_aborted"]
         page.evaluate(WATCH_STREAM)
         page.fill("#input", "Write a long story about a cat.")
         page.press("#input", "Enter")
@@ -106,7 +106,7 @@ def test_chat_ui_against_the_real_suite(suite: SuiteHandle, browser: Any) -> Non
         assert "stopped" in answer.locator(".msg-meta").inner_text()
         stats: dict = {}
         for _ in range(50):
-            stats = engine_stats(suite.state()["nats_url"])
+            stats = engine_stats(suite)
             if stats["requests_aborted"] > aborted_before and not stats["active_request_ids"]:
                 break
             time.sleep(0.2)

@@ -161,3 +161,27 @@ async def test_a_full_queue_is_a_503_with_retry_after_and_a_queued_deadline_a_50
     frames_after = await _generate(bus, model, _request(model))
     assert sum(len(f.token_ids) for f in frames_after) == 4
     assert service._engine_stats().requests_failed >= 1 and service.crashed is None
+
+
+async def test_the_engine_is_built_and_stepped_on_one_thread(
+        engine: tuple[Bus, EngineService, str]) -> None:
+    """One thread, one OpenMP pool on CPU (loop.py): the thread that built the engine steps it."""
+    import threading
+
+    bus, service, model = engine
+    assert service._engine is not None
+    stepped: set[int] = set()
+    step = service._engine.step
+
+    def noting_step() -> Any:
+        stepped.add(threading.get_ident())
+        return step()
+
+    service._engine.step = noting_step  # type: ignore[method-assign]
+    try:
+        await _generate(bus, model, _request(model))
+    finally:
+        del service._engine.step
+    # the executor's one thread built the engine (it now runs the loop, so ask the executor)
+    workers = {t.ident for t in service._engine_thread._threads}  # type: ignore[attr-defined]
+    assert len(workers) == 1 and stepped == workers

@@ -6,6 +6,7 @@ tools service. The tokenizer's behaviour is chosen by the last message (or the p
 - "busy"        → Admission refused with 503, retry_after_s 2.5 (an overloaded engine)
 - "limited"     → Admission refused with 429, retry_after_s 0.2 (a per-client limit)
 - "slow"        → one word every 0.1 s until cancelled (200 words at most)
+- "paced"       → 40 words, one every 0.1 s (a stream of ~4 s), finish_reason length
 - "die"         → one word, then silence (no frames, no heartbeats): a dead upstream
 - "error"       → one word, then an error frame (503)
 - "tools"       → a tool call (streamed in two pieces), finish_reason tool_calls
@@ -17,11 +18,17 @@ tools service. The tokenizer's behaviour is chosen by the last message (or the p
 
 Prompts are tokenized one character per token (id = code point; BOS = 1 with
 `add_special_tokens`); /detokenize refuses ids of 0x110000 and above.
+Embeddings (`tokenizer_embed`): each input's vector has EMBED_DIM values, value k the count of
+its tokens (characters or ids) equal to k modulo EMBED_DIM, plus one, then L2-normalized;
+`dimensions` above EMBED_DIM and ids of 0x110000 and above are 400s. Scores
+(`tokenizer_score`): the dot product of the two texts' vectors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +57,21 @@ from libs.common.messages import (
     ToolsListRequest,
     Usage,
 )
+from libs.common.pooling_messages import EmbedRequest, PoolReply, ScoreReply, ScoreRequest
 from libs.common.service import Announcer
 
 HEARTBEAT_S = 0.1
 BOS = 1
 MAX_MODEL_LEN = 4096
+EMBED_DIM = 8
+
+
+def fake_embedding(item: str | list[int], dimensions: int | None = None) -> list[float]:
+    ids = [ord(c) for c in item] if isinstance(item, str) else item
+    vec = [1.0 + sum(1 for i in ids if i % EMBED_DIM == k) for k in range(EMBED_DIM)]
+    vec = vec[:dimensions]
+    norm = sum(v * v for v in vec) ** 0.5
+    return [v / norm for v in vec]
 
 
 def _scenario(req: TextRequest) -> str:
@@ -81,6 +98,10 @@ class FakeTokenizer:
                                                TextRequest, self._render, queue="tokenizer"))
         self._subs.append(await self.bus.serve(subjects.tokenizer_encode(self.model),
                                                EncodeRequest, self._encode, queue="tokenizer"))
+        self._subs.append(await self.bus.serve(subjects.tokenizer_embed(self.model),
+                                               EmbedRequest, self._embed, queue="tokenizer"))
+        self._subs.append(await self.bus.serve(subjects.tokenizer_score(self.model),
+                                               ScoreRequest, self._score, queue="tokenizer"))
         self._subs.append(await self.bus.serve(subjects.tokenizer_decode(self.model),
                                                DecodeRequest, self._decode, queue="tokenizer"))
         self._subs.append(await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel))
@@ -117,6 +138,24 @@ class FakeTokenizer:
         ids = [BOS] * req.add_special_tokens + [ord(c) for c in req.text]
         strs = ["<s>" if i == BOS else chr(i) for i in ids] if req.token_strs else None
         return EncodeReply(token_ids=ids, token_strs=strs, max_model_len=MAX_MODEL_LEN)
+
+    async def _embed(self, req: EmbedRequest) -> PoolReply:
+        dims = req.pooling.dimensions
+        if dims is not None and dims > EMBED_DIM:
+            return PoolReply(error=ErrorInfo(status=400, type="invalid_request_error",
+                                             param="dimensions", message="too many"))
+        if any(isinstance(i, list) and any(t >= 0x110000 for t in i) for i in req.inputs):
+            return PoolReply(error=ErrorInfo(status=400, type="invalid_request_error",
+                                             param="input", message="id out of range"))
+        vectors = [fake_embedding(i, dims) for i in req.inputs]
+        return PoolReply(embeddings=[base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+                                     for v in vectors],
+                         prompt_tokens=sum(len(i) for i in req.inputs))
+
+    async def _score(self, req: ScoreRequest) -> ScoreReply:
+        scores = [sum(a * b for a, b in zip(fake_embedding(q), fake_embedding(d), strict=True))
+                  for q, d in zip(req.queries, req.documents, strict=True)]
+        return ScoreReply(scores=scores, prompt_tokens=sum(map(len, req.queries + req.documents)))
 
     async def _decode(self, req: DecodeRequest) -> DecodeReply:
         if any(i >= 0x110000 for i in req.token_ids):
@@ -157,6 +196,12 @@ class FakeTokenizer:
                 await asyncio.sleep(0.1)
             await writer.final(TextFinal(finish_reason="length", usage=usage))
             return
+        if scenario == "paced":
+            for i in range(40):
+                await writer.data(TextDelta(text=f"w{i} "))
+                await asyncio.sleep(0.1)
+            await writer.final(TextFinal(finish_reason="length", usage=usage))
+            return
         if scenario in ("die", "error"):
             await writer.data(TextDelta(text="partial"))
             if scenario == "die":
@@ -180,6 +225,11 @@ class FakeTokenizer:
         if scenario == "quick":
             await writer.data(TextDelta(text="ok"))
             await writer.final(TextFinal(finish_reason="stop", usage=usage))
+            return
+        if scenario == "stopseq":  # the text ended at the request's first stop string
+            await writer.data(TextDelta(text="ok"))
+            await writer.final(TextFinal(finish_reason="stop", usage=usage,
+                                         stop_string=req.stop[0] if req.stop else None))
             return
         if scenario == "think":
             await writer.data(TextDelta(reasoning="Let me think."))

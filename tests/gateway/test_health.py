@@ -240,8 +240,6 @@ async def test_unreachable_redis_is_one_error_line_503s_and_recovers_on_its_own(
             redis.wait(10)
 
 
-@pytest.mark.xfail(strict=False, reason="waits for the gateway to send ErrorInfo.retry_after_s "
-                   "as a Retry-After header (helper gwhard, services/gateway/http_errors.py)")
 async def test_store_outage_503s_carry_retry_after(bus: Bus, redis_port: int) -> None:
     store = RedisStore(f"redis://127.0.0.1:{redis_port}/0")
     try:

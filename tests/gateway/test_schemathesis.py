@@ -47,6 +47,9 @@ EXAMPLES = {"POST": 150, "GET": 30}
 # which share the chat path behind them) fewer, so the whole run stays within a few minutes.
 CORE_PATHS = ("/v1/chat/completions", "/v1/completions")
 OTHER_POST_EXAMPLES = 50
+# embeddings, score and rerank: one cheap fake vector path behind five routes
+POOLING_PATHS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank")
+POOLING_EXAMPLES = 15
 # Rules the spec states in its descriptions that JSON Schema cannot express (a value checked
 # against another field, the model's vocabulary or the server's configuration): a request the
 # schema accepts may still get a 400 naming one of these parameters. Each pattern matches a
@@ -63,6 +66,8 @@ DOCUMENTED_RULES = [
     r"(grammar|json_schema|guided_\w+|response_format|structured_outputs)(\..+)?",
     r"tools\[\d+\]\.server_label",  # an MCP server this server has
     r"tokens",  # token ids within the model's vocabulary
+    # pooling: Matryoshka sizes, vLLM's score pairing, ids within the vocabulary
+    r"dimensions|text_1|input",
 ]
 # Anthropic's envelope has no `param`: its documented rule, by message
 DOCUMENTED_ANTHROPIC = ("`tool_choice`",)
@@ -102,6 +107,10 @@ def _check_against_openai(case: Any, response: Any) -> None:
         else:
             validate_openai("ErrorResponse", response.json())
         return
+    if path == "/v1/embeddings":
+        if case.body.get("encoding_format") != "base64":  # OpenAI's schema: arrays only
+            validate_openai("CreateEmbeddingResponse", response.json())
+        return
     if path not in ("/v1/chat/completions", "/v1/completions"):
         return
     if _content_type(response).startswith("text/event-stream"):
@@ -127,7 +136,8 @@ def _run_operation(operation: Any, mode: Any, base_url: str, model: str,
     session = requests.Session()
 
     method = operation.method.upper()
-    examples = (OTHER_POST_EXAMPLES if method == "POST" and operation.path not in CORE_PATHS
+    examples = (POOLING_EXAMPLES if operation.path in POOLING_PATHS
+                else OTHER_POST_EXAMPLES if method == "POST" and operation.path not in CORE_PATHS
                 else EXAMPLES.get(method, 40))
 
     @given(case=operation.as_strategy(generation_mode=mode))

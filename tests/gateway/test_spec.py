@@ -14,6 +14,7 @@ from libs.common.errors import FlotillaError
 from services.gateway import spec as spec_module
 from services.gateway.anthropic.routes import router as anthropic_router
 from services.gateway.health import router as health_router
+from services.gateway.pooling_routes import router as pooling_router
 from services.gateway.responses.routes import router as responses_router
 from services.gateway.routes import router
 from services.gateway.spec import Spec, apply_limits, find_spec
@@ -26,7 +27,8 @@ VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_t
                    "include_stop_str_in_output", "priority", "structured_outputs",
                    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                    "guided_decoding_backend", "echo", "add_generation_prompt",
-                   "continue_final_message", "logit_bias"}
+                   "continue_final_message", "logit_bias",
+                   "truncate_prompt_tokens", "normalize", "add_special_tokens"}  # embeddings
 LLAMA_CPP_EXTENSIONS = {"n_predict", "cache_prompt", "json_schema", "grammar"}
 # accepted on /v1/completions too, without effect on the output (OpenAI has them on chat only)
 NO_EFFECT = {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
@@ -120,7 +122,8 @@ def test_missing_spec_names_the_path(tmp_path: Path) -> None:
 
 def test_every_spec_operation_is_routed(spec: Spec) -> None:
     routed = {(getattr(route, "path", "").replace(":path", ""), method.lower())
-              for r in (router, anthropic_router, responses_router, token_router, health_router)
+              for r in (router, anthropic_router, responses_router, token_router, health_router,
+                        pooling_router)
               for route in r.routes for method in getattr(route, "methods", ())}
     documented = {(path, method) for path, item in spec.document["paths"].items()
                   for method in item if method in ("get", "post", "delete")}
@@ -133,6 +136,7 @@ def test_every_spec_operation_is_routed(spec: Spec) -> None:
 @pytest.mark.parametrize("ours,official", [
     ("ChatCompletionRequest", "CreateChatCompletionRequest"),
     ("CompletionRequest", "CreateCompletionRequest"),
+    ("EmbeddingRequest", "CreateEmbeddingRequest"),
 ])
 def test_request_parameters_are_openai_names(spec: Spec, ours: str, official: str) -> None:
     document = json.loads(OFFICIAL_SPEC.read_text())

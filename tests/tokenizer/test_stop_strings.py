@@ -98,3 +98,20 @@ def test_held_text_is_released_at_the_end(smollm2: Tokenizer) -> None:
                                             completion_tokens=len(ids)))
     assert delta is not None and delta.text == "near"
     assert final.finish_reason == "length" and final.usage.completion_tokens == len(ids)
+
+
+def test_the_matched_stop_string_is_named() -> None:
+    """Anthropic's `stop_sequence` names which stop ended the text (pushed or at flush)."""
+    m = StopStringMatcher(["abc", "b"])
+    m.push("xab")
+    assert m.matched is None
+    m.push("c")
+    assert m.matched == "abc"
+    m = StopStringMatcher(["a", " aa"])
+    m.push(" a")
+    m.flush()
+    assert m.matched == "a"
+    m = StopStringMatcher(["zz"])
+    m.push("no stop here")
+    m.flush()
+    assert m.matched is None and not m.stopped

@@ -7,17 +7,27 @@ Rules:
 - A name containing a key of `model.packed_modules_mapping` goes to the fused parameter with the
   mapped shard id; any other name must match a parameter exactly.
 - Every parameter must be loaded at least once; unknown or missing names raise, naming them.
+- A base-model checkpoint (tensors named `layers.*`, `embed_tokens.*`, `norm.*` without the
+  `model.` prefix, and no `lm_head`: how Qwen3-Embedding and other embedders saved from
+  `AutoModel` ship) loads into the causal LM: names get the prefix, and the missing LM head is
+  tied to the input embeddings (logged: such a model is for pooling; its generations mean
+  nothing).
 - After loading, each module's `quant_method.process_after_loading` runs exactly once.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from services.engine.models.base import CausalLM
+
+log = logging.getLogger(__name__)
+_BASE_MODEL_ROOTS = ("embed_tokens.", "layers.", "norm.")
+_BASE_MODEL_PREFIX = "model."
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -30,12 +40,22 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    prefixed = f"{_BASE_MODEL_PREFIX}embed_tokens.weight" in params
+    bare = False  # a base-model checkpoint (see the module rules)
     for ckpt_name, ckpt_tensor in weights:
+        if prefixed and ckpt_name.startswith(_BASE_MODEL_ROOTS):
+            ckpt_name, bare = _BASE_MODEL_PREFIX + ckpt_name, True
         for name, tensor in model.checkpoint_tensors(model.checkpoint_name(ckpt_name),
                                                      ckpt_tensor):
             if not model.skip_weight(name):
                 loaded.add(_load_one(model, params, name, tensor))
     missing = sorted(set(params) - loaded)
+    if bare and missing == ["lm_head.weight"]:
+        log.warning("the checkpoint is a base model without an LM head (an embedding model): "
+                    "the head is tied to the input embeddings; use it for embeddings, score "
+                    "and rerank")
+        model.lm_head.tie_to(model.model.embed_tokens)  # type: ignore[union-attr, operator]
+        missing = []
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")

@@ -27,6 +27,7 @@ from services.gateway.anthropic.message import (
     message_id,
     signature,
     stop_reason,
+    stop_sequence,
     tool_use_id,
     usage,
 )
@@ -107,7 +108,8 @@ class MessageEvents:
         total = UsageTotal()
         total.add(final.usage)
         out.append(event({"type": "message_delta",
-                          "delta": {"stop_reason": stop_reason(final), "stop_sequence": None},
+                          "delta": {"stop_reason": stop_reason(final),
+                                    "stop_sequence": stop_sequence(final)},
                           "usage": usage(total)}))
         out.append(event({"type": "message_stop"}))
         return out

@@ -35,10 +35,15 @@ def tool_use_id(call_id: str, rid: str, index: int) -> str:
     return call_id or f"toolu_{rid}_{index}"
 
 
-def stop_reason(final: TextFinal, stop_sequence: str | None = None) -> str:
-    if final.finish_reason == "stop" and stop_sequence is not None:
+def stop_reason(final: TextFinal) -> str:
+    if final.finish_reason == "stop" and final.stop_string is not None:
         return "stop_sequence"
     return _STOP[final.finish_reason]
+
+
+def stop_sequence(final: TextFinal) -> str | None:
+    """The stop sequence that ended the message (Anthropic's `stop_sequence`)."""
+    return final.stop_string if final.finish_reason == "stop" else None
 
 
 def usage(total: UsageTotal) -> dict[str, Any]:
@@ -81,4 +86,4 @@ def message(rid: str, model: str, result: ChoiceResult) -> dict[str, Any]:
     total.add(result.final.usage)
     return {"id": message_id(rid), "type": "message", "role": "assistant", "model": model,
             "content": content_blocks(result, rid), "stop_reason": stop_reason(result.final),
-            "stop_sequence": None, "usage": usage(total)}
+            "stop_sequence": stop_sequence(result.final), "usage": usage(total)}
