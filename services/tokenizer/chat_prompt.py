@@ -11,6 +11,9 @@ Rules:
 - `continue_final_message` (vLLM, transformers' semantics): the last message is rendered open, the
   prompt ends where its text ends (a marker appended to the text finds that point), so the model
   continues it; it excludes `add_generation_prompt` (400, as vLLM);
+- assistant `reasoning_content` reaches a template that reads `message.thinking` (gpt-oss) as
+  `thinking` too; beside tool calls it wins over content (that template takes one of the two:
+  the reasoning before a call is what gpt-oss must see again);
 - `echo` (vLLM): when the last message is the assistant's, its text opens the reply;
 - a template that runs past its time budget is a 503 with Retry-After (the budget is the
   render's own time; a busy process, not the request, is the likely cause); any other template
@@ -52,6 +55,20 @@ def _template_error(exc: ChatTemplateError) -> FlotillaError:
     if isinstance(exc, TemplateTimeout):
         return unavailable(str(exc), retry_after_s=_RETRY_AFTER_S)
     return invalid_request(str(exc), param="messages", code="chat_template_error")
+
+
+def _as_thinking(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant reasoning as `thinking` (see module rules)."""
+    out = []
+    for msg in messages:
+        reasoning = msg.get("reasoning_content")
+        if msg["role"] == "assistant" and isinstance(reasoning, str) and reasoning and (
+                "thinking" not in msg):
+            msg = {**msg, "thinking": reasoning}
+            if msg.get("tool_calls"):
+                msg["content"] = ""
+        out.append(msg)
+    return out
 
 
 class ChatRenderer:
@@ -111,6 +128,8 @@ class ChatRenderer:
         if tools:
             tool_names(tools)  # validates names before the template sees them
         template = self.template(with_tools=bool(tools))
+        if "message.thinking" in template.source:
+            normalized = _as_thinking(normalized)
         explicit = self._template_kwargs(req.chat_template_kwargs)
         plan = plan_thinking(req.reasoning_effort, explicit.get("enable_thinking"),
                              template.variables, template.source, self._thinks)

@@ -12,6 +12,9 @@ Rules:
   xgrammar Grammar (the engine compiles the very same).
 - When the prompt leaves the model inside its reasoning block (it ends with `<think>`, as
   DeepSeek R1's template does), the constraint starts after `</think>`: reasoning stays free.
+  gpt-oss (harmony) likewise: a response format starts after `<|channel|>final<|message|>`,
+  its control tokens allowed before; a forced call is its own message (harmony's call syntax)
+  and starts at once.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from services.tokenizer.grammar_check import (  # noqa: F401 - grammar_of, xgram
     grammar_of,
     xgrammar,
 )
+from services.tokenizer.harmony import CONTROL, FINAL
 from services.tokenizer.response_formats import response_format_spec
 from services.tokenizer.tool_formats import ToolFormat
 
@@ -50,8 +54,10 @@ def tool_call_spec(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool
     return checked(spec, "tools")
 
 
-def after_reasoning(spec: GuidedDecoding, end_tag: str) -> GuidedDecoding:
-    """The same constraint, once free text up to `end_tag` (and some whitespace) is written."""
+def after_reasoning(spec: GuidedDecoding, end_tag: str,
+                    tokens: tuple[str, ...] = ()) -> GuidedDecoding:
+    """The same constraint, once free text up to `end_tag` (and some whitespace) is written;
+    `tokens`: control tokens allowed in that text."""
     value = spec.value or ""
     if spec.kind == "structural_tag":
         main = json.loads(value)["format"]
@@ -67,7 +73,7 @@ def after_reasoning(spec: GuidedDecoding, end_tag: str) -> GuidedDecoding:
         {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end_tag},
         {"type": "regex", "pattern": "\\s{0,4}"}, main]}}
     return GuidedDecoding(kind="structural_tag", value=json.dumps(tag, ensure_ascii=False),
-                          special_tokens=[*spec.special_tokens, end_tag])
+                          special_tokens=[*spec.special_tokens, end_tag, *tokens])
 
 
 def forces_tool_calls(req: TextRequest) -> bool:
@@ -88,4 +94,8 @@ def guided_spec(req: TextRequest, fmt: ToolFormat, reasoning_end: str | None = N
         spec = response_format_spec(req.response_format, special_texts)
     if spec is None or reasoning_end is None:
         return spec
+    if reasoning_end == FINAL:
+        if forces_tool_calls(req):
+            return spec
+        return checked(after_reasoning(spec, FINAL, CONTROL), "response_format")
     return checked(after_reasoning(spec, reasoning_end), "response_format")

@@ -5,7 +5,9 @@ detokenize (detokenizer.py: never half a character; special tokens only with
 `skip_special_tokens` false) → stop strings
 (stop_strings.py) → reasoning split (reasoning.py: `<think>` text to `reasoning`) → tool calls
 (tool_calls.py: calls in any known format to `tool_calls`, chat requests with tools only,
-unless tool_choice is "none"). Control tokens that these stages read (`<think>`, `[TOOL_CALLS]`,
+unless tool_choice is "none"). gpt-oss replies (harmony vocabularies, chat requests) take one
+stage instead of the last two: harmony.py splits their channels into reasoning, content and tool
+calls. Control tokens that these stages read (`<think>`, `[TOOL_CALLS]`,
 ...) are detokenized as text for them.
 
 Rules:
@@ -42,14 +44,20 @@ from libs.common.messages import (
     Usage,
 )
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.gemma4_tool_calls import Gemma4ToolCallParser
+from services.tokenizer.harmony import HarmonyParser, control_ids
 from services.tokenizer.output_check import OutputCheck
+from services.tokenizer.pythonic_tool_calls import PythonicToolCallParser
 from services.tokenizer.reasoning import ReasoningParser
 from services.tokenizer.stop_strings import StopStringMatcher
 from services.tokenizer.tokenizer import Tokenizer
 from services.tokenizer.tool_calls import ToolCallParser
 from services.tokenizer.tool_formats import ALL_MARKERS, HERMES, ToolFormat
 from services.tokenizer.tool_prompt import tool_names
+from services.tokenizer.xml_tool_calls import SYNTAXES, XmlToolCallParser
 
+AnyToolParser = (ToolCallParser | XmlToolCallParser | Gemma4ToolCallParser
+                 | PythonicToolCallParser)
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
@@ -78,19 +86,23 @@ def prompt_text_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob | Non
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, stop: list[str], logprobs: bool = False,
                  prompt_tokens: int = 0, reasoning: ReasoningParser | None = None,
-                 tools: ToolCallParser | None = None, skip_special_tokens: bool = True,
+                 tools: AnyToolParser | None = None,
+                 skip_special_tokens: bool = True,
                  include_stop: bool = False, stop_ids: frozenset[int] = frozenset(),
-                 check: OutputCheck | None = None, first_prompt_id: int | None = None):
+                 check: OutputCheck | None = None, first_prompt_id: int | None = None,
+                 harmony: HarmonyParser | None = None):
         self.tokenizer = tokenizer
         self.first_prompt_id = first_prompt_id
         keep = ReasoningParser.tag_ids(tokenizer) if reasoning is not None else frozenset()
         if tools is not None:
             keep |= {i for i in tokenizer.special_ids if tokenizer.text_of(i) in ALL_MARKERS}
+        if harmony is not None:
+            keep |= control_ids(tokenizer)
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens,
                                             keep_ids=frozenset(keep))
         self.stops = StopStringMatcher(stop, include_stop)
         self.include_stop, self.stop_ids = include_stop, stop_ids
-        self.reasoning, self.tools = reasoning, tools
+        self.reasoning, self.tools, self.harmony = reasoning, tools, harmony
         self.want_logprobs = logprobs
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
@@ -104,17 +116,33 @@ class OutputProcessor:
                     first_prompt_id: int | None = None) -> OutputProcessor:
         """`stop_ids`: the ids the engine stops at (`SamplingOptions.stop_token_ids`);
         `first_prompt_id`: the prompt's first token (named first in echoed prompt logprobs)."""
-        reasoning = tools = None
-        if req.kind == "chat":
+        reasoning = harmony = None
+        tools: AnyToolParser | None = None
+        names = tool_names(req.tools) if req.tools and req.tool_choice != "none" else None
+        if req.kind == "chat" and control_ids(tokenizer):
+            harmony = HarmonyParser(names or [], parallel=req.parallel_tool_calls,
+                                    new_id=tool_format.new_call_id)
+        elif req.kind == "chat":
             reasoning = ReasoningParser.for_prompt(tokenizer, prompt)
-            if req.tools and req.tool_choice != "none":
-                tools = ToolCallParser(tool_names(req.tools), parallel=req.parallel_tool_calls,
+            if names is not None and tool_format.name == "pythonic":
+                tools = PythonicToolCallParser(names, parallel=req.parallel_tool_calls,
+                                               new_id=tool_format.new_call_id)
+            elif names is not None and tool_format.name == "gemma4":
+                tools = Gemma4ToolCallParser(names, parallel=req.parallel_tool_calls,
+                                             new_id=tool_format.new_call_id)
+            elif names is not None and tool_format.xml:
+                tools = XmlToolCallParser(SYNTAXES[tool_format.name], req.tools or [],
+                                          parallel=req.parallel_tool_calls,
+                                          new_id=tool_format.new_call_id)
+            elif names is not None:
+                tools = ToolCallParser(names, parallel=req.parallel_tool_calls,
                                        new_id=tool_format.new_call_id)
         return cls(tokenizer, req.stop, logprobs=req.sampling.logprobs is not None,
                    prompt_tokens=prompt_tokens, reasoning=reasoning, tools=tools,
                    skip_special_tokens=req.skip_special_tokens,
                    include_stop=req.include_stop_str_in_output, stop_ids=stop_ids,
-                   check=OutputCheck.for_request(req), first_prompt_id=first_prompt_id)
+                   check=OutputCheck.for_request(req), first_prompt_id=first_prompt_id,
+                   harmony=harmony)
 
     @property
     def stopped(self) -> bool:
@@ -122,6 +150,15 @@ class OutputProcessor:
 
     def _split(self, text: str, final: bool = False) -> TextDelta:
         """Route text through the reasoning and tool-call stages (`final`: flush them)."""
+        if self.harmony is not None:
+            got = self.harmony.push(text)
+            end = self.harmony.flush() if final else None
+            out = TextDelta(text=got.content + (end.content if end else ""),
+                            reasoning=got.reasoning + (end.reasoning if end else ""),
+                            tool_calls=got.calls + (end.calls if end else []))
+            if self.check is not None:
+                self._content.append(out.text)
+            return out
         reasoning = ""
         if self.reasoning is not None:
             split = self.reasoning.push(text)
@@ -195,6 +232,8 @@ class OutputProcessor:
 
     def _reason(self, engine_reason: FinishReason) -> FinishReason:
         reason: FinishReason = "stop" if self.stopped else engine_reason
-        if reason == "stop" and self.tools is not None and self.tools.calls:
+        calls = (self.tools.calls if self.tools is not None else 0) + (
+            self.harmony.calls if self.harmony is not None else 0)
+        if reason == "stop" and calls:
             return "tool_calls"
         return reason

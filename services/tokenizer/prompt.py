@@ -30,7 +30,8 @@ from services.tokenizer.chat_prompt import ChatRenderer
 from services.tokenizer.chat_template import MAX_CHARS
 from services.tokenizer.fim import FimTokens, fim_prompt, fim_tokens
 from services.tokenizer.guided import guided_spec
-from services.tokenizer.reasoning import END, ReasoningParser
+from services.tokenizer.harmony import FINAL, control_ids
+from services.tokenizer.reasoning import ReasoningParser
 from services.tokenizer.tokenizer import Tokenizer
 from services.tokenizer.tool_formats import ToolFormat
 
@@ -75,10 +76,12 @@ class PromptBuilder:
                                       code="invalid_value")
             rendered = self.chat.render(req)
             parser = ReasoningParser.for_prompt(self.tokenizer, rendered.text)
+            end = parser.end if parser is not None and parser.in_reasoning else None
+            if control_ids(self.tokenizer):  # gpt-oss: the answer is the final channel's
+                end = FINAL
             return PreparedPrompt(
                 text=rendered.text, token_ids=self.tokenizer.encode(rendered.text, False),
-                echo=rendered.echo,
-                reasoning_end=END if parser is not None and parser.in_reasoning else None)
+                echo=rendered.echo, reasoning_end=end)
         prompt = req.prompt
         if isinstance(prompt, str | list) and len(prompt) > self.max_prompt_chars:
             raise invalid_request(f"the prompt is longer than this server's limit of "

@@ -136,10 +136,15 @@ class Tokenizer:
 
     def end_of_generation_ids(self) -> list[int]:
         """Ids that end a reply: the model's eos, its other configured eos ids, and every
-        special token whose text marks an end of turn (`<|im_end|>`, `<|eot_id|>`, ...)."""
+        special token whose text marks an end of turn (`<|im_end|>`, `<|eot_id|>`, ...).
+        In harmony vocabularies (gpt-oss: they have `<|return|>`), `<|end|>` ends one message of
+        a reply (its reasoning, say), not the reply: it is left out."""
         ids = [i for i in (self.specials.eos, *self.specials.extra_eos) if i is not None]
-        for tid in sorted(self.special_ids):
-            if self.text_of(tid) in END_OF_GENERATION_TEXTS and tid not in ids:
+        texts = {tid: self.text_of(tid) for tid in sorted(self.special_ids)}
+        harmony = "<|return|>" in texts.values()
+        for tid, text in texts.items():
+            if text in END_OF_GENERATION_TEXTS and tid not in ids and not (
+                    harmony and text == "<|end|>"):
                 ids.append(tid)
         return ids
 

@@ -14,16 +14,33 @@ model that strays into another family's format is still understood):
 - llama_function  `<function=N>A</function>` (Llama 3.1 custom-tool prompting)
 - json            `{"name": N, "arguments": A}` at the start of the reply (templates that read
                   `tools` with a format of their own we do not know)
+XML formats (`XML_FORMATS`: arguments one parameter per tag, read by xml_tool_calls.py):
+- glm             `<tool_call>N\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call>`
+                  (GLM-4.5 / 4.6 / 4.7)
+- qwen_xml        `<tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>\n</function>\n
+                  </tool_call>` (Qwen3-Coder, Qwen3.5, Qwen3-Next)
+For these and gemma4, a forced call (tool_choice) constrains the opening and the function name; the
+arguments' text is free (the schema is not enforced by the grammar).
+- pythonic        `[N(k="v", n=1), M()]` opening the reply (Llama 4, Llama 3.2 pythonic
+                  prompts: read by pythonic_tool_calls.py)
+- gemma4          `<|tool_call>call:N{K:V,...}<tool_call|>`, strings quoted `<|"|>` (Gemma 4:
+                  read by gemma4_tool_calls.py)
+- harmony         `<|channel|>commentary to=functions.N <|constrain|>json<|message|>A<|call|>`
+                  (gpt-oss: replies are read by harmony.py; this format is what a forced call
+                  writes, the model's reasoning skipped)
 `detect` picks the family from the chat template's text.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from services.tokenizer.gemma4_tool_calls import write_value
 
 _ALNUM = string.ascii_letters + string.digits
 Structure = dict[str, Any]
@@ -49,6 +66,7 @@ class ToolFormat:
     closing: str = ""
     id_style: Literal["openai", "mistral"] = "openai"
     markers: tuple[str, ...] = ()  # format texts that are control tokens in the family's vocab
+    xml: bool = False  # arguments not written as JSON (XML formats, Gemma 4)
 
     def new_call_id(self) -> str:
         if self.id_style == "mistral":
@@ -60,14 +78,33 @@ class ToolFormat:
 
     def calls_text(self, calls: list[tuple[str, str]]) -> str:
         """Calls (name, arguments JSON text) written as the model writes them."""
-        body = self.separator.join(self._begin(n) + args + self.end for n, args in calls)
+        body = self.separator.join(self._begin(n) + self._args(args) + self.end
+                                   for n, args in calls)
         return self.opening + body + self.closing
+
+    def _args(self, args: str) -> str:
+        """Arguments as written: JSON text, or for XML formats one tag per parameter, strings
+        as they are and other values as JSON (as their chat templates write them)."""
+        if self.name == "pythonic":
+            return ", ".join(f"{k}={v!r}" for k, v in json.loads(args).items())
+        if self.name == "gemma4":
+            return ",".join(f"{k}:{write_value(v)}" for k, v in sorted(json.loads(args).items()))
+        if not self.xml:
+            return args
+        values = json.loads(args)
+        parts = []
+        for key, value in values.items():
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            parts.append(f"<arg_key>{key}</arg_key>\n<arg_value>{text}</arg_value>\n"
+                         if self.name == "glm" else f"<parameter={key}>\n{text}\n</parameter>\n")
+        return "".join(parts)
 
     def structural_tag(self, tools: list[dict[str, Any]], single: bool) -> Structure:
         """xgrammar structural tag: at least one call (exactly one when `single`) of one of
         `tools`, arguments following the tool's parameters schema, nothing else."""
         tags = [{"type": "tag", "begin": self._begin(t["function"]["name"]),
-                 "content": _json_args(t["function"].get("parameters")), "end": self.end}
+                 "content": {"type": "any_text"} if self.xml else _json_args(
+                     t["function"].get("parameters")), "end": self.end}
                 for t in tools]
         calls: Structure = {"type": "tags_with_separator", "tags": tags,
                             "separator": self.separator, "at_least_one": True,
@@ -93,8 +130,22 @@ LLAMA_FUNCTION = ToolFormat("llama_function", "<function={name}>", "</function>"
 JSON = ToolFormat("json", '{"name": "{name}", "arguments": ', "}", separator=", ",
                   opening="[", closing="]")
 FORMATS = {f.name: f for f in (HERMES, MISTRAL, MISTRAL_LIST, LLAMA3_JSON, LLAMA_FUNCTION, JSON)}
-# Texts the parser must see even where they are control tokens (the detokenizer keeps them).
-ALL_MARKERS = frozenset(m for f in FORMATS.values() for m in f.markers)
+GLM = ToolFormat("glm", "<tool_call>{name}\n", "</tool_call>", separator="\n", xml=True,
+                 markers=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                          "</arg_value>"))
+QWEN_XML = ToolFormat("qwen_xml", "<tool_call>\n<function={name}>\n", "</function>\n</tool_call>",
+                      separator="\n", xml=True, markers=("<tool_call>", "</tool_call>"))
+XML_FORMATS = {f.name: f for f in (GLM, QWEN_XML)}
+PYTHONIC = ToolFormat("pythonic", "{name}(", ")", separator=", ", opening="[", closing="]",
+                      xml=True)
+GEMMA4 = ToolFormat("gemma4", "<|tool_call>call:{name}{", "}<tool_call|>", xml=True,
+                    markers=("<|tool_call>", "<tool_call|>", '<|"|>'))
+HARMONY = ToolFormat("harmony", "<|channel|>commentary to=functions.{name} <|constrain|>json"
+                     "<|message|>", "<|call|>", markers=("<|channel|>", "<|constrain|>",
+                                                         "<|message|>", "<|call|>"))
+# Texts the parsers must see even where they are control tokens (the detokenizer keeps them).
+ALL_MARKERS = frozenset(m for f in (*FORMATS.values(), *XML_FORMATS.values(), GEMMA4)
+                        for m in f.markers)
 
 
 def detect(template: str | None, reads_tools: bool) -> ToolFormat:
@@ -103,6 +154,16 @@ def detect(template: str | None, reads_tools: bool) -> ToolFormat:
     source = template or ""
     if not reads_tools:
         return HERMES
+    if "<|channel|>" in source:
+        return HARMONY
+    if "[func_name1(" in source:
+        return PYTHONIC
+    if "<|tool_call>" in source:
+        return GEMMA4
+    if "<arg_key>" in source:
+        return GLM
+    if "<parameter=" in source:
+        return QWEN_XML
     if "[TOOL_CALLS]" in source:
         return MISTRAL if "[ARGS]" in source else MISTRAL_LIST
     if "<tool_call>" in source:

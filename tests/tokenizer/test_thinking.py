@@ -72,6 +72,14 @@ BY_VARIABLE = [
         "minimal": {"thinking": True, "thinking_effort": "low"}}),
     ("HuggingFaceTB-SmolLM3-3B", None, "<|im_end|>", {
         "none": {"enable_thinking": False}, "high": {"enable_thinking": True}}),
+    ("GLM-4.6", None, "<|endoftext|>", {
+        "none": {"enable_thinking": False}, "high": {"enable_thinking": True}}),
+    ("GLM-4.7-Flash", None, "<|endoftext|>", {
+        "none": {"enable_thinking": False}, "low": {"enable_thinking": True}}),
+    ("Qwen3.5-4B", None, "<|im_end|>", {
+        "none": {"enable_thinking": False}, "medium": {"enable_thinking": True}}),
+    ("google-gemma-4-31B-it", "<bos>", "<turn|>", {
+        "none": {"enable_thinking": False}, "high": {"enable_thinking": True}}),
 ]
 
 
