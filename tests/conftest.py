@@ -26,6 +26,13 @@ def _has_cuda() -> bool:
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Property tests draw the same examples every run (a CI run is reproducible, and a red CI is a
+# real regression, not the day's draw); derandomize=False here explores new examples locally.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("flotilla", derandomize=True, database=None)
+_hypothesis_settings.load_profile("flotilla")
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:

@@ -115,7 +115,8 @@ class HarmonyParser:
     def _route_of(self, header: str) -> str:
         """Where the body of a message with this header goes (starting a call if it is one)."""
         recipient = m.group(1) if (m := _RECIPIENT.search(header)) else None
-        channel = header.split(CHANNEL, 1)[1].split()[0] if CHANNEL in header else ""
+        words = header.split(CHANNEL, 1)[1].split() if CHANNEL in header else []
+        channel = words[0] if words else ""  # a model may write an empty channel name
         channel = channel.split("<|", 1)[0]
         if recipient is None:
             return "reasoning" if channel == "analysis" else "content"
