@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
@@ -41,6 +42,7 @@ from libs.common.messages import (
     TokenRequest,
 )
 from libs.common.model_cache import resolve_model, served_name
+from libs.common.model_capabilities import Capability, capabilities, model_kind
 from libs.common.pooling_messages import PoolRequest
 from libs.common.service import Announcer, instance_id
 from libs.common.settings import EngineSettings
@@ -87,6 +89,7 @@ class EngineService:
         self.structured: StructuredOutputs | None = None
         self.limits = QueueLimits(settings.max_waiting_requests, settings.max_waiting_tokens)
         self.announcer: Announcer | None = None
+        self.capabilities: list[Capability] | None = None  # what the model serves (announced)
         self.pool: PoolService | None = None  # embeddings, score, rerank (pool_service.py)
         # the one thread that builds and then steps the engine (loop.py)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-loop")
@@ -103,6 +106,10 @@ class EngineService:
                 self._engine_thread, build_engine, self.settings, path)
         elif not self.model_name:
             raise ValueError("an injected engine needs settings.served_model_name")
+        model_dir = Path(self._engine.config.model).expanduser()
+        if not model_dir.exists():  # the default or a hub id: resolved (and cached) already
+            model_dir = await asyncio.to_thread(resolve_model, self._engine.config.model)
+        self.capabilities = capabilities(model_kind(model_dir, [self.model_name, str(model_dir)]))
         self.loop = EngineLoop.for_service(self._engine, asyncio.get_running_loop(),
                                            self._on_outputs, self._on_crash, self.settings,
                                            executor=self._engine_thread)
@@ -339,6 +346,7 @@ class EngineService:
         total = s.get("kv_blocks_total", 0) or 1
         return Announcement(service="engine", instance=self.instance, model=self.model_name,
                             max_model_len=self._engine.max_model_len if self._engine else None,
+                            capabilities=self.capabilities,
                             running=s.get("running", 0), waiting=s.get("waiting", 0),
                             kv_usage=s.get("kv_blocks_used", 0) / total,
                             waiting_tokens=s.get("waiting_tokens", 0),

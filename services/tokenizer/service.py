@@ -49,6 +49,7 @@ from libs.common.messages import (
     TokenRequest,
 )
 from libs.common.model_cache import resolve_model, served_name
+from libs.common.model_capabilities import model_kind
 from libs.common.service import Announcer, instance_id
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
@@ -117,7 +118,8 @@ class TokenizerService:
                                      s.max_prompt_chars)
         self.preparer = Preparer(self.builder, s)
         embedder = Embedder(self.tokenizer, max_len)
-        mode = score_mode(s.score_mode, self.tokenizer, [self.model, str(path)])
+        kind = model_kind(path, [self.model, str(path)])
+        mode = score_mode(s.score_mode, self.tokenizer, kind)
         took = await asyncio.to_thread(warm_up, self.builder)
         log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)
         self._subs = [

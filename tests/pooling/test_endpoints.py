@@ -6,7 +6,6 @@ Qwen3Model on the same files, pooled and normalized as sentence-transformers doe
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -203,29 +202,27 @@ async def test_hostile_inputs_are_fast_400s(suite: Suite, http: httpx.AsyncClien
     assert_error(await http.post("/v1/embeddings", json={"model": "nope", "input": "a"}), 404)
 
 
-async def test_embeddings_share_the_engine_with_generation(
-    suite: Suite, sdk: openai.AsyncOpenAI
+async def test_models_say_an_embedding_model_only_embeds_and_scores(
+    suite: Suite, http: httpx.AsyncClient
 ) -> None:
-    """Completions and embeddings (64 inputs each) at once, on an engine whose generation
-    queue holds 8 requests: everything finishes, the vectors unchanged."""
-    many = [TEXTS[i % len(TEXTS)] for i in range(64)]
-    gens = [
-        asyncio.ensure_future(
-            sdk.completions.create(model=suite.model, prompt=[5, 6, i], max_tokens=16)
-        )
-        for i in range(6)
-    ]
-    embs = await asyncio.gather(
-        *(
-            sdk.embeddings.create(model=suite.model, input=many, encoding_format="float")
-            for _ in range(3)
-        )
+    """Detected from the checkpoint's sentence-transformers config (the served name says
+    nothing): /v1/models lists embed and score, and generation is a 400 naming `model`."""
+    listed = (await http.get("/v1/models")).json()
+    validate_openai("ListModelsResponse", listed)
+    (mine,) = [m for m in listed["data"] if m["id"] == suite.model]
+    assert mine["capabilities"] == ["embed", "score"]
+    messages = [{"role": "user", "content": "hi"}]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": messages}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/responses", {"input": "hi"}),
+    ]:
+        r = await http.post(path, json={"model": suite.model, **body})
+        assert_error(r, 400, param="model", contains="cannot serve text generation")
+    r = await http.post(  # Anthropic's envelope
+        "/v1/messages", json={"model": suite.model, "messages": messages, "max_tokens": 4}
     )
-    for done in await asyncio.gather(*gens):
-        assert done.usage is not None and done.usage.completion_tokens >= 1
-    for r in embs:
-        for text, item in zip(many, r.data, strict=True):
-            close(item.embedding, suite.expected(text))
+    assert r.status_code == 400 and "cannot serve text generation" in r.text, r.text
 
 
 async def test_langchain_openai_embeddings(suite: Suite) -> None:
