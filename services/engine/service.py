@@ -106,16 +106,16 @@ class EngineService:
                 self._engine_thread, build_engine, self.settings, path)
         elif not self.model_name:
             raise ValueError("an injected engine needs settings.served_model_name")
-        model_dir = Path(self._engine.config.model).expanduser()
-        if not model_dir.exists():  # the default or a hub id: resolved (and cached) already
-            model_dir = await asyncio.to_thread(resolve_model, self._engine.config.model)
-        self.capabilities = capabilities(model_kind(model_dir, [self.model_name, str(model_dir)]))
         self.loop = EngineLoop.for_service(self._engine, asyncio.get_running_loop(),
                                            self._on_outputs, self._on_crash, self.settings,
                                            executor=self._engine_thread)
         self.loop.start()
         s, engine = self.settings, self._engine
         assert engine is not None
+        model_dir = Path(engine.config.model).expanduser()
+        if not model_dir.exists():  # the default or a hub id: resolved (and cached) already
+            model_dir = await asyncio.to_thread(resolve_model, engine.config.model)
+        self.capabilities = capabilities(model_kind(model_dir, [self.model_name, str(model_dir)]))
         self.pool = PoolService(engine, self.loop, self.limits, lambda: self.crashed)
         self.structured = StructuredOutputs(
             engine.config.model, engine.vocab_size, sorted(engine.eos_token_ids),
