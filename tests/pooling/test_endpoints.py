@@ -6,6 +6,7 @@ Qwen3Model on the same files, pooled and normalized as sentence-transformers doe
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -240,3 +241,17 @@ async def test_langchain_openai_embeddings(suite: Suite) -> None:
     for text, vec in zip(TEXTS, docs, strict=True):
         close(vec, suite.expected(text))
     close(await emb.aembed_query(TEXTS[0]), suite.expected(TEXTS[0]))
+
+
+async def test_llama_index_openai_embedding(suite: Suite) -> None:
+    """llama-index's OpenAIEmbedding as its docs set it up for OpenAI-compatible servers
+    (`model_name` any name, `api_base` the server's /v1), sync and async, documents and query."""
+    llama_openai = pytest.importorskip("llama_index.embeddings.openai")
+    emb = llama_openai.OpenAIEmbedding(
+        model_name=suite.model, api_base=f"{suite.url}/v1", api_key="unused", max_retries=0
+    )
+    docs = await emb.aget_text_embedding_batch(TEXTS)
+    for text, vec in zip(TEXTS, docs, strict=True):
+        close(vec, suite.expected(text))
+    close(await emb.aget_query_embedding(TEXTS[1]), suite.expected(TEXTS[1]))
+    close(await asyncio.to_thread(emb.get_text_embedding, TEXTS[2]), suite.expected(TEXTS[2]))
