@@ -10,6 +10,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from libs.common.model_capabilities import Capability
 from libs.common.subjects import PROTOCOL_VERSION
 
 
@@ -318,6 +319,8 @@ class Announcement(Message):
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
     tokens_per_s: float = 0.0
+    # engines: what their model serves (model_capabilities.py); None where not known
+    capabilities: list[Capability] | None = None
 
 
 class Ping(Message):

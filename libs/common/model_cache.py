@@ -93,7 +93,8 @@ def resolve_model(spec: str | None) -> Path:
     local = snapshot_download(
         repo_id=repo_id,
         revision=revision or None,
-        allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.gguf"],
+        allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.gguf",
+                        "README.md"],  # the model card: what the model is for (capabilities)
     )
     return Path(local)
 

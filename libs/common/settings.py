@@ -238,7 +238,8 @@ class TokenizerSettings(CommonSettings):
     score_mode: Literal["auto", "embedding", "qwen3_reranker"] = Field(
         "auto", description="How /v1/score and /v1/rerank score a pair: embedding (cosine "
         "similarity of the two embeddings) | qwen3_reranker (Qwen3-Reranker's yes / no judging "
-        "prompt, P(yes)); auto: qwen3_reranker when the model's name says reranker")
+        "prompt, P(yes)); auto: qwen3_reranker when the checkpoint is a reranker (its "
+        "config, model card or sentence-transformers files; else its name)")
     inline_prepare_chars: int = Field(
         2048, ge=0, description="Completion prompts up to this many characters (or token ids), "
         "without a response format, are tokenized on the event loop instead of a worker "

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from opentelemetry import trace
@@ -43,6 +44,7 @@ from libs.common.messages import (
 )
 from libs.common.metrics import MetricsServer
 from libs.common.model_cache import resolve_model, served_name
+from libs.common.model_capabilities import Capability, capabilities, model_kind
 from libs.common.pooling_messages import PoolRequest
 from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import EngineSettings
@@ -121,6 +123,7 @@ class EngineService:
         self.structured: StructuredOutputs | None = None
         self.limits = QueueLimits(settings.max_waiting_requests, settings.max_waiting_tokens)
         self.announcer: Announcer | None = None
+        self.capabilities: list[Capability] | None = None  # what the model serves (announced)
         self.pool: PoolService | None = None  # embeddings, score, rerank (pool_service.py)
         # the one thread that builds and then steps the engine (loop.py)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-loop")
@@ -149,6 +152,10 @@ class EngineService:
         self.loop.start()
         s, engine = self.settings, self._engine
         assert engine is not None
+        model_dir = Path(engine.config.model).expanduser()
+        if not model_dir.exists():  # the default or a hub id: resolved (and cached) already
+            model_dir = await asyncio.to_thread(resolve_model, engine.config.model)
+        self.capabilities = capabilities(model_kind(model_dir, [self.model_name, str(model_dir)]))
         self.pool = PoolService(engine, self.loop, self.limits, lambda: self.crashed)
         self.structured = StructuredOutputs(
             engine.config.model, engine.vocab_size, sorted(engine.eos_token_ids),
@@ -403,6 +410,7 @@ class EngineService:
         total = s.get("kv_blocks_total", 0) or 1
         return Announcement(service="engine", instance=self.instance, model=self.model_name,
                             max_model_len=self._engine.max_model_len if self._engine else None,
+                            capabilities=self.capabilities,
                             running=s.get("running", 0), waiting=s.get("waiting", 0),
                             kv_usage=s.get("kv_blocks_used", 0) / total,
                             waiting_tokens=s.get("waiting_tokens", 0),

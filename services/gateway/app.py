@@ -28,7 +28,8 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from libs.common.bus import Bus
-from libs.common.errors import FlotillaError, model_not_found, unavailable
+from libs.common.errors import FlotillaError, invalid_request, model_not_found, unavailable
+from libs.common.model_capabilities import Capability
 from libs.common.settings import GatewaySettings
 from libs.common.store import Store
 from services.gateway import http_errors
@@ -75,8 +76,9 @@ class GatewayState:
         await self.registry.stop()
         await self.tools.stop()
 
-    async def require_model(self, model: str) -> ModelInfo:
-        """The served model, else 404; 503 when the registry itself cannot be read."""
+    async def require_model(self, model: str, serves: Capability | None = None) -> ModelInfo:
+        """The served model, else 404; 503 when the registry itself cannot be read; 400
+        naming `model` where it cannot serve `serves` (an embedding model asked to chat)."""
         try:
             info = await self.registry.get(model)
         except FlotillaError:  # an unreachable store: 503 with Retry-After, named
@@ -85,6 +87,9 @@ class GatewayState:
             raise unavailable(f"the model registry is unavailable: {exc}") from exc
         if info is None:
             raise model_not_found(model)
+        reason = info.cannot(serves) if serves is not None else None
+        if reason is not None:
+            raise invalid_request(reason, param="model", code="model_not_supported")
         return info
 
 

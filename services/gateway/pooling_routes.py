@@ -183,7 +183,7 @@ async def create_embedding(request: Request) -> Response:
     deadline = request_deadline(request)
     body = await read_json(request, deadline)
     gw.spec.validate("createEmbedding", body)
-    info = await gw.require_model(body["model"])
+    info = await gw.require_model(body["model"], "embed")
     inputs = embedding_inputs(body["input"])
     normalize = body.get("normalize")
     pooling = PoolingOptions(
@@ -235,7 +235,7 @@ async def create_score(request: Request) -> Response:
     deadline = request_deadline(request)
     body = await read_json(request, deadline)
     gw.spec.validate("createScore", body)
-    info = await gw.require_model(body["model"])
+    info = await gw.require_model(body["model"], "score")
     text_1 = [body["text_1"]] if isinstance(body["text_1"], str) else body["text_1"]
     text_2 = [body["text_2"]] if isinstance(body["text_2"], str) else body["text_2"]
     pairs = _score_pairs(text_1, text_2)
@@ -272,7 +272,7 @@ async def create_rerank(request: Request) -> Response:
     deadline = request_deadline(request)
     body = await read_json(request, deadline)
     gw.spec.validate("createRerank", body)
-    info = await served_model(gw, body)
+    info = await served_model(gw, body, "score")
     documents = [d if isinstance(d, str) else d["text"] for d in body["documents"]]
     try:
         reply = await score(

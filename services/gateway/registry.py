@@ -8,6 +8,7 @@ Rules:
   ready when an engine announcing it is alive too (/ready, in health.py, probes each instance).
 - Its `max_model_len` is the smallest its live engines and tokenizers announce: the engines own
   the context length (what their KV cache holds) and publish it (libs/common/context.py).
+- A model's capabilities come from its engines' announcements (model_capabilities.py).
 - `created` of a model is the first time any gateway saw it, kept without TTL so it stays stable.
 - `get()` (every generation request asks it) answers a model found within the last
   `lookup_cache_s` from memory, without reading the Store; a model not found is always read
@@ -24,6 +25,7 @@ from typing import Any
 from libs.common import subjects
 from libs.common.bus import Bus
 from libs.common.messages import Announcement, Ping
+from libs.common.model_capabilities import Capability
 from libs.common.store import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -37,10 +39,29 @@ class ModelInfo:
     id: str
     created: int
     max_model_len: int | None
+    # what the model serves, from its engines' announcements; None until an engine announces
+    capabilities: tuple[Capability, ...] | None = None
 
     def openai(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "model", "created": self.created,
+        body = {"id": self.id, "object": "model", "created": self.created,
                 "owned_by": "flotilla", "max_model_len": self.max_model_len}
+        if self.capabilities is not None:
+            body["capabilities"] = list(self.capabilities)
+        return body
+
+    def cannot(self, capability: Capability) -> str | None:
+        """Why this model cannot serve `capability`, or None (also when not yet known)."""
+        if self.capabilities is None or capability in self.capabilities:
+            return None
+        return (f"model `{self.id}` cannot serve {_WHAT[capability]}: it serves "
+                + ", ".join(_WHAT[c] for c in self.capabilities))
+
+
+_WHAT: dict[Capability, str] = {
+    "generate": "text generation (chat, completions, responses, messages)",
+    "embed": "embeddings (/v1/embeddings)",
+    "score": "scoring (/v1/score, /v1/rerank)",
+}
 
 
 @dataclass
@@ -99,6 +120,10 @@ class ModelRegistry:
     async def models(self) -> list[ModelInfo]:
         alive = await self.alive()
         served = {a.model for a in alive if a.service == "tokenizer" and a.model}
+        caps: dict[str, tuple[Capability, ...]] = {}
+        for a in sorted(alive, key=lambda a: a.instance):
+            if a.service == "engine" and a.model and a.capabilities is not None:
+                caps.setdefault(a.model, tuple(a.capabilities))
         lengths: dict[str, int | None] = dict.fromkeys(served)
         for a in alive:  # the smallest length any engine or tokenizer of the model publishes
             if a.model in served and a.service in ("engine", "tokenizer") and a.max_model_len:
@@ -108,7 +133,8 @@ class ModelRegistry:
         infos = []
         for model, max_len in sorted(lengths.items()):
             created = await self.store.get(_CREATED + model)
-            infos.append(ModelInfo(model, int(created) if created else int(time.time()), max_len))
+            infos.append(ModelInfo(model, int(created) if created else int(time.time()), max_len,
+                                   caps.get(model)))
         return infos
 
     async def get(self, model: str) -> ModelInfo | None:

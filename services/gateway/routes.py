@@ -150,7 +150,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await read_json(request, deadline)
     gw.spec.validate("createChatCompletion", body)
     check_schema_sizes(body, gw.settings.max_schema_bytes)
-    await gw.require_model(body["model"])
+    await gw.require_model(body["model"], "generate")
     body = from_legacy(body)
     tools = await gw.tools.tools_for(body)
     if body.get("tools") is None and tools:  # injected MCP tools: the server runs their calls
@@ -171,7 +171,7 @@ async def create_completion(request: Request) -> Response:
     body = await read_json(request, deadline)
     gw.spec.validate("createCompletion", body)
     check_schema_sizes(body, gw.settings.max_schema_bytes)
-    await gw.require_model(body["model"])
+    await gw.require_model(body["model"], "generate")
     return await generate(request, completion_plan(body, gw.settings.max_n), deadline)
 
 

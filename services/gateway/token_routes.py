@@ -28,6 +28,7 @@ from libs.common.messages import (
     RenderReply,
     TextRequest,
 )
+from libs.common.model_capabilities import Capability
 from services.gateway.history import normalize_messages
 from services.gateway.limits import check_schema_sizes
 from services.gateway.plan import generation_prompt, new_request_id
@@ -40,14 +41,15 @@ if TYPE_CHECKING:
 router = APIRouter()
 
 
-async def served_model(gw: GatewayState, body: dict[str, Any]) -> ModelInfo:
+async def served_model(gw: GatewayState, body: dict[str, Any],
+                       serves: Capability | None = None) -> ModelInfo:
     if body.get("model") is not None:
-        return await gw.require_model(body["model"])
+        return await gw.require_model(body["model"], serves)
     models = await gw.registry.models()
     if len(models) != 1:
         raise invalid_request(f"Missing required parameter: `model` (this server serves "
                               f"{len(models)} models).", param="model")
-    return models[0]
+    return await gw.require_model(models[0].id, serves)
 
 
 async def _encode(gw: GatewayState, model: str, text: str, add_special_tokens: bool,

@@ -4,8 +4,9 @@ Rules:
 - An embedding model (the default): every distinct text is embedded once (pooled and
   L2-normalized by the engine, embed.py's tokenization) and a pair's score is the cosine
   similarity of its two vectors, which is what vLLM does for embedding models.
-- A Qwen3-Reranker (`FLOTILLA_SCORE_MODE=qwen3_reranker`, or `auto` with "reranker" in the
-  model's name and single-token "yes" and "no"): each pair becomes the model card's judging
+- A Qwen3-Reranker (`FLOTILLA_SCORE_MODE=qwen3_reranker`, or `auto` where the checkpoint is
+  a reranker — its files say so, else its name says "reranker", model_capabilities.py — and
+  "yes" and "no" are single tokens): each pair becomes the model card's judging
   prompt (its system prompt, `<Instruct>`, `<Query>`, `<Document>`, the empty think block),
   tokenized in three parts without special tokens as the card does, and the engine returns the
   last token's "no" and "yes" logits; the score is P(yes) = sigmoid(yes - no).
@@ -28,6 +29,7 @@ from nats.aio.subscription import Subscription
 from libs.common import subjects
 from libs.common.bus import Bus
 from libs.common.errors import FlotillaError, deadline_exceeded, invalid_request
+from libs.common.model_capabilities import ModelKind
 from libs.common.pooling_messages import (
     EmbedRequest,
     PoolingOptions,
@@ -61,13 +63,14 @@ def _single_token(tokenizer: Tokenizer, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def score_mode(setting: str, tokenizer: Tokenizer, names: list[str]) -> ScoreMode:
-    """The mode the setting asks for; `auto`: qwen3_reranker where a name says "reranker"
-    and "yes" / "no" are single tokens, else embedding."""
+def score_mode(setting: str, tokenizer: Tokenizer, kind: ModelKind) -> ScoreMode:
+    """The mode the setting asks for; `auto`: qwen3_reranker where the checkpoint is a
+    reranker (model_capabilities.py: its files, else its name) and "yes" / "no" are single
+    tokens, else embedding."""
     if setting != "auto":
         return setting  # type: ignore[return-value]
     yes, no = _single_token(tokenizer, "yes"), _single_token(tokenizer, "no")
-    if yes is not None and no is not None and any("reranker" in n.lower() for n in names):
+    if yes is not None and no is not None and kind == "rerank":
         return "qwen3_reranker"
     return "embedding"
 

@@ -52,6 +52,7 @@ from libs.common.messages import (
 )
 from libs.common.metrics import MetricsServer
 from libs.common.model_cache import resolve_model, served_name
+from libs.common.model_capabilities import model_kind
 from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
@@ -136,7 +137,8 @@ class TokenizerService:
                                              s.metrics_port)
         self._metrics_server.start()
         embedder = self._embedder = Embedder(self.tokenizer, max_len)
-        mode = score_mode(s.score_mode, self.tokenizer, [self.model, str(path)])
+        kind = model_kind(path, [self.model, str(path)])
+        mode = score_mode(s.score_mode, self.tokenizer, kind)
         took = await asyncio.to_thread(warm_up, self.builder)
         log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)
         self._work_subs = [  # new work: left first when draining

@@ -37,6 +37,23 @@ async def test_tokenizer_lists_model_and_engine_makes_it_ready(bus: Bus) -> None
     assert await registry.models() == [] and (await registry.health()).services == {}
 
 
+async def test_capabilities_come_from_the_engines_announcement(bus: Bus) -> None:
+    """Unknown (no field, every request let through) until an engine says; then listed on
+    the OpenAI Model object, which stays valid against the official schema."""
+    registry = ModelRegistry(bus, MemoryStore(), ttl_s=5)
+    await registry.record(_ann("tokenizer", "emb"))
+    [info] = await registry.models()
+    assert info.capabilities is None and "capabilities" not in info.openai()
+    assert info.cannot("generate") is None
+    engine = _ann("engine", "emb").model_copy(update={"capabilities": ["embed", "score"]})
+    await registry.record(engine)
+    [info] = await registry.models()
+    validate_openai("Model", info.openai())
+    assert info.openai()["capabilities"] == ["embed", "score"]
+    assert info.cannot("embed") is None and info.cannot("score") is None
+    assert "cannot serve text generation" in (info.cannot("generate") or "")
+
+
 async def test_replicas_share_the_registry_through_redis(bus: Bus) -> None:
     namespace = f"flotilla-test-{uuid.uuid4().hex[:8]}:"
     try:

@@ -203,29 +203,27 @@ async def test_hostile_inputs_are_fast_400s(suite: Suite, http: httpx.AsyncClien
     assert_error(await http.post("/v1/embeddings", json={"model": "nope", "input": "a"}), 404)
 
 
-async def test_embeddings_share_the_engine_with_generation(
-    suite: Suite, sdk: openai.AsyncOpenAI
+async def test_models_say_an_embedding_model_only_embeds_and_scores(
+    suite: Suite, http: httpx.AsyncClient
 ) -> None:
-    """Completions and embeddings (64 inputs each) at once, on an engine whose generation
-    queue holds 8 requests: everything finishes, the vectors unchanged."""
-    many = [TEXTS[i % len(TEXTS)] for i in range(64)]
-    gens = [
-        asyncio.ensure_future(
-            sdk.completions.create(model=suite.model, prompt=[5, 6, i], max_tokens=16)
-        )
-        for i in range(6)
-    ]
-    embs = await asyncio.gather(
-        *(
-            sdk.embeddings.create(model=suite.model, input=many, encoding_format="float")
-            for _ in range(3)
-        )
+    """Detected from the checkpoint's sentence-transformers config (the served name says
+    nothing): /v1/models lists embed and score, and generation is a 400 naming `model`."""
+    listed = (await http.get("/v1/models")).json()
+    validate_openai("ListModelsResponse", listed)
+    (mine,) = [m for m in listed["data"] if m["id"] == suite.model]
+    assert mine["capabilities"] == ["embed", "score"]
+    messages = [{"role": "user", "content": "hi"}]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": messages}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/responses", {"input": "hi"}),
+    ]:
+        r = await http.post(path, json={"model": suite.model, **body})
+        assert_error(r, 400, param="model", contains="cannot serve text generation")
+    r = await http.post(  # Anthropic's envelope
+        "/v1/messages", json={"model": suite.model, "messages": messages, "max_tokens": 4}
     )
-    for done in await asyncio.gather(*gens):
-        assert done.usage is not None and done.usage.completion_tokens >= 1
-    for r in embs:
-        for text, item in zip(many, r.data, strict=True):
-            close(item.embedding, suite.expected(text))
+    assert r.status_code == 400 and "cannot serve text generation" in r.text, r.text
 
 
 async def test_langchain_openai_embeddings(suite: Suite) -> None:
@@ -243,3 +241,17 @@ async def test_langchain_openai_embeddings(suite: Suite) -> None:
     for text, vec in zip(TEXTS, docs, strict=True):
         close(vec, suite.expected(text))
     close(await emb.aembed_query(TEXTS[0]), suite.expected(TEXTS[0]))
+
+
+async def test_llama_index_openai_embedding(suite: Suite) -> None:
+    """llama-index's OpenAIEmbedding as its docs set it up for OpenAI-compatible servers
+    (`model_name` any name, `api_base` the server's /v1), sync and async, documents and query."""
+    llama_openai = pytest.importorskip("llama_index.embeddings.openai")
+    emb = llama_openai.OpenAIEmbedding(
+        model_name=suite.model, api_base=f"{suite.url}/v1", api_key="unused", max_retries=0
+    )
+    docs = await emb.aget_text_embedding_batch(TEXTS)
+    for text, vec in zip(TEXTS, docs, strict=True):
+        close(vec, suite.expected(text))
+    close(await emb.aget_query_embedding(TEXTS[1]), suite.expected(TEXTS[1]))
+    close(await asyncio.to_thread(emb.get_text_embedding, TEXTS[2]), suite.expected(TEXTS[2]))

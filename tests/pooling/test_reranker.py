@@ -1,6 +1,8 @@
-"""/v1/score and /v1/rerank on a reranker: a tiny random Qwen3 served under a name that says
-reranker, scored as Qwen3-Reranker's model card does (its judging prompt, P(yes) from the
-last token's "yes" and "no" logits). The reference is the card's code on transformers."""
+"""/v1/score and /v1/rerank on a reranker: a tiny random Qwen3 whose model card says
+`pipeline_tag: text-ranking` as Qwen3-Reranker's does (neither its served name nor its directory
+says reranker: the checkpoint's evidence decides), scored as Qwen3-Reranker's model card does
+(its judging prompt, P(yes) from the last token's "yes" and "no" logits). The reference is the
+card's code on transformers."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ from services.tokenizer.scoring import (
 from tests.pooling.models import save_tiny_qwen3
 from tests.pooling.suite import served
 
+QWEN3_RERANKER_CARD = (  # the front matter of Qwen3-Reranker-0.6B's README.md
+    "---\nlicense: apache-2.0\nbase_model:\n- Qwen/Qwen3-0.6B-Base\n"
+    "library_name: transformers\npipeline_tag: text-ranking\n---\n# Qwen3-Reranker-0.6B\n"
+)
 QUERY = "where is paris"
 DOCS = ["paris is the capital of france", "a cat sat on the mat", "the weather is sunny today"]
 
@@ -55,9 +61,10 @@ class Reference:
 async def reranker(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[tuple[str, str, Reference]]:
-    path = tmp_path_factory.mktemp("qwen3-reranker")
+    path = tmp_path_factory.mktemp("qwen3-judge")
     hf = save_tiny_qwen3(path, tokenizer=True, max_position_embeddings=1024)
-    model = f"tiny-qwen3-reranker-{uuid.uuid4().hex[:8]}"
+    (path / "README.md").write_text(QWEN3_RERANKER_CARD)
+    model = f"tiny-qwen3-judge-{uuid.uuid4().hex[:8]}"
     async with served(path, model) as url:
         yield url, model, Reference(path, hf)
 
@@ -91,3 +98,14 @@ async def test_rerank_and_score_are_the_model_cards_p_yes(reranker) -> None:  # 
         )
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_models_say_a_reranker_scores_and_generates_but_does_not_embed(reranker) -> None:  # type: ignore[no-untyped-def]
+    url, model, _ = reranker
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        (mine,) = [m for m in (await http.get("/v1/models")).json()["data"] if m["id"] == model]
+        assert mine["capabilities"] == ["generate", "score"]
+        r = await http.post("/v1/embeddings", json={"model": model, "input": "paris"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "model"
+        assert "cannot serve embeddings" in r.json()["error"]["message"]

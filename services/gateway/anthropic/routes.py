@@ -61,7 +61,7 @@ async def create_message(request: Request) -> Response:
     gw = _gateway(request)
     body = await read_json(request)
     gw.spec.validate("createMessage", body)
-    await gw.require_model(body["model"])
+    await gw.require_model(body["model"], "generate")
     shape = chat_shape(body)
     rid = new_request_id()
     turn = new_turn(gw, shape.body, shape.tools, rid, shape.extra)

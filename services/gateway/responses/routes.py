@@ -98,7 +98,7 @@ async def create_response(request: Request) -> Response:
     if req.background and req.stream:
         raise invalid_request("Streaming a `background` response is not supported by this "
                               "server; poll `GET /v1/responses/{id}` instead.", param="stream")
-    await gw.require_model(body["model"])
+    await gw.require_model(body["model"], "generate")
     history = await _history(rs, body)
     mcp = McpToolset()
     if any(t["type"] == "mcp" for t in body.get("tools") or []):
