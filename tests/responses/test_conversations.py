@@ -176,3 +176,33 @@ async def test_conversation_full_refuses_a_response(client: httpx.AsyncClient, m
     r = await client.post("/v1/responses", json={"model": model, "input": "hi",
                                                  "conversation": conv["id"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "conversation"
+
+
+async def test_chat_completions_in_a_conversation(oai: AsyncOpenAI, client: httpx.AsyncClient,
+                                                  model: str, tokenizer: FakeTokenizer) -> None:
+    conv = await oai.conversations.create(items=[user("earlier")])
+    first = await oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "one"}],
+        extra_body={"conversation": conv.id})
+    assert first.choices[0].message.content == HELLO
+    assert [(m["role"], m["content"]) for m in tokenizer.requests[-1].messages] == [
+        ("user", "earlier"), ("user", "one")]
+    stream = await oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "two"}]}],
+        stream=True, extra_body={"conversation": conv.id})
+    assert "".join([c.choices[0].delta.content or "" async for c in stream
+                    if c.choices]) == HELLO
+    assert [(m["role"], m["content"]) for m in tokenizer.requests[-1].messages] == [
+        ("user", "earlier"), ("user", "one"), ("assistant", HELLO), ("user", "two")]
+    items = (await client.get(f"/v1/conversations/{conv.id}/items",
+                              params={"order": "asc"})).json()
+    validate_openai("ConversationItemList", items)
+    assert [(i["role"], i["content"][0]["text"]) for i in items["data"]] == [
+        ("user", "earlier"), ("user", "one"), ("assistant", HELLO), ("user", "two"),
+        ("assistant", HELLO)]
+
+    for extra, param in [({"n": 2}, "n"), ({"conversation": "conv_nope"}, "conversation")]:
+        r = await client.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "x"}],
+            "conversation": conv.id, **extra})
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param
