@@ -79,10 +79,10 @@ async def in_conversation(store: ConversationStore, body: dict[str, Any]
     """The body with the conversation's messages first (and no `conversation`), and what adds
     the messages and the reply (of the request `rid`) to the conversation once it is complete."""
     conversation = body["conversation"]
+    history = (await store.get(conversation, "conversation"))["items"]
     if int(body.get("n") or 1) != 1:
         raise invalid_request("A request in a `conversation` must have `n: 1`.", param="n")
     new = message_items(body["messages"])
-    history = (await store.get(conversation, "conversation"))["items"]
     store.check(history + new, "conversation")
     body = {k: v for k, v in body.items() if k != "conversation"}
     body["messages"] = chat_messages(history) + body["messages"]
