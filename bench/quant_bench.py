@@ -16,7 +16,7 @@ Targets on H100 (batch 1): q4k >= 300 tok/s, gptq/awq >= 350, fp8 >= 280.
 
     python bench/quant_bench.py [--only q4k,gptq,fp8,bf16,awq] [--layers 32] [--repeat N]
                                 [--out FILE]
-Environment: FLOTILLA_PDL=0|1|2 (kernels/pdl.py) is read by the kernels at graph capture.
+Environment: the kernel switches of EngineSettings (FLOTILLA_PDL=0|1, ...; kernels/selection.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import LLAMA3_8B, copy_bandwidth, model_dir, rand_prompts, run  # noqa: E402
+from libs.common.settings import EngineSettings  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
+from services.engine.factory import kernel_selection  # noqa: E402
 
 TARGETS = {"q4k": 300, "gptq": 350, "awq": 350, "fp8": 280}
 FORMATS = {  # name -> (EngineConfig quantization, isq)
@@ -121,7 +123,8 @@ def bench_format(name: str, layers: int, copy_gbps: float, repeat: int = 1) -> d
     engine = Engine(EngineConfig(model=model_dir(layers), load_format="dummy", dtype="bfloat16",
                                  device="cuda", quantization=quantization, isq=isq,
                                  kvcache_mem_mib=4096, max_num_seqs=32,
-                                 max_num_batched_tokens=4096))
+                                 max_num_batched_tokens=4096,
+                                 kernel_selection=kernel_selection(EngineSettings())))
     model = engine.runner.model
     if name in ("gptq", "awq"):
         randomize_w4(model, zero_points=name == "awq")

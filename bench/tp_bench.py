@@ -31,8 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import LLAMA3_8B, model_dir, rand_prompts, run  # noqa: E402
+from libs.common.settings import EngineSettings  # noqa: E402
 from services.engine.distributed import disable_multicast_env  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
+from services.engine.factory import kernel_selection  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 CHECK_PROMPT_LEN = 96
@@ -41,7 +43,9 @@ CHECK_TIMEOUT_S = float(os.environ.get("TP_CHECK_TIMEOUT_S", "150"))
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=512)
 _SHAPE: dict = dict(LLAMA3_8B)
-_ENGINE: dict = dict(dtype="bfloat16", device="cuda")
+# the kernel switches of the environment (FLOTILLA_GEMV=triton, ...), as a server would read them
+_ENGINE: dict = dict(dtype="bfloat16", device="cuda",
+                     kernel_selection=kernel_selection(EngineSettings()))
 _SIZES = {"B1": (1, 128, 256), "B3": (256, 128, 128)}  # requests, prompt, output tokens
 
 

@@ -1,8 +1,9 @@
 """flotilla kernels: one function per op, dispatching on the device of its inputs.
 
 CUDA tensors run the Triton kernel (`*_triton` in each module); anything else runs the torch
-reference (`*_ref`), which is what the CPU engine serves with. Set FLOTILLA_KERNELS=torch to force
-the references on CUDA too (debugging, A/B comparisons).
+reference (`*_ref`), which is what the CPU engine serves with. The selection's `kernels="torch"`
+(FLOTILLA_KERNELS=torch, kernels/selection.py) forces the references on CUDA too (debugging, A/B
+comparisons).
 
 Attention dispatch: decode-only batches (every sequence has q_len == 1) use the split-KV decode
 kernel; mixed or prefill batches use the prefill/extend kernel (see kernels/paged_attention.py).
@@ -12,19 +13,18 @@ The KV-cache ops take optional `kv_scales`: then the caches are fp8 e4m3 with on
 Quantized matmuls (gguf_matmul, w4a16_matmul, fp8_matmul) keep weights packed on the GPU and
 decode them in registers (GEMV for decode, tiled GEMM for prefill); the references dequantize.
 
-Sampling (kernels/sampling.py): apply_penalties / apply_temperature / apply_top_k_top_p_min_p /
-token_counts are vectorised torch on any device (no host sync); `sample` draws one token per row
-with a per-row (seed, step) counter-based RNG, identical on CPU and CUDA; `argmax` takes greedy
-rows' tokens (two small launches on CUDA instead of torch's one block per row).
+`argmax` (kernels/argmax.py) takes greedy rows' tokens (two small launches on CUDA instead of
+torch's one block per row); the rest of sampling is services/engine/sampler.py.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kernels import selection
 from kernels.activation import SwigluOAI, silu_and_mul_ref, silu_and_mul_triton
+from kernels.argmax import argmax_ref, argmax_triton
+from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import fp8_matmul_ref, fp8_matmul_triton
 from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 from kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
@@ -40,18 +40,7 @@ from kernels.rms_norm import (
 )
 from kernels.rotary import RotaryOutput, rotary_embedding_ref, rotary_embedding_triton
 from kernels.rotary_kv import rotary_write_kv_cache_ref, rotary_write_kv_cache_triton
-from kernels.sampling import (
-    apply_penalties,
-    apply_temperature,
-    apply_top_k_top_p_min_p,
-    argmax_ref,
-    argmax_triton,
-    sample_ref,
-    sample_triton,
-    token_counts,
-)
 from kernels.w4a16 import w4a16_matmul_ref, w4a16_matmul_triton
-from services.engine.forward_context import AttentionMetadata
 
 __all__ = [
     "FP8_KV_DTYPE",
@@ -59,9 +48,6 @@ __all__ = [
     "KVScales",
     "RotaryOutput",
     "SwigluOAI",
-    "apply_penalties",
-    "apply_temperature",
-    "apply_top_k_top_p_min_p",
     "argmax",
     "fused_add_rms_norm",
     "fused_moe",
@@ -71,20 +57,15 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "rotary_write_kv_cache",
-    "sample",
     "silu_and_mul",
-    "token_counts",
     "use_triton",
     "w4a16_matmul",
     "write_kv_cache",
 ]
 
-_FORCE_TORCH = os.environ.get("FLOTILLA_KERNELS", "").lower() == "torch"
-
-
 def use_triton(t: torch.Tensor) -> bool:
-    """True when `t` lives on CUDA and the references are not forced."""
-    return t.is_cuda and not _FORCE_TORCH
+    """True when `t` lives on CUDA and the references are not forced (kernels/selection.py)."""
+    return t.is_cuda and selection.current().kernels != "torch"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -192,12 +173,6 @@ def paged_attention(
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """int64 [B]: each row's argmax of logits [B, V], the lowest index on ties (torch.argmax)."""
     return (argmax_triton if use_triton(logits) else argmax_ref)(logits)
-
-
-def sample(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Token ids [B] drawn from softmax(logits [B, V]); row i's draw depends only on
-    (seeds[i], steps[i]) (int64 [B]). Apply temperature and filters to the logits first."""
-    return (sample_triton if use_triton(logits) else sample_ref)(logits, seeds, steps)
 
 
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -16,24 +16,24 @@ Shapes: cuDNN builds an execution plan per sequence length (without them built f
 multiples of BUCKET (zero rows after the prompt: with causal masking no real query sees them)
 and `warm_up` builds every bucket's plan at start-up. A prompt takes the fused path only while
 the padding adds at most MAX_PAD_COST of attention work (the fused kernel is ~1.4x faster).
-FLOTILLA_DENSE_PREFILL (read at start-up; see `enabled`): auto, the default, takes the path on
-Hopper and later GPUs, where it was measured (H100, B4: 38,478 -> 39,761 tok/s median, paged vs
-fused in one process); 1 on any GPU; 0 never (no plan is built and every prompt reads the paged
-cache). Start-up: 5.5 s with the plans vs 5.4 s without on an H100 with warm caches. PyTorch
-keeps these plans per thread: the engine service's loop thread builds them again before its
-first step (services/engine/loop.py).
+The selection's dense_prefill (FLOTILLA_DENSE_PREFILL, kernels/selection.py; see `enabled`): auto,
+the default, takes the path on Hopper and later GPUs, where it was measured (H100, B4: 38,478 ->
+39,761 tok/s median, paged vs fused in one process); 1 on any GPU; 0 never (no plan is built and
+every prompt reads the paged cache). Start-up: 5.5 s with the plans vs 5.4 s without on an H100 with
+warm caches. PyTorch keeps these plans per thread: the engine service's loop thread builds them
+again before its first step (services/engine/loop.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
+from kernels import selection
+from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_quant import KVScales
-from services.engine.forward_context import AttentionMetadata
 
 log = logging.getLogger(__name__)
 DENSE_MIN_TOKENS = 1024  # shorter prompts: the paged kernel (launch-bound there anyway)
@@ -48,11 +48,9 @@ def padded_len(tokens: int) -> int:
 
 
 def enabled(device: torch.device) -> bool:
-    """FLOTILLA_DENSE_PREFILL: auto (default) on Hopper and later GPUs, where it was measured;
-    1 on any GPU; 0 off."""
-    raw = os.environ.get("FLOTILLA_DENSE_PREFILL", "auto").strip().lower()
-    if raw not in ("auto", "0", "1"):
-        raise ValueError(f"FLOTILLA_DENSE_PREFILL must be auto, 0 or 1, got {raw!r}")
+    """The selection's dense_prefill: auto (default) on Hopper and later GPUs, where it was
+    measured; 1 on any GPU; 0 off."""
+    raw = selection.current().dense_prefill
     if raw == "0" or device.type != "cuda":
         return False
     return raw == "1" or torch.cuda.get_device_capability(device)[0] >= 9

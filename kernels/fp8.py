@@ -6,7 +6,8 @@ y[m, n] = sum_k x[m, k] * W8[n, k] * scale[n, k // G] (per-channel: scale [N, 1]
   rows of 16-bit x -> the tensor-core GEMV of kernels/fp8_gemv.py (fp16 products, fp32 sums),
   which reads W once for both (the CUDA-core one reads it per row). H100, Llama-3-8B
   matrices, M = 1: 66-95% of copy bandwidth vs 53-85% on tensor cores; M = 2: 42-71% vs
-  52-85%. FLOTILLA_FP8_GEMV=mma|fma (`set_fp8_gemv`) pins one where it can run.
+  52-85%. The selection's fp8_gemv (FLOTILLA_FP8_GEMV=mma|fma, kernels/selection.py) pins one
+  where it can run.
 - Prefill with per-channel scales on sm_89+ (Ada, Hopper): x is quantized per token to e4m3
   (dynamic scales) and `torch._scaled_mm` runs the fp8 tensor cores with row-wise scales.
 - Otherwise a Triton GEMM that dequantizes tiles to x's dtype for tl.dot; on CPU, the reference.
@@ -15,13 +16,12 @@ Checkpoints with 2D block scales (DeepSeek style) expand them to one scale row p
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import selection
 from kernels.activation import silu_and_mul_triton
 from kernels.fp8_gemv import MAX_M, fp8_gemv_mma, mma_gemv_ok
 from kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
@@ -30,20 +30,6 @@ from kernels.gguf_matmul import _gemm_tiles, use_gemv
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-GEMV_KINDS = ("auto", "fma", "mma")
-_gemv_kind = "auto"
-
-
-def set_fp8_gemv(kind: str) -> None:
-    """Decode GEMV choice: "auto" (the module rules), "fma" (CUDA cores) or "mma" (tensor cores,
-    <= 2 rows of 16-bit x), each where it can run."""
-    global _gemv_kind
-    if kind not in GEMV_KINDS:
-        raise ValueError(f"fp8 GEMV must be one of {GEMV_KINDS}, got {kind!r}")
-    _gemv_kind = kind
-
-
-set_fp8_gemv(os.environ.get("FLOTILLA_FP8_GEMV", "auto").lower())
 
 
 def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +141,8 @@ def fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     if gemv:
         mma = m <= MAX_M and mma_gemv_ok(x2, k, group)
         fma = fma_gemv_ok(x2, weight, group)
-        prefer_mma = _gemv_kind == "mma" or (_gemv_kind == "auto" and m == 2)
+        kind = selection.current().fp8_gemv
+        prefer_mma = kind == "mma" or (kind == "auto" and m == 2)
         if fma and not (mma and prefer_mma):
             return fp8_gemv_fma(x2, weight, scale, group, gated=gated).reshape(
                 *x.shape[:-1], -1)

@@ -40,12 +40,12 @@ CONFIGS = [
     (64, 128, 64, 4, 4),
     (256, 64, 64, 8, 4),
 ]
-# What CUDA launches. No autotuning: prefill sizes change every step, and a tuning pass (~1 s)
-# in the middle of serving costs more than any tile choice gains. H100, Llama-3-8B gate/up,
-# M = 256-8192 (bench/prefill_lab.py): 128 x 128 x 64, 8 warps, 4 stages with Triton's warp
-# specialisation (producer warps feed TMA loads to the two MMA warpgroups) was the fastest at
-# M = 256, 512, 4,096 and 8,192 (the 3-stage variant: 4-6% faster at 1,024-2,048, 0.6% slower at
-# 4,096), and only warp-specialised configs beat cuBLAS + SiLU·mul.
+# What CUDA launches. No autotuning: prefill sizes change every step, and a tuning pass (~1 s) in
+# the middle of serving costs more than any tile choice gains. H100, Llama-3-8B gate/up, M =
+# 256-8192 (bench/prefill_lab.py, git history): 128 x 128 x 64, 8 warps, 4 stages with Triton's warp
+# specialisation (producer warps feed TMA loads to the two MMA warpgroups) was the fastest at M =
+# 256, 512, 4,096 and 8,192 (the 3-stage variant: 4-6% faster at 1,024-2,048, 0.6% slower at 4,096),
+# and only warp-specialised configs beat cuBLAS + SiLU·mul.
 CUDA_CONFIG = (128, 128, 64, 8, 4)
 CUDA_WARP_SPEC = True
 DEFAULT_CONFIG = (128, 128, 64, 8, 3)  # the interpreter's (specialisation is a GPU matter)

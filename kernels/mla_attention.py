@@ -20,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention import (
     _decode_reduce_kernel,
     default_num_splits,
     store_split_output,
 )
 from kernels.prefill_attention import new_output
-from services.engine.forward_context import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_tile import LOG2E, attend_tile, fold_sink
 from kernels.kv_quant import KVScales, dequantize_kv_ref
 from kernels.pdl import pdl_args, pdl_wait
@@ -24,7 +25,6 @@ from kernels.prefill_attention import (
     prefill_attention_triton,
     window_arg,
 )
-from services.engine.forward_context import AttentionMetadata
 
 # Decode reference: cap on gathered elements per batched chunk (bounds CPU memory).
 _REF_CHUNK_ELEMS = 1 << 25

@@ -15,7 +15,8 @@ weights and the step's metadata, copied from the host before the graph runs, may
 earlier) and before it writes anything. Then a kernel's completion implies its predecessors',
 so a dependence two kernels back is safe too.
 
-`FLOTILLA_PDL` = auto (default: CUDA devices of compute capability 9.0+), 1 (same), 0 (off).
+The selection's `pdl` (FLOTILLA_PDL, kernels/selection.py) = auto (default: CUDA devices of
+compute capability 9.0+), 1 (same), 0 (off).
 Measured on an H100 (bench/quant_bench.py, B1 decode tok/s, same run): GPTQ 354 -> 377 with
 the wait first in every kernel -> 381 with the GEMVs' first weight loads ahead of their wait
 (`pdl_wait_after`); bf16 176 -> 184.
@@ -24,13 +25,13 @@ the wait first in every kernel -> 381 with the GEMVs' first weight loads ahead o
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import selection
 from kernels.code_floats import INTERPRET
 
 PDL_MODES = ("auto", "0", "1")
@@ -71,17 +72,8 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-@functools.cache
-def pdl_mode() -> str:
-    """FLOTILLA_PDL, read once (tests clear the cache)."""
-    mode = os.environ.get("FLOTILLA_PDL", "auto").lower()
-    if mode not in PDL_MODES:
-        raise ValueError(f"FLOTILLA_PDL must be one of {PDL_MODES}, got {mode!r}")
-    return mode
-
-
 def pdl_enabled(t: torch.Tensor) -> bool:
-    if not t.is_cuda or INTERPRET or pdl_mode() == "0":
+    if not t.is_cuda or INTERPRET or selection.current().pdl == "0":
         return False
     return _device_ok(t.device.index if t.device.index is not None else
                       torch.cuda.current_device())

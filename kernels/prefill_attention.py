@@ -13,16 +13,15 @@ stay 16-bit (see attend_tile for where the per-token scales go).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import selection
+from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_tile import attend_tile, fold_sink
 from kernels.kv_quant import KVScales, check_kv_scales, dequantize_kv_ref
-from services.engine.forward_context import AttentionMetadata
 
 
 def gather_kv_ref(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,
@@ -131,10 +130,6 @@ def prefill_attention_ref(
     return out
 
 
-_TILE_OVERRIDE = tuple(int(x) for x in os.environ.get("FLOTILLA_PREFILL_TILE", "").split(",")
-                       if x.strip())
-if _TILE_OVERRIDE and len(_TILE_OVERRIDE) != 4:
-    raise ValueError("FLOTILLA_PREFILL_TILE must be 'block_m,block_n,num_warps,num_stages'")
 FP8_MAXNREG: int | None = 128  # register cap of 8-warp fp8-cache launches (None: ptxas's choice)
 
 
@@ -344,7 +339,8 @@ def prefill_attention_triton(
     An fp8 cache (`kv_scales`) keeps the tiles; with 8 warps it is capped at 128 registers
     (uncapped, ptxas takes ~170 at head_dim 128: one program per SM; capped, two as with bf16,
     and no spills).
-    FLOTILLA_PREFILL_TILE="m,n,warps,stages" overrides the defaults (benchmark sweeps).
+    The selection's prefill_tile (FLOTILLA_PREFILL_TILE="m,n,warps,stages", kernels/selection.py)
+    overrides the defaults (benchmark sweeps).
 
     With `meta.bounds_only` (a CUDA-graph capture of a whole step, services/engine/step_graphs.py)
     the launch reads no host value of the step: max_query_len is taken to be the row count T, and
@@ -358,8 +354,9 @@ def prefill_attention_triton(
         return out
     block_d = triton.next_power_of_2(head_dim)
     fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles
-    if _TILE_OVERRIDE and not fp32:
-        block_m, block_n, num_warps, num_stages = _TILE_OVERRIDE
+    tile = selection.current().prefill_tile
+    if tile and not fp32:
+        block_m, block_n, num_warps, num_stages = tile
     # bounds_only: max_query_len is only the row count, and a graph step is short (mostly
     # decode rows and short prompts): the small tile
     block_m = block_m or (64 if fp32 or meta.bounds_only or meta.max_query_len <= 128 else 128)

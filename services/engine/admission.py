@@ -3,9 +3,10 @@ engine's real ranges, its deadline, and room in the engine's bounded queue.
 
 Rules:
 - `to_sampling_params` maps the bus's SamplingOptions onto SamplingParams, which checks every
-  value (sampling_params.py), plus what needs the model: the context room for max_tokens and
-  min_tokens, token ids inside the vocabulary. A bad value raises InvalidParameter (a 400
-  naming it); nothing that passes can raise inside a step.
+  value (sampling_params.py), plus what needs the model: max_tokens resolved by the context
+  rule (libs/common/context.py: absent = the room left, too large = ContextLengthExceeded),
+  token ids inside the vocabulary. A bad value raises InvalidParameter or
+  ContextLengthExceeded (a 400 naming it); nothing that passes can raise inside a step.
 - The queue is bounded (`QueueLimits`): at most `max_waiting_requests` requests and
   `max_waiting_tokens` prompt tokens wait for their first step (in the engine's waiting queue
   or on their way to it). Past either, a request is refused with 503, code "engine_overloaded",
@@ -20,8 +21,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from libs.common.context import resolve_max_tokens
 from libs.common.messages import SamplingOptions
-from services.engine.request_error import InvalidParameter, RequestError
+from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams
 
 RETRY_AFTER_S = (1.0, 30.0)
@@ -30,14 +32,7 @@ RETRY_AFTER_S = (1.0, 30.0)
 def to_sampling_params(opts: SamplingOptions, prompt_len: int, max_model_len: int,
                        vocab_size: int) -> SamplingParams:
     """The engine's params for a request (its grammar, if any, is compiled separately)."""
-    room = max_model_len - prompt_len
-    if room < 1:
-        raise InvalidParameter("prompt", f"the prompt has {prompt_len} tokens; the context "
-                               f"holds {max_model_len}")
-    max_tokens = room if opts.max_tokens is None else opts.max_tokens
-    if max_tokens > room:
-        raise InvalidParameter("max_tokens", f"prompt ({prompt_len}) + max_tokens "
-                               f"({max_tokens}) exceeds the context length ({max_model_len})")
+    max_tokens = resolve_max_tokens(prompt_len, opts.max_tokens, max_model_len)
     params = SamplingParams(
         temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
         seed=opts.seed, max_tokens=max_tokens, stop_token_ids=list(opts.stop_token_ids),

@@ -3,15 +3,16 @@ services/engine/factory.py), its checks, and the values its "auto" / None fields
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels.paged_attention import SHORT_SPLIT_KEYS
+from kernels.selection import KernelSelection
 from services.engine.loader import CPU_DEFAULT
 
-# Steps up to here are host-bound on an H100 host with a Llama-3-8B (bench/shape_probe.py); past
-# it the GPU's share grows and each graph costs capture time.
+# Steps up to here are host-bound on an H100 host with a Llama-3-8B (bench/shape_probe.py, a probe
+# now in git history); past it the GPU's share grows and each graph costs capture time.
 DEFAULT_STEP_GRAPH_TOKENS = 512
 # The step token budget when none is given. On CPU a step's time grows with its tokens, and a
 # running stream waits for every step: with 512 a 3,000-token prompt stalled another stream for
@@ -68,9 +69,9 @@ class EngineConfig:
     # KV head, ~1.94x the tokens of bf16 at head_dim 128; kernels/kv_quant.py)
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None  # overlap host work with the device (None: on CUDA)
-    # unquantized decode GEMVs on CUDA: auto | cublas | triton (None: FLOTILLA_GEMV, else auto;
-    # services/engine/quant/base.py)
-    gemv: str | None = None
+    # which kernel serves each op where there is a choice (kernels/selection.py): every model
+    # runner installs it for its process before it builds the model
+    kernel_selection: KernelSelection = field(default_factory=KernelSelection)
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
     seed: int | None = None  # seeds the shared RNG of unseeded requests
     # tensor parallelism (services/engine/executor.py): tp ranks (None: one per device id, or
@@ -99,8 +100,6 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype}")
-        if self.gemv not in (None, "auto", "cublas", "triton"):
-            raise ValueError(f"gemv must be auto, cublas or triton, got {self.gemv!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.tp_all_reduce not in ("auto", "nccl", "one_shot", "two_shot"):

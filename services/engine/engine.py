@@ -19,7 +19,8 @@ Rules:
   reports them per request), or its deadline passed (checked at the start of every step). The
   other requests of the batch go on unchanged; only a failing forward raises from `step()`.
 - `add_request` checks what the engine itself relies on (token ids inside the vocabulary, room
-  in the context) and raises ValueError; the service checks the rest before (admission.py).
+  in the context: libs/common/context.py, max_tokens None = the room left, more = refused) and
+  raises ValueError; the service checks the rest before (admission.py).
 - Priority (lower first) and arrival order decide which waiting request is admitted next
   (waiting_queue.py).
 - With prompt_logprobs, the request's first output carries them (one entry per prompt token,
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from libs.common.context import resolve_max_tokens
 from libs.common.model_cache import resolve_model
 from services.engine import prompt_logprobs
 from services.engine.config import EngineConfig
@@ -137,7 +139,7 @@ class Engine:
         # the latest step's plan and its phases (s): up to the launch (scheduling, or collecting
         # the previous step first when it cannot overlap), the launch, collecting after it
         self.last_scheduled: SchedulerOutput | None = None
-        self.last_phases = (0.0, 0.0, 0.0)
+        self.last_phases: tuple[float, ...] = (0.0, 0.0, 0.0)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  path, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  config.block_size, self.max_model_len)
@@ -162,13 +164,9 @@ class Engine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_model_len} "
-                             "and at least one must be left to generate")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        room = self.max_model_len - n
-        max_tokens = min(params.max_tokens or room, room)
+        max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
                              "this request may generate")
@@ -417,6 +415,11 @@ class Engine:
         finally:
             self.kv.free(request)
         return torch.cat(parts)
+
+    def prepare_thread(self) -> None:
+        """Build the per-thread caches (cuDNN attention plans) on the thread that will call
+        `step()` (PyTorch keeps them per thread; loop.py calls this from its thread)."""
+        self.runner.warm_up_dense_attention()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the engine is unusable afterwards."""

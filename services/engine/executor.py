@@ -16,17 +16,14 @@ import dataclasses
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.pod import pod_layout
 from services.engine.scheduler import ScheduledRequest
 from services.engine.step_output import LaunchedStep, RunnerOutput
-
-if TYPE_CHECKING:
-    from services.engine.engine import EngineConfig
 
 
 class TensorParallelError(RuntimeError):

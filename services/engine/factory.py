@@ -1,43 +1,52 @@
-"""Builds an Engine from EngineSettings."""
+"""Builds an Engine from EngineSettings.
+
+Rules:
+- `engine_config` derives EngineConfig from the settings in one step: every field the two share
+  is taken as it is (its name is the contract), the kernel switches become the frozen
+  KernelSelection (kernels/selection.py), and the few values the engine spells differently are
+  converted in `_CONVERTED`. Settings the service itself uses (admission, grammars, discovery)
+  are named in SERVICE_FIELDS; tests/engine/test_factory.py checks that every setting lands
+  somewhere.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from libs.common.settings import EngineSettings
-from services.engine.engine import Engine, EngineConfig
+from kernels.selection import KernelSelection, parse_tile
+from libs.common.settings import CommonSettings, EngineSettings
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+KERNEL_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelSelection))
+# read by the engine service (service.py, admission.py, structured.py), not by the Engine
+SERVICE_FIELDS = frozenset(CommonSettings.model_fields) | {
+    "served_model_name", "engine_id", "admit_window_ms", "admit_window_max_ms",
+    "max_waiting_requests", "max_waiting_tokens", "grammar_cache_entries", "grammar_cache_mib",
+    "grammar_compile_workers", "grammar_max_pending", "grammar_compile_timeout_s", "step_log"}
+_CONVERTED: dict[str, Callable[[Any], Any]] = {
+    "max_num_batched_tokens": lambda v: v or 0,  # EngineConfig: 0 = its default budget
+    "quantization": lambda v: None if v == "none" else v,
+    "device_ids": lambda v: tuple(int(i) for i in v.split(",")) if v else None,
+}
 
 
 def build_engine(settings: EngineSettings, path: Path) -> Engine:
     return Engine(engine_config(settings, path))
 
 
+def kernel_selection(settings: EngineSettings) -> KernelSelection:
+    values = settings.model_dump(include=set(KERNEL_FIELDS))
+    return KernelSelection(**{**values, "prefill_tile": parse_tile(settings.prefill_tile)})
+
+
 def engine_config(settings: EngineSettings, path: Path) -> EngineConfig:
-    return EngineConfig(
-        model=str(path),
-        dtype=settings.dtype,
-        device=settings.device,
-        block_size=settings.block_size,
-        kvcache_mem_mib=settings.kvcache_mem_mib,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens or 0,
-        prefill_chunk_size=settings.prefill_chunk_size,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        enforce_eager=settings.enforce_eager,
-        decode_short_context=settings.decode_short_context,
-        pad_eager_steps=settings.pad_eager_steps,
-        step_graph_tokens=settings.step_graph_tokens,
-        quantization=None if settings.quantization == "none" else settings.quantization,
-        isq=settings.isq,
-        num_threads=settings.num_threads,
-        load_format=settings.load_format,
-        kv_cache_dtype=settings.kv_cache_dtype,
-        async_scheduling=settings.async_scheduling,
-        tp=settings.tp,
-        tp_all_reduce=settings.tp_all_reduce,
-        pooling=settings.pooling,
-        gemv=settings.gemv,
-        device_ids=(tuple(int(i) for i in settings.device_ids.split(","))
-                    if settings.device_ids else None),
-    )
+    values = settings.model_dump(include=set(CONFIG_FIELDS))
+    for name, convert in _CONVERTED.items():
+        values[name] = convert(values[name])
+    values["model"] = str(path)
+    return EngineConfig(**values, kernel_selection=kernel_selection(settings))

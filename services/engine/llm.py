@@ -6,6 +6,8 @@
     llm.prompt_logits(token_ids)               # [T, vocab] float32
 
 Rules:
+- The engine options default to the server's (EngineSettings): the same weights on the same
+  device, so the library and `flotilla up` generate alike.
 - Prompts are token-id lists, or strings when the tokenizer service's core
   (`Tokenizer.from_path`) can read the model's tokenizer; outputs then carry decoded text.
 - `generate` drives the engine to completion synchronously; it must not overlap with streams.
@@ -26,7 +28,8 @@ from typing import Any, Protocol
 import torch
 
 from libs.common.model_cache import resolve_model
-from services.engine.engine import Engine, EngineConfig, RequestOutput
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine, RequestOutput
 from services.engine.request import TokenLogprobs
 from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams
@@ -56,6 +59,10 @@ class Completion:
 class LLM:
     def __init__(self, model: str = "default", tokenizer: str | None = None,
                  **engine_kwargs: Any) -> None:
+        """`engine_kwargs`: EngineConfig's fields. The defaults are the engine service's:
+        quantization "auto" (on CPU the weight-only int8 / int4 the server keeps; pass
+        quantization=None for the checkpoint's own floats)."""
+        engine_kwargs.setdefault("quantization", "auto")
         path = resolve_model(model)
         self.engine = Engine(EngineConfig(model=str(path), **engine_kwargs))
         self.tokenizer = load_tokenizer(Path(tokenizer) if tokenizer else path)

@@ -49,12 +49,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from libs.common.settings import EngineSettings
 from services.engine.engine import RequestOutput
 from services.engine.pooling import PoolingParams
 from services.engine.request_error import RequestError
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class QueueState:
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
-    params: Any
+    params: SamplingParams | PoolingParams | None
     priority: int = 0
     deadline: float | None = None
     t: float = field(default_factory=time.time)  # handed to the loop (step log)
@@ -85,11 +87,39 @@ class _Abort:
     request_id: str
 
 
+class SteppedEngine(Protocol):
+    """What the step loop needs from an engine: `Engine` (engine.py) is one; tests use small
+    stand-ins. Every method is called from the loop's thread only."""
+
+    @property
+    def last_scheduled(self) -> SchedulerOutput | None:
+        """The latest step's plan (None before the first step)."""
+
+    @property
+    def last_phases(self) -> tuple[float, ...]:
+        """The latest step's phases in seconds (for the step log)."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | PoolingParams | None = None, priority: int = 0,
+                    deadline: float | None = None) -> None: ...
+
+    def abort(self, request_id: str) -> bool | None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def prepare_thread(self) -> None:
+        """Build what the engine keeps per thread, on the thread that will step it."""
+
+
 class EngineLoop:
     idle_beat_s = 0.5  # an idle loop wakes this often to show it is alive
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop,
-                 on_outputs: Callable[[list[Any]], None],
+    def __init__(self, engine: SteppedEngine, loop: asyncio.AbstractEventLoop,
+                 on_outputs: Callable[[list[RequestOutput]], None],
                  on_crash: Callable[[BaseException], None], admit_window_s: float = 0.0,
                  admit_window_max_s: float | None = None, step_log: str | None = None,
                  executor: Executor | None = None):
@@ -120,10 +150,13 @@ class EngineLoop:
         self._handed = [0, 0]
         self._rate = 0.0  # tokens per second, averaged over steps
         self._idle = False  # the last step did nothing
+        # called from this loop's thread after every step with (seconds, SchedulerOutput): the
+        # engine's step metrics (metrics.py)
+        self.on_step: Callable[[float, Any], None] | None = None
 
     @classmethod
-    def for_service(cls, engine: Any, loop: asyncio.AbstractEventLoop,
-                    on_outputs: Callable[[list[Any]], None],
+    def for_service(cls, engine: SteppedEngine, loop: asyncio.AbstractEventLoop,
+                    on_outputs: Callable[[list[RequestOutput]], None],
                     on_crash: Callable[[BaseException], None],
                     settings: EngineSettings, executor: Executor | None = None) -> EngineLoop:
         """The loop an engine service runs (on `executor`'s thread, where it built the engine)."""
@@ -145,8 +178,9 @@ class EngineLoop:
         else:
             self._thread.join(timeout=10)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: Any,
-            priority: int = 0, deadline: float | None = None) -> None:
+    def add(self, request_id: str, prompt_token_ids: list[int],
+            params: SamplingParams | PoolingParams | None, priority: int = 0,
+            deadline: float | None = None) -> None:
         counted = not isinstance(params, PoolingParams)
         if counted:
             with self._stats_lock:
@@ -179,8 +213,8 @@ class EngineLoop:
         self._handed = [0, 0]
 
     def _note_rate(self, dt: float) -> None:
-        sched = getattr(self.engine, "last_scheduled", None)
-        tokens = getattr(sched, "num_batched_tokens", 0)
+        sched = self.engine.last_scheduled
+        tokens = sched.num_batched_tokens if sched is not None else 0
         if tokens and dt > 0:
             rate = tokens / dt
             self._rate = rate if not self._rate else (
@@ -265,9 +299,9 @@ class EngineLoop:
 
     def _log_step(self, t0: float, dt: float, outputs: list[Any]) -> None:
         assert self._step_log is not None
-        sched = getattr(self.engine, "last_scheduled", None)
+        sched = self.engine.last_scheduled
         requests = sched.requests if sched is not None else []
-        phases = getattr(self.engine, "last_phases", ())
+        phases = self.engine.last_phases
         gc_ms, self._gc_ms = self._gc_ms, 0.0
         self._step_log.write(json.dumps({
             "t": round(t0, 6), "step_ms": round(dt * 1e3, 3),
@@ -294,9 +328,7 @@ class EngineLoop:
         try:
             # per-thread caches (cuDNN attention plans, FLOTILLA_DENSE_PREFILL) belong to the
             # thread that steps the engine, not to the one that built it
-            warm = getattr(getattr(self.engine, "runner", None), "warm_up_dense_attention", None)
-            if warm is not None:
-                warm()
+            self.engine.prepare_thread()
             while True:
                 self._beat = time.monotonic()
                 if not self._admit():
@@ -308,10 +340,12 @@ class EngineLoop:
                 outputs = self.engine.step()
                 dt = time.time() - t0
                 self._note_rate(dt)
-                sched = getattr(self.engine, "last_scheduled", None)
+                sched = self.engine.last_scheduled
                 self._idle = not outputs and sched is not None and sched.is_empty
                 # stats first: whoever sees a request's output sees a queue without it
                 self._refresh_stats()
+                if self.on_step is not None:
+                    self.on_step(dt, sched)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
                 if self._step_log is not None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels import dense_attention
+from kernels import dense_attention, selection
 from kernels.kv_quant import FP8_KV_DTYPE, KVScales
 from services.engine import prompt_logprobs, step_graphs
 from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
@@ -38,7 +38,6 @@ from services.engine.forward_context import forward_context
 from services.engine.layers.attention import Attention
 from services.engine.loader import load_model
 from services.engine.prompt_logprobs import PromptLogprobsPart
-from services.engine.quant.base import set_gemv_backend
 from services.engine.request_error import RequestError
 from services.engine.row_buckets import token_buckets, warm_up_gemms
 from services.engine.sampler import Sampler, SamplingBatch, sample_isolated
@@ -76,7 +75,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_tokens = config.max_num_batched_tokens
-        set_gemv_backend(config.gemv)  # Triton GEMVs autotune in the graph warm-up below
+        selection.install(config.kernel_selection)  # before the model's layers are built
         self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device,
                                                    quantization=config.resolved_quantization,
                                                    load_format=config.load_format)

@@ -33,10 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.config import EngineConfig
 from services.engine.distributed import (
     abort_distributed,
     destroy_distributed,
@@ -53,9 +53,6 @@ from services.engine.scheduler import ScheduledRequest
 from services.engine.step_output import LaunchedStep, RunnerOutput
 from services.engine.step_plan import PlanEncoder
 from services.engine.worker import WorkerSpec, run_worker
-
-if TYPE_CHECKING:
-    from services.engine.engine import EngineConfig
 
 log = logging.getLogger(__name__)
 

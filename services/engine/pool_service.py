@@ -154,6 +154,11 @@ class PoolService:
             vectors.append(encode_vector(out.pooled))
         return PoolReply(embeddings=vectors, prompt_tokens=sum(len(p) for p in req.prompts))
 
+    @property
+    def pending(self) -> int:
+        """Pooling requests admitted and not answered yet (a drain waits for them)."""
+        return len(self._groups)
+
     def on_output(self, out: Any) -> bool:
         """Deliver a pooling job's output; False if `out` is not one (generation's)."""
         future = self._jobs.get(out.request_id)

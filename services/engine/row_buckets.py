@@ -1,9 +1,9 @@
 """Row counts of eager steps rounded up to a few buckets, and the GEMMs warmed at each of them.
 
-Why: cuBLAS chooses a kernel on the host for every (M, N, K) it has not seen, 2.5-6 ms per
-weight shape on an H100 (bench/gemm_first_call.py). A prefill's M is its step's token count,
-so every new prompt length and every odd-sized step of a burst paid 10-30 ms before its GPU
-work started (bench/shape_probe.py). With buckets the GEMMs see a few dozen row counts, all
+Why: cuBLAS chooses a kernel on the host for every (M, N, K) it has not seen, 2.5-6 ms per weight
+shape on an H100 (bench/gemm_first_call.py, git history). A prefill's M is its step's token count,
+so every new prompt length and every odd-sized step of a burst paid 10-30 ms before its GPU work
+started (bench/shape_probe.py, git history). With buckets the GEMMs see a few dozen row counts, all
 met once at start-up.
 
 Rules:

@@ -80,6 +80,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     has_prompt_logprobs: bool = False  # some request has prompt_logprob_rows in this step
+    queue_waits: list[float] = field(default_factory=list)  # seconds each request scheduled
+    # for the first time in this step waited since its arrival (flotilla:request_queue_time)
 
     @property
     def is_empty(self) -> bool:
@@ -155,6 +157,7 @@ class Scheduler:
             self.waiting.pop()
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
+                out.queue_waits.append(request.first_scheduled_time - request.arrival_time)
             request.num_computed_tokens = hit.num_tokens
             self.prefix_hit_tokens += hit.num_tokens
             self.prefix_query_tokens += request.num_tokens

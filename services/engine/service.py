@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 
 from libs.common import subjects, telemetry
 from libs.common.bus import Bus, StreamWriter
+from libs.common.context import ContextLengthExceeded
 from libs.common.messages import (
     Admission,
     Announcement,
@@ -40,14 +41,20 @@ from libs.common.messages import (
     TokenLogprob,
     TokenRequest,
 )
+from libs.common.metrics import MetricsServer
 from libs.common.model_cache import resolve_model, served_name
 from libs.common.pooling_messages import PoolRequest
-from libs.common.service import Announcer, instance_id
+from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import EngineSettings
 from services.engine.admission import QueueLimits, check_deadline, to_sampling_params
+from services.engine.config import EngineConfig
+from services.engine.engine import RequestOutput
+from services.engine.executor import Executor
 from services.engine.factory import build_engine
-from services.engine.loop import EngineLoop
+from services.engine.loop import EngineLoop, SteppedEngine
+from services.engine.metrics import EngineMetrics
 from services.engine.pool_service import PoolService
+from services.engine.request import TokenLogprobs
 from services.engine.request_error import InvalidParameter, RequestError
 from services.engine.sampling_params import SamplingParams
 from services.engine.structured import GrammarCompileTimeout, StructuredOutputs
@@ -66,19 +73,46 @@ class _Live:
     generated: int = 0
 
 
+class ServedEngine(SteppedEngine, Protocol):
+    """What the engine service needs from an engine beyond the step loop's part: `Engine`
+    (engine.py) is one. Its `executor` reports a failed tensor-parallel rank; `shutdown` stops
+    the workers."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context length, published in its announcements."""
+
+    @property
+    def executor(self) -> Executor: ...
+
+    def shutdown(self) -> None: ...
+
+
 class EngineService:
-    def __init__(self, settings: EngineSettings, bus: Bus, engine: Any | None = None,
+    def __init__(self, settings: EngineSettings, bus: Bus, engine: ServedEngine | None = None,
                  on_fatal: Callable[[], None] | None = None):
         """`on_fatal` runs once when the engine breaks (the process's cue to exit)."""
         self.settings, self.bus = settings, bus
         self.instance = settings.engine_id or instance_id("engine")
-        self._engine = engine
+        self._engine: ServedEngine | None = engine
         self._owns_engine = engine is None  # an injected engine is its owner's to shut down
         self._on_fatal = on_fatal
         self.crashed: BaseException | None = None
         self._live: dict[str, _Live] = {}
         self._aborted: collections.deque[str] = collections.deque(maxlen=1000)
         self._counts = collections.Counter[str]()
+        self._refusals = collections.Counter[str]()  # overload refusals by cause (error code)
+        self.metrics: EngineMetrics | None = None
+        self._metrics_server: MetricsServer | None = None
         self._subs: list[Any] = []
         self._outbox: asyncio.Queue[Coroutine[Any, Any, None]] = asyncio.Queue()
         self._sender: asyncio.Task[Any] | None = None
@@ -106,6 +140,12 @@ class EngineService:
         self.loop = EngineLoop.for_service(self._engine, asyncio.get_running_loop(),
                                            self._on_outputs, self._on_crash, self.settings,
                                            executor=self._engine_thread)
+        self.metrics = EngineMetrics(self.model_name, self.instance, self.loop.stats,
+                                     lambda: dict(self._refusals))
+        self.loop.on_step = self.metrics.observe_step
+        self._metrics_server = MetricsServer(self.metrics.registry, self.settings.metrics_host,
+                                             self.settings.metrics_port)
+        self._metrics_server.start()
         self.loop.start()
         s, engine = self.settings, self._engine
         assert engine is not None
@@ -117,10 +157,12 @@ class EngineService:
         # the compiler's vocabulary and xgrammar itself load now, not in a user's first request
         self.structured.compile_async(GuidedDecoding(kind="json_object"))
         self._sender = self.bus.spawn(self._drain_outbox())
-        executor = getattr(self._engine, "executor", None)
-        if executor is not None:  # a dead tensor-parallel rank fails the pod at once
-            loop = asyncio.get_running_loop()
-            executor.on_failure(lambda exc: loop.call_soon_threadsafe(self._on_crash, exc))
+        loop = asyncio.get_running_loop()
+
+        def rank_failed(exc: BaseException) -> None:  # a dead tensor-parallel rank fails the pod
+            loop.call_soon_threadsafe(self._on_crash, exc)
+
+        engine.executor.on_failure(rank_failed)
         self._subs.append(await self.bus.serve(subjects.engine_generate(self.model_name),
                                                TokenRequest, self._on_generate, queue="engine"))
         self._subs.append(await self.bus.serve(subjects.engine_pool(self.model_name),
@@ -134,6 +176,23 @@ class EngineService:
         await self.announcer.start()
         log.info("engine %s serving %s", self.instance, self.model_name)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new requests (other engines of the model get them; with none, the tokenizer
+        answers 503) and let the running ones finish, up to `timeout_s`. A broken engine (its
+        own SIGTERM after a crash) has nothing to finish."""
+        if self.crashed is not None:
+            return
+        if self.announcer is not None:
+            self.announcer.draining = True
+        if self._subs:
+            await self.bus.unsubscribe_all(self._subs[:2])  # engine_generate, engine_pool
+            del self._subs[:2]
+        pool = self.pool
+        if not await wait_idle(lambda: len(self._live) + (pool.pending if pool else 0),
+                               timeout_s):
+            log.warning("engine %s: %d requests unfinished after the %gs drain", self.instance,
+                        len(self._live), timeout_s)
+
     async def stop(self) -> None:
         if self.announcer:
             await self.announcer.stop()
@@ -145,10 +204,11 @@ class EngineService:
             await asyncio.to_thread(self.loop.stop)
         if self.structured is not None:
             self.structured.shutdown()
-        shutdown = getattr(self._engine, "shutdown", None)
-        if self._owns_engine and shutdown is not None:
-            await asyncio.to_thread(shutdown)
+        if self._owns_engine and self._engine is not None:
+            await asyncio.to_thread(self._engine.shutdown)
         self._engine_thread.shutdown(wait=False)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
 
     # ------------------------------------------------------------------ handlers
 
@@ -197,6 +257,9 @@ class EngineService:
                                         vocab)
         except InvalidParameter as exc:
             return _invalid(str(exc), exc.param)
+        except ContextLengthExceeded as exc:
+            return RequestError(str(exc), 400, "invalid_request_error", "context_length_exceeded",
+                                param=exc.param)
         queue = self.loop.queue_state()
         full = self.limits.check(queue.waiting, queue.waiting_tokens, len(ids),
                                  queue.tokens_per_s)
@@ -216,8 +279,9 @@ class EngineService:
                                       req.sampling.ignore_eos)
 
     def _refuse(self, req: TokenRequest, error: RequestError) -> Admission:
-        if error.status >= 500:
+        if error.status >= 500 or error.status == 429:
             self._counts["refused"] += 1
+            self._refusals[error.code or error.type] += 1
         return Admission(request_id=req.request_id, accepted=False, instance=self.instance,
                          error=_error_info(error))
 
@@ -240,7 +304,7 @@ class EngineService:
 
     # ------------------------------------------------------------------ engine outputs
 
-    def _on_outputs(self, outputs: list[Any]) -> None:
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
             if self.pool is not None and self.pool.on_output(out):
@@ -271,8 +335,8 @@ class EngineService:
                 reason = out.finish_reason if out.finish_reason in ("stop", "length") else "abort"
                 final = TokenFinal(finish_reason=reason, prompt_tokens=live.prompt_tokens,
                                    completion_tokens=live.generated,
-                                   cached_tokens=getattr(out, "num_cached_tokens", 0) or 0,
-                                   stop_token_id=getattr(out, "stop_token_id", None))
+                                   cached_tokens=out.num_cached_tokens,
+                                   stop_token_id=out.stop_token_id)
                 self._outbox.put_nowait(live.writer.final(final))
                 self._end_span(live, now)
 
@@ -364,13 +428,13 @@ def _error_info(error: RequestError) -> ErrorInfo:
                      param=error.param, code=error.code, retry_after_s=error.retry_after_s)
 
 
-def _prompt_logprobs(entries: list[Any]) -> list[TokenLogprob | None]:
+def _prompt_logprobs(entries: list[TokenLogprobs | None]) -> list[TokenLogprob | None]:
     return [None if e is None else TokenLogprob(token_id=e.token_id, logprob=e.logprob,
                                                 top=list(e.top)) for e in entries]
 
 
-def _logprobs(out: Any) -> list[TokenLogprob] | None:
-    raw = getattr(out, "logprobs", None)
+def _logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
+    raw = out.logprobs
     if not raw:
         return None
     return [TokenLogprob(token_id=t, logprob=lp, top=list(top)) for t, lp, top in raw]

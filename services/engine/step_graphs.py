@@ -1,10 +1,10 @@
 """CUDA graphs of whole prefill and mixed steps at the short token buckets.
 
-Why: an eager step launches about ten kernels a layer from Python. Over 32 layers that is
-14-16 ms of host time on an H100 host (bench/shape_probe.py), while the GPU needs 7-13 ms for a
-step of up to 512 tokens of a Llama-3-8B. So a short prompt's time to first token, and short
-mixed steps, were bound by the host; replayed, a 128-token prompt's TTFT went from 15.2 to
-8.1 ms (bench/ttft_probe.py). Decode-only steps have their own graphs (cuda_graphs.py).
+Why: an eager step launches about ten kernels a layer from Python. Over 32 layers that is 14-16 ms
+of host time on an H100 host (bench/shape_probe.py, git history), while the GPU needs 7-13 ms for a
+step of up to 512 tokens of a Llama-3-8B. So a short prompt's time to first token, and short mixed
+steps, were bound by the host; replayed, a 128-token prompt's TTFT went from 15.2 to 8.1 ms
+(bench/ttft_probe.py, git history). Decode-only steps have their own graphs (cuda_graphs.py).
 
 Rules:
 - One graph per token bucket (row_buckets.token_bucket) up to `max_tokens`, captured largest

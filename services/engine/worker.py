@@ -27,10 +27,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.config import EngineConfig
 from services.engine.distributed import (
     destroy_distributed,
     disable_multicast_env,
@@ -43,9 +43,6 @@ from services.engine.plan_channel import Address, PlanClient
 from services.engine.pod import DEFAULT_TIMEOUT_S, pod_layout
 from services.engine.step_output import LaunchedStep
 from services.engine.step_plan import DecodedStep, PlanDecoder
-
-if TYPE_CHECKING:
-    from services.engine.engine import EngineConfig
 
 log = logging.getLogger(__name__)
 

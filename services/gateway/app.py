@@ -8,6 +8,9 @@ Rules:
   server's limits written into its `x-limit` bounds.
 - `InFlightLimit` (overload.py) caps the generation and tokenize requests in flight in this
   process; the count lives in `GatewayState.in_flight`.
+- `/metrics` serves the gateway's Prometheus metrics (metrics.py); `MetricsMiddleware`
+  (outermost but for tracing) counts every request, refusals of the key checks included, and
+  `DrainGate` refuses new ones once a drain began (drain.py), before any key check.
 - With `settings.ui` the chat web UI is served at `/` (services/gateway/ui.py).
 - `ApiKeyAuth` (auth.py) checks API keys and per-key limits outside the in-flight cap (a
   request without a key takes no slot); CORS headers (`cors_origins`) are off unless set, and
@@ -33,8 +36,11 @@ from services.gateway.anthropic.routes import router as anthropic_router
 from services.gateway.api_keys import KeyRing
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.conversations.routes import install as install_conversations
+from services.gateway.drain import Drain, DrainGate
 from services.gateway.health import router as health_router
 from services.gateway.limits import spec_limits
+from services.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from services.gateway.metrics import router as metrics_router
 from services.gateway.overload import InFlight, InFlightLimit
 from services.gateway.pooling_routes import router as pooling_router
 from services.gateway.rate_limits import Limiter, make_limiter
@@ -59,6 +65,8 @@ class GatewayState:
     in_flight: InFlight
     keys: KeyRing
     limiter: Limiter
+    metrics: GatewayMetrics
+    drain: Drain
 
     async def start(self) -> None:
         await self.tools.start()
@@ -90,7 +98,8 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
         settings, bus, store, spec, ModelRegistry(bus, store, settings.model_ttl_s),
         ToolsCache(bus, settings.tools_timeout_s, settings.tools_cache_ttl_s),
         InFlight(settings.max_in_flight), KeyRing.from_settings(settings, store),
-        make_limiter(store))
+        make_limiter(store), GatewayMetrics(settings.prometheus_multiproc_dir),
+        Drain(settings.overload_retry_after_s))
     http_errors.install(app)
     app.include_router(router)
     app.include_router(anthropic_router)
@@ -101,14 +110,19 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,
                        retry_after_s=settings.overload_retry_after_s)
     app.include_router(health_router)
+    app.include_router(metrics_router)
     if settings.ui:
         app.include_router(ui_router(load_assets()))
     state = app.state.gateway
-    app.add_middleware(ApiKeyAuth, keys=state.keys, limiter=state.limiter, settings=settings)
+    app.add_middleware(ApiKeyAuth, keys=state.keys, limiter=state.limiter, settings=settings,
+                       on_rate_limited=lambda record, kind: state.metrics.rate_limit_hit(
+                           record.id, kind))
+    app.add_middleware(DrainGate, drain=state.drain)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=[
             o.strip() for o in settings.cors_origins.split(",") if o.strip()],
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
             expose_headers=["*"])
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     app.add_middleware(TracingMiddleware)
     return app

@@ -4,12 +4,13 @@ Rules:
 - /health is liveness: 200 while this process answers HTTP and its NATS connection is up; 503
   (with Retry-After) while the connection is being re-established. It reads nothing else (not
   the store, not other services): restarting the gateway is the cure only for what it reports.
-- /ready is readiness: 200 only when the NATS connection is up, the store answers, at least
-  one model is served, and every served model has a tokenizer and an engine that answer their
-  own health probe within `ready_probe_timeout_s`, the engine's step loop having gone round
-  within `engine_stall_s` (a wedged engine whose event loop still answers is not ready); a
-  registered tools service must answer too. Otherwise 503 with Retry-After and one line per
-  reason. The body has the same shape either way (the `Readiness` JSON below).
+- /ready is readiness: 503 once the process is draining (drain.py); else 200 only when the NATS
+  connection is up, the store answers, at least one model is served, and every served model has
+  a tokenizer and an engine that answer their own health probe within `ready_probe_timeout_s`,
+  the engine's step loop having gone round within `engine_stall_s` (a wedged engine whose event
+  loop still answers is not ready); a registered tools service must answer too. Otherwise 503
+  with Retry-After and one line per reason. The body has the same shape either way (the
+  `Readiness` JSON below).
 - Served models and their instances come from the registry (announcements within
   model_ttl_s). Each instance is probed on its own subject: a killed one has no responder and
   counts as gone at once, a frozen one as silent after the timeout. Old announcements of a
@@ -91,7 +92,8 @@ async def check_instance(gw: GatewayState, ann: Announcement) -> InstanceCheck:
     if age is not None and age > gw.settings.engine_stall_s:
         check.state, check.detail = "stalled", f"step loop stuck for {age:.1f}s"
     elif not reply.ok:
-        check.state, check.detail = "silent", "reports not ok"
+        check.state = "silent"
+        check.detail = "draining" if reply.detail.get("draining") else "reports not ok"
     return check
 
 
@@ -108,6 +110,9 @@ def _hop_reasons(model: str, checks: list[InstanceCheck]) -> list[str]:
 async def readiness(gw: GatewayState) -> Readiness:
     """Every check /ready makes, as plain data."""
     store = gw.store.describe()
+    if gw.drain.draining:
+        return Readiness(False, ["the gateway is shutting down (draining)"],
+                         nats=gw.bus.connected, store=store)
     if not gw.bus.connected:
         return Readiness(False, ["the gateway's NATS connection is down (reconnecting)"],
                          nats=False, store=store)

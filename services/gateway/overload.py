@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from libs.common.errors import FlotillaError, invalid_request, unavailable_retry
 from libs.common.settings import GatewaySettings
 from services.gateway.http_errors import error_response
+from services.gateway.metrics import CAUSE_KEY
 
 LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize",
                            "/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank"})
@@ -56,6 +57,7 @@ class InFlightLimit:
         state = self.in_flight
         if state.count >= state.limit:
             state.refused += 1
+            scope[CAUSE_KEY] = "overloaded"
             refusal = unavailable_retry(
                 f"This server is at its limit of {state.limit} requests in flight; try again "
                 "shortly.", self.retry_after_s, code="overloaded")

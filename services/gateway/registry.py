@@ -6,6 +6,8 @@ Rules:
   replica sharing the Store (Redis) sees the same registry.
 - A model is served while at least one tokenizer announcing it is alive; `health()` counts it
   ready when an engine announcing it is alive too (/ready, in health.py, probes each instance).
+- Its `max_model_len` is the smallest its live engines and tokenizers announce: the engines own
+  the context length (what their KV cache holds) and publish it (libs/common/context.py).
 - `created` of a model is the first time any gateway saw it, kept without TTL so it stays stable.
 - `get()` (every generation request asks it) answers a model found within the last
   `lookup_cache_s` from memory, without reading the Store; a model not found is always read
@@ -95,12 +97,14 @@ class ModelRegistry:
         return out
 
     async def models(self) -> list[ModelInfo]:
-        tokenizers = [a for a in await self.alive() if a.service == "tokenizer" and a.model]
-        lengths: dict[str, int | None] = {}
-        for a in sorted(tokenizers, key=lambda a: a.instance):
-            assert a.model is not None
-            if lengths.get(a.model) is None:
-                lengths[a.model] = a.max_model_len
+        alive = await self.alive()
+        served = {a.model for a in alive if a.service == "tokenizer" and a.model}
+        lengths: dict[str, int | None] = dict.fromkeys(served)
+        for a in alive:  # the smallest length any engine or tokenizer of the model publishes
+            if a.model in served and a.service in ("engine", "tokenizer") and a.max_model_len:
+                known = lengths[a.model]
+                lengths[a.model] = a.max_model_len if known is None else min(known,
+                                                                            a.max_model_len)
         infos = []
         for model, max_len in sorted(lengths.items()):
             created = await self.store.get(_CREATED + model)

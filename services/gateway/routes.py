@@ -127,7 +127,8 @@ async def generate(request: Request, plan: Plan, deadline: Deadline,
         req.deadline = deadline.at
     streams = ChoiceStreams(gw.bus, plan.requests,
                             admission_timeout_s=gw.settings.request_timeout_s,
-                            stream_timeout_s=gw.settings.heartbeat_timeout_s, deadline=deadline)
+                            stream_timeout_s=gw.settings.heartbeat_timeout_s, deadline=deadline,
+                            timer=gw.metrics.timer(plan.requests[0].model))
     created = int(time.time())
     try:
         await unless_disconnected(request, streams.start(), streams)

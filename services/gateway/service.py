@@ -9,7 +9,8 @@ Rules:
 - HTTP/1.1 is uvicorn's httptools protocol with bounds on the request head (http_protocol.py:
   `max_header_bytes`, `max_headers`; 431 and the connection closed beyond them).
 - uvicorn's own signal handling is off: the process owner (`run_forever`, or a test) decides
-  when to `stop()`. Open streams get `shutdown_grace_s` to finish, then are cut.
+  when to `drain()` (SIGTERM: drain.py) and `stop()`. Streams still open at `stop()` get
+  `shutdown_grace_s` to finish, then are cut.
 """
 
 from __future__ import annotations
@@ -105,6 +106,15 @@ class GatewayService:
             await asyncio.sleep(0.01)
         await self.announcer.start()
         log.info("gateway %s listening on %s", self.instance, self.url)
+
+    async def drain(self, timeout_s: float) -> None:
+        """New requests get 503 `draining` and /ready says not ready; wait up to `timeout_s`
+        for the requests in flight (open streams) to end."""
+        self.state.drain.begin()
+        self.announcer.draining = True
+        if not await self.state.drain.wait(timeout_s):
+            log.warning("gateway %s: %d requests still in flight after the %gs drain; cutting "
+                        "them", self.instance, self.state.drain.active, timeout_s)
 
     async def stop(self) -> None:
         await self.announcer.stop()

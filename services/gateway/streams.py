@@ -13,6 +13,8 @@ Rules:
 - `deadline` (optional): admission waits and every stream read stop when it passes; the
   request then fails with 504 `deadline_exceeded` and every unfinished choice is cancelled
   (reason `deadline`), whatever the tokenizer and engine do on their side.
+- `timer` (optional) sees the admission round trip and every data and final frame of each
+  choice (the gateway's metrics: services/gateway/metrics.py).
 - The request's API-key meter (key_usage.py), if any, hears each choice's admission (its
   prompt tokens) and final usage, for the key's tokens-per-minute count.
 - Cancels are published from tasks of their own (`Bus.spawn`), so they go out even while the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple, NoReturn
 
@@ -39,6 +42,7 @@ from libs.common.messages import (
     TextRequest,
 )
 from services.gateway.key_usage import CURRENT as KEY_USAGE
+from services.gateway.metrics import ChoiceTimer
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +64,10 @@ async def _outcome(work: Awaitable[None]) -> BaseException | None:
 
 class ChoiceStreams:
     def __init__(self, bus: Bus, requests: list[TextRequest], admission_timeout_s: float,
-                 stream_timeout_s: float, deadline: Deadline | None = None):
+                 stream_timeout_s: float, deadline: Deadline | None = None,
+                 timer: ChoiceTimer | None = None):
         self.bus, self.requests = bus, requests
+        self.timer = timer
         self.admission_timeout_s, self.stream_timeout_s = admission_timeout_s, stream_timeout_s
         self.deadline = deadline
         self._readers: dict[int, StreamReader[TextDelta, TextFinal]] = {}
@@ -87,6 +93,7 @@ class ChoiceStreams:
             if left <= 0:
                 raise self.deadline.error()
             timeout, by_deadline = min(timeout, left), left < timeout
+        sent = time.monotonic()
         try:
             reply = await self.bus.request(subjects.tokenizer_generate(req.model), req,
                                            Admission, timeout=timeout)
@@ -102,6 +109,8 @@ class ChoiceStreams:
         self._prompt_tokens[index] = reply.prompt_tokens
         if self.key_usage is not None:
             self.key_usage.choice_admitted(reply.prompt_tokens)
+        if self.timer is not None:
+            self.timer.admitted(sent)
 
     async def start(self) -> None:
         try:
@@ -140,6 +149,7 @@ class ChoiceStreams:
                     self._fail(index, exc)
                 if frame.kind == "final":
                     self._finished(index, frame)
+                self._time(index, frame)
                 yield ChoiceEvent(index, frame)
             return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -150,12 +160,21 @@ class ChoiceStreams:
                 self._fail(index, item)
             if item.kind == "final":
                 self._finished(index, item)
+            self._time(index, item)
             yield ChoiceEvent(index, item)
 
     def _finished(self, index: int, frame: TextFrame) -> None:
         self._unfinished.discard(index)
         if self.key_usage is not None and frame.final is not None:
             self.key_usage.choice_finished(frame.final.usage, self._prompt_tokens.get(index, 0))
+
+    def _time(self, index: int, frame: TextFrame) -> None:
+        if self.timer is None:
+            return
+        if frame.kind == "data":
+            self.timer.data(index)
+        elif frame.kind == "final" and frame.final is not None:
+            self.timer.final(frame.final)
 
     def _fail(self, index: int, exc: BaseException) -> NoReturn:
         """Choice `index` failed: cancel every unfinished choice (the failed one too: a silent

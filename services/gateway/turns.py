@@ -71,9 +71,11 @@ def turn_request(gw: GatewayState, body: dict[str, Any], tools: list[dict[str, A
 def new_turn(gw: GatewayState, body: dict[str, Any], tools: list[dict[str, Any]] | None,
              rid: str, extra: dict[str, Any] | None = None) -> Turn:
     """A turn of the chat-shaped `body`, not admitted yet (`await turn.start()`)."""
-    streams = ChoiceStreams(gw.bus, [turn_request(gw, body, tools, rid, extra)],
+    request = turn_request(gw, body, tools, rid, extra)
+    streams = ChoiceStreams(gw.bus, [request],
                             admission_timeout_s=gw.settings.request_timeout_s,
-                            stream_timeout_s=gw.settings.heartbeat_timeout_s)
+                            stream_timeout_s=gw.settings.heartbeat_timeout_s,
+                            timer=gw.metrics.timer(request.model))
     return Turn(streams)
 
 

@@ -16,8 +16,12 @@ Rules:
   announcements every worker receives, and a request's streams and cancels belong to the worker
   holding its connection. Without Redis a model's `created` is each worker's first sighting
   (the same second, bar a tick between them).
+- Metrics: the parent gives its workers one directory for prometheus-client's multiprocess
+  mode (a temporary one it removes at exit, unless `PROMETHEUS_MULTIPROC_DIR` names one), so
+  /metrics on any worker shows the whole gateway (services/gateway/metrics.py).
 - The parent serves nothing and holds no NATS connection. SIGTERM or SIGINT: it sends SIGTERM
-  to every worker, waits up to `stop_grace_s` and SIGKILLs the rest. A worker that exits on its
+  to every worker (each drains: libs/common/service.py), waits up to `drain_timeout_s` plus a
+  few seconds and SIGKILLs the rest. A worker that exits on its
   own makes the parent stop the others and exit 1, so whoever supervises the gateway (the
   launcher, a container's restart policy) restarts it whole.
 - Workers are spawned from the parent's main thread with PR_SET_PDEATHSIG, so a parent killed
@@ -28,11 +32,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import FrameType
 
 from libs.common import telemetry
@@ -44,16 +51,19 @@ log = logging.getLogger(__name__)
 
 WORKER_ARG = "--worker"
 WORKER_ARGV = [sys.executable, "-m", "services.gateway", WORKER_ARG]
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # GatewaySettings.prometheus_multiproc_dir
 
 
 class WorkerPool:
     """The parent's side: `WorkerPool(settings).run()` blocks until stopped; the exit code."""
 
-    stop_grace_s = 8.0  # a worker needs its stream grace (2 s) plus closing NATS
     poll_s = 0.1
 
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
+        # a worker drains, then needs its stream grace (2 s) plus closing NATS
+        self.stop_grace_s = settings.drain_timeout_s + 6.0
+        self._metrics_dir: Path | None = None  # made here when the operator named none
         self.procs: list[subprocess.Popen[bytes]] = []
         self._reserved: socket.socket | None = None  # holds the port; never listens
         self._stop_signal: int | None = None
@@ -65,6 +75,9 @@ class WorkerPool:
         self._reserved = bind_socket(self.settings.host, self.settings.port, reuse_port=True)
         port = self._reserved.getsockname()[1]
         env = {**os.environ, "FLOTILLA_PORT": str(port)}
+        if self.settings.prometheus_multiproc_dir is None:
+            self._metrics_dir = Path(tempfile.mkdtemp(prefix="flotilla-gateway-metrics-"))
+            env[MULTIPROC_ENV] = str(self._metrics_dir)
         try:
             for _ in range(self.settings.gateway_workers):
                 self.procs.append(subprocess.Popen(WORKER_ARGV, env=env, stdin=subprocess.DEVNULL,
@@ -90,6 +103,9 @@ class WorkerPool:
         if self._reserved is not None:
             self._reserved.close()
             self._reserved = None
+        if self._metrics_dir is not None:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
+            self._metrics_dir = None
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):

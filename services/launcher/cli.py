@@ -78,11 +78,11 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
                          "gets a private one on that port); default: a private nats-server on "
                          "a free port" + (f" (FLOTILLA_NATS_URL: {explicit})" if explicit
                                           else ""))
-    up.add_argument("--served-model-name", default=None, metavar="NAME",
+    up.add_argument("--served-model-name", default=settings.served_model_name, metavar="NAME",
                     help="model name clients use (default: derived from the model)")
     up.add_argument("--state-file", type=Path, default=None, metavar="FILE",
                     help="where to write pids and URLs (default: "
-                         f"{run_dir()}/flotilla-<port>.json)")
+                         f"{run_dir(settings.run_dir)}/flotilla-<port>.json)")
     up.add_argument("--log-level", default=settings.log_level,
                     help=f"log level of the launcher and services (default: {settings.log_level})")
     up.add_argument("--start-timeout", type=float, default=settings.start_timeout_s,
@@ -115,6 +115,8 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status", help="show each running suite (from its state file), checked now")
     status.add_argument("--state-file", type=Path, default=None, metavar="FILE")
+    for command in (up, status):
+        command.set_defaults(run_dir=run_dir(settings.run_dir))
 
     fetch = commands.add_parser("fetch", help="download/resolve a model and print its path")
     model_option(fetch)
@@ -147,7 +149,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout,
         tp=args.tp, device_ids=args.device_ids, isq=args.isq, fp8_kvcache=args.fp8_kvcache,
         ui=args.ui, api_keys=",".join(args.api_keys) if args.api_keys else None,
-        nats_auth=args.nats_auth, nats_security=nats_security))
+        nats_auth=args.nats_auth, nats_security=nats_security, run_dir=args.run_dir))
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         if suite.stop_requested:  # a second Ctrl-C: stop waiting politely
@@ -180,7 +182,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     files = ([args.state_file] if args.state_file
-             else sorted(run_dir().glob("flotilla-*.json")) if run_dir().is_dir() else [])
+             else sorted(args.run_dir.glob("flotilla-*.json")) if args.run_dir.is_dir() else [])
     found, all_ready = False, True
     for path in files:
         try:
@@ -192,7 +194,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         ready = show_status(path, state)
         all_ready = all_ready and ready
     if not found:
-        print(f"no running flotilla found in {run_dir()}")
+        print(f"no running flotilla found in {args.run_dir}")
         return 1
     return 0 if all_ready else 2
 

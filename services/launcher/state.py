@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
-def run_dir() -> Path:
-    default = Path(tempfile.gettempdir()) / f"flotilla-{os.getuid()}"
-    return Path(os.environ.get("FLOTILLA_RUN_DIR") or default)
+def run_dir(configured: Path | None = None) -> Path:
+    """LauncherSettings.run_dir (FLOTILLA_RUN_DIR), else <temp dir>/flotilla-<uid>."""
+    return configured or Path(tempfile.gettempdir()) / f"flotilla-{os.getuid()}"
 
 
-def default_state_file(port: int) -> Path:
-    return run_dir() / f"flotilla-{port}.json"
+def default_state_file(port: int, directory: Path | None = None) -> Path:
+    return run_dir(directory) / f"flotilla-{port}.json"
 
 
 @dataclass
@@ -53,6 +53,7 @@ class SuiteState:
     ready: bool = False
     reasons: list[str] = field(default_factory=list)
     nats_token_file: str | None = None  # the private nats-server's token (0600), for status
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # service -> its /metrics
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

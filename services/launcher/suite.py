@@ -17,6 +17,10 @@ Rules:
   owner can read (`nats_token_file` in the state); it is never logged. A shared NATS is
   reached with the FLOTILLA_NATS_* credentials of the launcher's settings (the services
   inherit the same environment).
+- Metrics: the tokenizer, engine and tools each get a free port for /metrics (the gateway
+  serves it on its own port); the state file lists every URL (`metrics_urls`).
+- Stopping: SIGTERM to every service, which drains (libs/common/service.py) for up to
+  `drain_timeout_s`; SIGKILL `stop_grace_s` later.
 - Readiness: a `Prober` thread checks every 0.5 s (readiness.py: the gateway's /ready plus each
   NATS service's health). `poll()` combines its newest verdict with what the supervisors know
   at that moment: a dead child is not ready, and a verdict that began before the latest death
@@ -70,8 +74,10 @@ class SuiteOptions:
     served_model_name: str | None = None
     log_level: str = "INFO"
     state_file: Path | None = None
+    run_dir: Path | None = None  # where the state file goes without state_file (state.run_dir)
     start_timeout_s: float = 600.0
-    stop_grace_s: float = 10.0
+    drain_timeout_s: float = 20.0  # each service's drain on SIGTERM (FLOTILLA_DRAIN_TIMEOUT_S)
+    stop_grace_s: float | None = None  # None: drain_timeout_s + 5, then SIGKILL
     remind_s: float = 30.0  # unchanged "waiting" / "not ready" reasons are logged this often
     tp: int | None = None  # engine tensor-parallel ranks (FLOTILLA_TP)
     device_ids: str | None = None  # "0,1": GPU of each engine rank (FLOTILLA_DEVICE_IDS)
@@ -113,6 +119,7 @@ class Suite:
         self._lock: StateFileLock | None = None
         self._changed_at = 0.0  # monotonic time of the latest death or restart
         self._restarts: dict[str, int] = {}
+        self._metrics_ports: dict[str, int] = {}  # tokenizer, engine, tools -> /metrics port
         self._said: list[str] = []  # the reasons last logged
         self._said_at = 0.0
 
@@ -131,14 +138,13 @@ class Suite:
                 load_mcp_config(opts.mcp_config)  # a broken file fails here, before any start
             host = "127.0.0.1" if opts.host in _ANY_HOST else opts.host
             port = opts.port or free_port(host)
-            self.state_file = opts.state_file or default_state_file(port)
+            self.state_file = opts.state_file or default_state_file(port, opts.run_dir)
             self._lock = StateFileLock(self.state_file)
             self._lock.acquire()
             if opts.port:
                 check_port_free(opts.host, port)
             path = resolve_model(opts.model)
-            model = (opts.served_model_name or os.environ.get("FLOTILLA_SERVED_MODEL_NAME")
-                     or served_name(opts.model, path))
+            model = opts.served_model_name or served_name(opts.model, path)
             log_dir = self.state_file.with_name(self.state_file.stem + "-logs")
             plan = plan_nats(opts.nats_url)
             self.state = SuiteState(
@@ -155,6 +161,10 @@ class Suite:
             else:
                 log.info("using the NATS server at %s (shared: given explicitly)", plan.url)
             self.nats_token = security.token if security else None
+            self._metrics_ports = {name: free_port(host) for name in NATS_SERVICES}
+            self.state.metrics_urls = {
+                "gateway": f"http://{host}:{port}/metrics",
+                **{name: f"http://{host}:{p}/metrics" for name, p in self._metrics_ports.items()}}
             self.supervisor = Supervisor(self._specs(plan.url, port, path, model), log_dir,
                                          opts.restart, on_change=self._children_changed)
             log.info("starting %s (logs in %s, state in %s)", ", ".join(SERVICES), log_dir,
@@ -202,9 +212,12 @@ class Suite:
 
     def _specs(self, nats_url: str, port: int, model_path: Path, model: str) -> list[ChildSpec]:
         opts = self.options
-        common = {"FLOTILLA_NATS_URL": nats_url, "FLOTILLA_LOG_LEVEL": opts.log_level}
+        common = {"FLOTILLA_NATS_URL": nats_url, "FLOTILLA_LOG_LEVEL": opts.log_level,
+                  "FLOTILLA_DRAIN_TIMEOUT_S": str(opts.drain_timeout_s)}
         if self.nats_token is not None and self.nats is not None:  # the private server's
             common["FLOTILLA_NATS_TOKEN"] = self.nats_token.get_secret_value()
+        metrics = {name: {"FLOTILLA_METRICS_PORT": str(p), "FLOTILLA_METRICS_HOST": opts.host}
+                   for name, p in self._metrics_ports.items()}
         extra: dict[str, dict[str, str]] = {
             "gateway": {"FLOTILLA_HOST": opts.host, "FLOTILLA_PORT": str(port),
                         **({"FLOTILLA_UI": "1"} if opts.ui else {}),
@@ -220,7 +233,7 @@ class Suite:
         }
         specs = []
         for name in SERVICES:
-            spec = service_spec(name, {**common, **extra[name]})
+            spec = service_spec(name, {**common, **extra[name], **metrics.get(name, {})})
             if name in opts.commands:
                 spec = ChildSpec(name, opts.commands[name], spec.env)
             specs.append(spec)
@@ -336,10 +349,13 @@ class Suite:
         if self.prober is not None:
             self.prober.stop()
             self.prober = None
+        grace = self.options.stop_grace_s
+        if grace is None:
+            grace = self.options.drain_timeout_s + 5.0
         if self.supervisor is not None:
-            self.supervisor.stop(self.options.stop_grace_s)
+            self.supervisor.stop(grace)  # SIGTERM: each service drains first
         if self.infra is not None:
-            self.infra.stop(self.options.stop_grace_s)
+            self.infra.stop(grace)
         if self.nats is not None:
             self.nats.remove_store()
         if self._lock is not None and self._lock.held:

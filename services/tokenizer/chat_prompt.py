@@ -80,7 +80,7 @@ class ChatRenderer:
         if source is None:
             raise invalid_request(
                 "this model has no chat template; use /v1/completions or start the tokenizer "
-                "with --chat-template FILE", param="messages", code="no_chat_template")
+                "with FLOTILLA_CHAT_TEMPLATE=FILE", param="messages", code="no_chat_template")
         try:
             return ChatTemplate(source, timeout_s=self.timeout_s, max_chars=self.max_chars)
         except ChatTemplateError as exc:

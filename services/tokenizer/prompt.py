@@ -7,8 +7,10 @@ Rules:
   id prompt is used as is, after a range check; with `suffix`, the prompt and the suffix become
   a fill-in-the-middle prompt (fim.py); `echo` repeats the prompt before the completion;
 - size: a prompt over `max_prompt_chars` characters (before or after the template) is a 400;
-- context: prompt tokens + max_tokens must fit `max_model_len`, else 400
-  `context_length_exceeded`; an unset max_tokens takes all the room that is left;
+- context: prompt tokens + max_tokens must fit `max_model_len` (the engines' published context
+  length, service.py), else 400 `context_length_exceeded` (the rule of libs/common/context.py,
+  checked here early); max_tokens goes to the engine as it came (unset: the engine resolves it
+  to the room left in its own context);
 - stopping: the engine gets the model's end-of-turn ids as `stop_token_ids` (unless `ignore_eos`);
 - constraints: `response_format` and forced tool calls become the engine's `guided` spec
   (guided.py), for which the prompt says whether it leaves the model inside a reasoning block.
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libs.common.errors import FlotillaError, invalid_request
+from libs.common.context import ContextLengthExceeded, resolve_max_tokens
+from libs.common.errors import invalid_request
 from libs.common.messages import GuidedDecoding, SamplingOptions, TextRequest
 from services.tokenizer.chat_prompt import ChatRenderer
 from services.tokenizer.chat_template import MAX_CHARS
@@ -39,20 +42,6 @@ class PreparedPrompt:
     echo: str = ""
     guided: GuidedDecoding | None = None
     reasoning_end: str | None = None  # the prompt opened a reasoning block this tag closes
-
-
-def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int | None,
-                         param: str) -> FlotillaError:
-    if max_tokens is None:
-        detail = (f"However, your {param} resulted in {prompt_tokens} tokens, which leaves no "
-                  "room for a completion.")
-    else:
-        detail = (f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} "
-                  f"in the {param}, {max_tokens} in the completion).")
-    return invalid_request(
-        f"This model's maximum context length is {max_model_len} tokens. {detail} "
-        f"Please reduce the length of the {param} or completion.",
-        param=param, code="context_length_exceeded")
 
 
 class PromptBuilder:
@@ -126,28 +115,28 @@ class PromptBuilder:
         prepared.guided = self.guided(req, prepared)
         return prepared
 
-    def check_context(self, req: TextRequest, prompt_tokens: int) -> int:
-        """The max_tokens the request gets, or a 400 when it does not fit the context."""
-        param = "messages" if req.kind == "chat" else "prompt"
+    def check_context(self, req: TextRequest, prompt_tokens: int) -> None:
+        """A 400 when the prompt (with max_tokens, if given) does not fit the context."""
         max_tokens = req.sampling.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise invalid_request("max_tokens must be at least 1", param="max_tokens",
                                   code="invalid_value")
-        room = self.max_model_len - prompt_tokens
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise context_length_error(self.max_model_len, prompt_tokens, max_tokens, param)
-        return max_tokens if max_tokens is not None else room
+        try:
+            resolve_max_tokens(prompt_tokens, max_tokens, self.max_model_len,
+                               "messages" if req.kind == "chat" else "prompt")
+        except ContextLengthExceeded as exc:
+            raise invalid_request(str(exc), param=exc.param,
+                                  code="context_length_exceeded") from None
 
     def sampling(self, req: TextRequest, prompt_tokens: int,
                  guided: GuidedDecoding | None = None) -> SamplingOptions:
-        """The engine's sampling options: max_tokens resolved, end-of-turn ids added, the
+        """The engine's sampling options: the context checked, end-of-turn ids added, the
         request's constraint (`PreparedPrompt.guided`) attached."""
-        max_tokens = self.check_context(req, prompt_tokens)
+        self.check_context(req, prompt_tokens)
         stop_ids = list(req.sampling.stop_token_ids)
         if not req.sampling.ignore_eos:
             stop_ids += [i for i in self.tokenizer.end_of_generation_ids() if i not in stop_ids]
         return req.sampling.model_copy(update={
-            "max_tokens": max_tokens,
             "stop_token_ids": stop_ids,
             "guided": guided,
         })

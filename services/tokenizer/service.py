@@ -17,7 +17,8 @@ Ownership: the service owns each request's reader, writer and task (`_Active`) f
 until the task ends; the task's `finally` releases them. One span "tokenizer.generate" per
 request, a child of the gateway's; the engine request carries it onward. `start()` warms what a
 first request would load (warmup.py: xgrammar, the template, every grammar kind) before it
-subscribes and announces, so the first request after a start pays nothing extra.
+subscribes and announces, so the first request after a start pays nothing extra. The context
+length requests are checked against is the one the engines publish (engine_context.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from libs.common.messages import (
     Admission,
     Announcement,
     Cancel,
+    Ping,
     RenderReply,
     TextDelta,
     TextFinal,
@@ -48,11 +50,14 @@ from libs.common.messages import (
     TokenFrame,
     TokenRequest,
 )
+from libs.common.metrics import MetricsServer
 from libs.common.model_cache import resolve_model, served_name
-from libs.common.service import Announcer, instance_id
+from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from services.tokenizer.embed import Embedder, serve_embed
+from services.tokenizer.engine_context import EngineContext
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.preparation import Preparer, check_deadline
 from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
@@ -65,13 +70,14 @@ log = logging.getLogger(__name__)
 tracer = telemetry.tracer("flotilla.tokenizer")
 
 _CANCEL_MEMORY_S = 30.0  # how long a cancel for a not-yet-admitted request is remembered
+_ENGINE_SILENT_PERIODS = 5  # an engine unheard for this many discovery periods no longer counts
 
 
 def resolve_max_model_len(model_len: int | None, cap: int | None) -> int:
     known = [n for n in (model_len, cap) if n is not None]
     if not known:
         raise ValueError("the model does not state its context length; "
-                         "set FLOTILLA_MAX_MODEL_LEN (--max-model-len)")
+                         "set FLOTILLA_MAX_MODEL_LEN")
     return min(known)
 
 
@@ -93,9 +99,15 @@ class TokenizerService:
         self.builder: PromptBuilder | None = None
         self.preparer: Preparer | None = None
         self._active: dict[str, _Active] = {}
+        self.metrics: TokenizerMetrics | None = None
+        self._metrics_server: MetricsServer | None = None
         self._cancelled: dict[str, float] = {}
         self._subs: list[Subscription] = []
+        self._work_subs: list[Subscription] = []
         self._announcer: Announcer | None = None
+        self.context: EngineContext | None = None
+        self._codec: TokenCodec | None = None
+        self._embedder: Embedder | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -111,36 +123,77 @@ class TokenizerService:
             try:
                 ChatTemplate(override)
             except ChatTemplateError as exc:
-                raise ValueError(f"--chat-template {s.chat_template}: {exc}") from None
+                raise ValueError(f"FLOTILLA_CHAT_TEMPLATE {s.chat_template}: {exc}") from None
         max_len = resolve_max_model_len(self.tokenizer.max_model_len, s.max_model_len)
+        self.context = EngineContext(self.model, max_len, _ENGINE_SILENT_PERIODS
+                                     * s.discovery_interval_s)
         self.builder = PromptBuilder(self.tokenizer, max_len, override, s.template_timeout_s,
                                      s.max_prompt_chars)
+        self._codec = TokenCodec(self.tokenizer, max_len)
         self.preparer = Preparer(self.builder, s)
-        embedder = Embedder(self.tokenizer, max_len)
+        self.metrics = TokenizerMetrics(self.model, lambda: len(self._active))
+        self._metrics_server = MetricsServer(self.metrics.registry, s.metrics_host,
+                                             s.metrics_port)
+        self._metrics_server.start()
+        embedder = self._embedder = Embedder(self.tokenizer, max_len)
         mode = score_mode(s.score_mode, self.tokenizer, [self.model, str(path)])
         took = await asyncio.to_thread(warm_up, self.builder)
         log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)
-        self._subs = [
+        self._work_subs = [  # new work: left first when draining
             await self.bus.serve(subjects.tokenizer_generate(self.model), TextRequest,
                                  self._generate, queue="tokenizer"),
             await self.bus.serve(subjects.tokenizer_render(self.model), TextRequest,
                                  self._render, queue="tokenizer"),
-            await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
-            *await serve_token_codec(self.bus, self.model, TokenCodec(self.tokenizer, max_len)),
             await serve_embed(self.bus, self.model, embedder, s.request_timeout_s),
             await serve_score(self.bus, self.model, Scorer(embedder, mode), s.request_timeout_s),
+        ]
+        self._subs = [
+            await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
+            *await serve_token_codec(self.bus, self.model, self._codec),
+            await self.bus.subscribe(subjects.DISCOVERY_ANNOUNCE, Announcement,
+                                     self._on_announcement),
         ]
         self._announcer = Announcer(
             self.bus, "tokenizer", self.instance, s.discovery_interval_s,
             make=lambda: Announcement(service="tokenizer", instance=self.instance,
-                                      model=self.model, max_model_len=max_len,
+                                      model=self.model, max_model_len=self.builder_length(),
                                       running=len(self._active)),
             health=self._health)
         await self._announcer.start()
+        await self.bus.publish(subjects.DISCOVERY_PING, Ping())  # engines: say your length now
         log.info("tokenizer for %s (%s) ready, max_model_len=%d, score mode %s", self.model,
                  path, max_len, mode)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new generate, render, embed or score requests (other tokenizers of the model
+        get them) and let the streams in flight finish, up to `timeout_s`."""
+        if self._announcer is not None:
+            self._announcer.draining = True
+        await self.bus.unsubscribe_all(self._work_subs)
+        if not await wait_idle(lambda: len(self._active), timeout_s):
+            log.warning("tokenizer %s: %d streams unfinished after the %gs drain", self.instance,
+                        len(self._active), timeout_s)
+
+    def builder_length(self) -> int:
+        assert self.builder is not None
+        return self.builder.max_model_len
+
+    async def _on_announcement(self, ann: Announcement) -> None:
+        """An engine's published context length becomes the one requests are checked against
+        (engine_context.py)."""
+        if (self.context is None or self.builder is None or self._codec is None
+                or self._embedder is None):
+            return
+        self.context.heard(ann)
+        length = self.context.length()
+        if length != self.builder.max_model_len:
+            log.info("max_model_len of %s is now %d (the engines' published context length)",
+                     self.model, length)
+        self.builder.max_model_len = self._codec.max_model_len = length
+        self._embedder.max_model_len = length
+
     async def stop(self) -> None:
+        await self.bus.unsubscribe_all(self._work_subs)
         await self.bus.unsubscribe_all(self._subs)
         if self.preparer is not None:
             self.preparer.shutdown()
@@ -151,6 +204,8 @@ class TokenizerService:
             await active.writer.error(unavailable("the tokenizer service is shutting down").info)
             if active.task:
                 active.task.cancel()
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
 
     async def _health(self) -> dict[str, Any]:
         return {"model": self.model, "active": len(self._active)}
@@ -184,6 +239,8 @@ class TokenizerService:
                 admission = Admission(request_id=rid, accepted=False,
                                       error=internal(f"tokenizer failure: {exc}").info)
         if not admission.accepted:
+            if self.metrics is not None and admission.error is not None:
+                self.metrics.refused(admission.error)
             span.set_status(trace.Status(trace.StatusCode.ERROR,
                                          admission.error.message if admission.error else ""))
             span.end()
@@ -192,19 +249,24 @@ class TokenizerService:
     async def _admit(self, req: TextRequest, span: trace.Span) -> Admission:
         assert self.builder is not None
         rid = req.request_id
+        assert self.metrics is not None
+        started = time.monotonic()
         prepared = await self._prepare(req)
+        self.metrics.prepare.observe(time.monotonic() - started)
         sampling = self.builder.sampling(req, len(prepared.token_ids), prepared.guided)
         check_deadline(req, "before the engine got it")
         span.set_attribute("flotilla.prompt_tokens", len(prepared.token_ids))
         stream = subjects.token_stream(rid)
         reader = await self.bus.open_reader(stream, TokenFrame, self.settings.heartbeat_timeout_s)
         try:
+            sent = time.monotonic()
             engine = await self.bus.request(
                 subjects.engine_generate(self.model),
                 TokenRequest(request_id=rid, model=self.model, prompt_token_ids=prepared.token_ids,
                              sampling=sampling, stream_subject=stream, priority=req.priority,
                              deadline=req.deadline),
                 Admission, timeout=self.settings.request_timeout_s)
+            self.metrics.engine.observe(time.monotonic() - sent)
             if not engine.accepted:
                 refused = engine.error or unavailable("the engine refused the request").info
                 raise FlotillaError(refused)

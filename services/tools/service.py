@@ -2,11 +2,14 @@
 
 Thin adapter over `ToolRegistry`: TOOLS_LIST → ToolsListReply, TOOLS_CALL → ToolCallReply, both
 in queue group "tools" so replicas share the load. It announces itself as service "tools".
+Its metrics (`flotilla:tool_calls_total`, `flotilla:tool_call_seconds`, by MCP server) are served
+on `settings.metrics_port`. On SIGTERM it takes no new calls and waits for the running ones.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from libs.common import subjects
@@ -19,9 +22,11 @@ from libs.common.messages import (
     ToolsListReply,
     ToolsListRequest,
 )
-from libs.common.service import Announcer, instance_id
+from libs.common.metrics import MetricsServer
+from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import ToolsSettings
 from services.tools.config import load_mcp_config
+from services.tools.metrics import ToolsMetrics
 from services.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
@@ -42,8 +47,13 @@ class ToolsService:
         self.announcer = Announcer(bus, "tools", self.instance, settings.discovery_interval_s,
                                    self._announcement, self._health)
         self._subs: list[Any] = []
+        self._calls = 0  # tool calls running
+        self.metrics = ToolsMetrics()
+        self._metrics_server = MetricsServer(self.metrics.registry, settings.metrics_host,
+                                             settings.metrics_port)
 
     async def start(self) -> None:
+        self._metrics_server.start()
         await self.registry.start()
         self._subs = [
             await self.bus.serve(subjects.TOOLS_LIST, ToolsListRequest, self._list, queue=QUEUE),
@@ -51,10 +61,16 @@ class ToolsService:
         ]
         await self.announcer.start()
 
+    async def drain(self, timeout_s: float) -> None:
+        self.announcer.draining = True
+        await self.bus.unsubscribe_all(self._subs)  # replicas take the new calls
+        await wait_idle(lambda: self._calls, timeout_s)
+
     async def stop(self) -> None:
         await self.announcer.stop()
         await self.bus.unsubscribe_all(self._subs)
         await self.registry.close()
+        self._metrics_server.stop()
 
     async def _list(self, _: ToolsListRequest) -> ToolsListReply:
         routes = {name: McpToolRoute(server=r.server, tool=r.tool)
@@ -63,11 +79,20 @@ class ToolsService:
                               catalog=self.registry.catalog, routes=routes)
 
     async def _call(self, req: ToolCallRequest) -> ToolCallReply:
+        route = self.registry.routes.get(req.name)
+        server = route.server if route is not None else "unknown"
+        self._calls += 1
+        start = time.monotonic()
         try:
             result = await self.registry.call(req.name, req.arguments, req.servers)
         except Exception as exc:  # a reply, never silence: the caller would wait for nothing
             log.exception("tool call %s crashed", req.name)
+            self.metrics.calls.labels(server, "crashed").inc()
             return ToolCallReply(ok=False, error=f"tool {req.name!r} crashed: {exc}")
+        finally:
+            self._calls -= 1
+            self.metrics.seconds.labels(server).observe(time.monotonic() - start)
+        self.metrics.calls.labels(server, "ok" if result.ok else "error").inc()
         if not result.ok:
             log.info("tool call %s failed: %s", req.name, result.error)
         return ToolCallReply(ok=result.ok, content=result.content, error=result.error)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from libs.common.context import ContextLengthExceeded
 from services.engine.engine import Engine, EngineConfig, RequestOutput
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
@@ -142,7 +143,7 @@ def test_stop_conditions(tiny) -> None:
     stop_at = ref[3]
     engine = make_engine(path, max_model_len=len(p) + 6)
     outs = run(engine, {0: [
-        ("stop", p, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_at])),
+        ("stop", p, SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_at])),
         ("len", p, SamplingParams(temperature=0.0, max_tokens=2)),
         ("ctx", p, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)),
     ]})
@@ -154,6 +155,9 @@ def test_stop_conditions(tiny) -> None:
     assert len(got["ctx"]) == 6 and outs["ctx"][-1].finish_reason == "length"
     with pytest.raises(ValueError):
         engine.add_request("too-long", list(range(2, 2 + len(p) + 6)), GREEDY)
+    with pytest.raises(ContextLengthExceeded) as err:  # more than the room left: refused
+        engine.add_request("too-many", p, SamplingParams(max_tokens=7))
+    assert err.value.param == "max_tokens" and "at most 6" in str(err.value)
 
 
 def test_eos_stops_unless_ignored(tiny) -> None:
@@ -213,7 +217,7 @@ def test_logprobs_are_returned_per_token(tiny) -> None:
 
 def test_llm_generate_and_stream(tiny) -> None:
     path, model = tiny
-    llm = LLM(str(path), device="cpu", num_kv_blocks=64, block_size=4)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, block_size=4, quantization=None)
     ps = prompts(3, seed=14)
     results = llm.generate(ps, GREEDY)
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 10) for p in ps]

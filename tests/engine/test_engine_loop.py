@@ -15,7 +15,11 @@ from services.engine.loop import EngineLoop
 
 
 class StepRecorder:
-    """A stand-in Engine: each step() finishes every request added so far and records which."""
+    """A stand-in Engine (loop.SteppedEngine): each step() finishes every request added so far
+    and records which."""
+
+    last_scheduled: Any = None
+    last_phases: tuple[float, ...] = ()
 
     def __init__(self) -> None:
         self.pending: list[str] = []
@@ -40,6 +44,9 @@ class StepRecorder:
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+    def prepare_thread(self) -> None:
+        return None
 
 
 def _run_burst(window_s: float, gap_s: float) -> list[list[str]]:
@@ -147,16 +154,15 @@ def test_stop_during_the_window_ends_the_thread() -> None:
 
 def test_per_thread_warm_up_runs_on_the_loop_thread_before_the_first_step() -> None:
     """Caches PyTorch keeps per thread (cuDNN attention plans) are warmed by the thread that
-    steps the engine: the runner's warm_up_dense_attention runs on the engine-loop thread,
-    before any step."""
-    engine = StepRecorder()
+    steps the engine: the engine's prepare_thread (Engine: the runner's dense-attention warm-up)
+    runs on the engine-loop thread, before any step."""
     seen: list[tuple[str, int]] = []
 
-    class Runner:
-        def warm_up_dense_attention(self) -> None:
-            seen.append((threading.current_thread().name, len(engine.steps)))
+    class Engine(StepRecorder):
+        def prepare_thread(self) -> None:
+            seen.append((threading.current_thread().name, len(self.steps)))
 
-    engine.runner = Runner()  # type: ignore[attr-defined]
+    engine = Engine()
     loop = EngineLoop(engine, asyncio.new_event_loop(), lambda _: None, lambda exc: None)
     loop.start()
     try:

@@ -174,14 +174,14 @@ def _tolerance(name: str) -> tuple[str, float]:
 
 
 def test_gpt_oss_mxfp4_gguf_keeps_its_experts_mxfp4(converted: dict[str, tuple[Path, Path]],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                   select_kernels: Any) -> None:
     """Where the quantized kernels run (forced here: the interpreter), llama.cpp's MXFP4 expert
     blocks are repacked and served by kernels/mxfp4_moe.py, matching the safetensors' experts
     dequantized on the CPU path."""
     hf_dir, gguf = converted["gpt_oss_mxfp4"]
     prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = SingleSequenceRunner(load_model(hf_dir)[0]).forward(prompt)
-    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "triton")
+    select_kernels(quant_kernels="triton")
     model, _ = load_model(gguf, quantization="gguf")
     assert model.model.layers[0].mlp.experts.w13.blocks.dtype == torch.uint8
     err = rel_error(SingleSequenceRunner(model).forward(prompt), ref)

@@ -12,7 +12,11 @@ from services.engine.loop import EngineLoop
 
 
 class BlockingEngine:
-    """A stand-in Engine with one request whose step() blocks until released."""
+    """A stand-in Engine (loop.SteppedEngine) with one request whose step() blocks until
+    released."""
+
+    last_scheduled = None
+    last_phases: tuple[float, ...] = ()
 
     def __init__(self) -> None:
         self.pending: list[str] = []
@@ -37,6 +41,9 @@ class BlockingEngine:
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+    def prepare_thread(self) -> None:
+        return None
 
 
 def _age(loop: EngineLoop) -> float:

@@ -135,7 +135,8 @@ def test_engine_batched_decode_matches_transformers(tmp_path: Path) -> None:
     """Several sequences through the engine: paged MLA prefill, then batched absorbed decode
     over ragged block tables, against transformers one prompt at a time."""
     hf = save_tiny(tmp_path, "deepseek_v3")
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=48, block_size=4)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=48, block_size=4,
+              quantization=None)
     assert llm.engine.runner.kv_bytes_per_block() == 3 * 48 * 4 * 4  # layers * entry * block
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 13, 22)]
@@ -150,7 +151,8 @@ def test_engine_mla_triton_kernels_match_transformers(tmp_path: Path,
     prompts' prefill and the batched split-KV decode, against transformers."""
     monkeypatch.setattr(MLAAttention, "use_kernel", lambda self, t: True)
     hf = save_tiny(tmp_path, "deepseek_v2")
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=48, block_size=4)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=48, block_size=4,
+              quantization=None)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 11, 20)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -166,9 +168,14 @@ def test_gpu_engine_mla_kernels_match_transformers(tmp_path: Path,
     transformers on the CPU. Failed on an H200 (2026-11-22; prompt 2 of 3 from its first
     token) because of the reference, not the kernels: prompt 2 holds token 0, which hf_greedy
     then masked as padding (see test_hf_greedy_reference_attends_to_token_zero)."""
-    monkeypatch.setattr("services.engine.layers.mla.MLA_KERNEL", True)
+    from kernels import selection
+
+    triton_mla = selection.KernelSelection(mla_kernel="triton")
     hf = save_tiny(tmp_path, "deepseek_v3")
-    llm = LLM(str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=64, block_size=16,
+              quantization=None,
+              kernel_selection=triton_mla)
+    monkeypatch.setattr(selection, "_installed", triton_mla)  # put back after the test
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 40, 90)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -225,11 +225,11 @@ def save_mxfp4_gpt_oss(path: Path, family: Family = FAMILIES["gpt_oss"]) -> Any:
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_gpt_oss_mxfp4_experts_match_transformers(tmp_path: Path, kernels: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  select_kernels: Any) -> None:
     """torch: the CPU engine's path (experts dequantized once at load); triton: the CUDA path
     (experts kept MXFP4 in memory, kernels/mxfp4_moe.py under the interpreter)."""
     hf = save_mxfp4_gpt_oss(tmp_path)
-    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", kernels)
+    select_kernels(quant_kernels=kernels)
     model, _ = load_model(tmp_path / "mxfp4", dtype=torch.float32, device="cpu")
     experts = model.model.layers[0].mlp.experts
     kept = getattr(experts.w13, "blocks", None)

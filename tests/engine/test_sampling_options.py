@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from libs.common.context import ContextLengthExceeded
 from libs.common.messages import SamplingOptions
 from services.engine.admission import QueueLimits, check_deadline, retry_after_s, to_sampling_params
 from services.engine.request_error import InvalidParameter
@@ -136,7 +137,7 @@ def test_engine_stop_token_ids_stop_and_ignore_eos_goes_past_eos(
 def test_admission_refuses_values_the_engine_cannot_use(field: str, value: Any,
                                                         param: str) -> None:
     opts = SamplingOptions(**{"max_tokens": 10, field: value})
-    with pytest.raises(InvalidParameter) as err:
+    with pytest.raises((InvalidParameter, ContextLengthExceeded)) as err:
         to_sampling_params(opts, prompt_len=5, max_model_len=100, vocab_size=VOCAB)
     assert err.value.param == param, str(err.value)
 

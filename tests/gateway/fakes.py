@@ -6,6 +6,7 @@ tools service. The tokenizer's behaviour is chosen by the last message (or the p
 - "busy"        → Admission refused with 503, retry_after_s 2.5 (an overloaded engine)
 - "limited"     → Admission refused with 429, retry_after_s 0.2 (a per-client limit)
 - "slow"        → one word every 0.1 s until cancelled (200 words at most)
+- "paced"       → 40 words, one every 0.1 s (a stream of ~4 s), finish_reason length
 - "die"         → one word, then silence (no frames, no heartbeats): a dead upstream
 - "error"       → one word, then an error frame (503)
 - "tools"       → a tool call (streamed in two pieces), finish_reason tool_calls
@@ -191,6 +192,12 @@ class FakeTokenizer:
                 if self.cancelled(req.request_id):
                     writer.close()
                     return
+                await writer.data(TextDelta(text=f"w{i} "))
+                await asyncio.sleep(0.1)
+            await writer.final(TextFinal(finish_reason="length", usage=usage))
+            return
+        if scenario == "paced":
+            for i in range(40):
                 await writer.data(TextDelta(text=f"w{i} "))
                 await asyncio.sleep(0.1)
             await writer.final(TextFinal(finish_reason="length", usage=usage))

@@ -28,6 +28,7 @@ from services.launcher.nats_server import free_port
 from tests.endpoints import NATS_URL, REDIS_URL
 from tests.gateway.conftest import chat, gateway_settings
 from tests.gateway.fakes import FakeTokenizer
+from tests.metrics.scrape import Scrape
 
 FAKE_TOKENS = 7 + 3  # the fake tokenizer's usage of one choice: prompt + completion
 
@@ -130,7 +131,7 @@ async def test_sdks_work_with_a_key_and_raise_on_a_wrong_one(
 
 async def test_eleventh_request_of_a_10_rpm_key_is_429_across_two_gateways(
         pair: tuple[GatewayService, GatewayService], store: RedisStore, model: str) -> None:
-    key, _ = await create_key(store, rpm=10)
+    key, record = await create_key(store, rpm=10)
     clients = [httpx.AsyncClient(base_url=gw.url, timeout=10, headers=_auth(key))
                for gw in pair]
     try:
@@ -156,6 +157,10 @@ async def test_eleventh_request_of_a_10_rpm_key_is_429_across_two_gateways(
             await sdk.chat.completions.create(model=model,
                                               messages=[{"role": "user", "content": "quick"}])
         await sdk.close()
+        for client, hits in zip(clients, (1, 2), strict=True):  # /metrics is open without a key
+            scrape = Scrape((await client.get("/metrics", headers={"authorization": ""})).text)
+            assert scrape.value("flotilla:rate_limit_hits_total", key=record.id,
+                                limit="requests") == hits
     finally:
         for c in clients:
             await c.aclose()

@@ -4,6 +4,8 @@ natively or with K/V expanded, and the conditions under which the engine takes i
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,20 +96,20 @@ def test_padding_rows_change_nothing() -> None:
                                dense_causal_attention(q, k, v, 0.3))
 
 
-def test_enabled_by_default_only_on_hopper_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLOTILLA_DENSE_PREFILL: auto (default) on compute capability >= 9, 1 on any GPU, 0 off;
-    never on CPU (no plans to build); a bad value is refused."""
+def test_enabled_by_default_only_on_hopper_gpus(monkeypatch: pytest.MonkeyPatch,
+                                                select_kernels: Any) -> None:
+    """dense_prefill (FLOTILLA_DENSE_PREFILL): auto (default) on compute capability >= 9, 1 on
+    any GPU, 0 off; never on CPU (no plans to build); a bad value is refused."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    monkeypatch.delenv("FLOTILLA_DENSE_PREFILL", raising=False)
+    select_kernels()
     assert not dense_attention.enabled(cpu)
     for capability, expected in (((8, 0), False), ((9, 0), True), ((10, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d, c=capability: c)
         assert dense_attention.enabled(gpu) is expected
-    monkeypatch.setenv("FLOTILLA_DENSE_PREFILL", "0")
+    select_kernels(dense_prefill="0")
     assert not dense_attention.enabled(gpu)
-    monkeypatch.setenv("FLOTILLA_DENSE_PREFILL", "1")
+    select_kernels(dense_prefill="1")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d: (8, 0))
     assert dense_attention.enabled(gpu) and not dense_attention.enabled(cpu)
-    monkeypatch.setenv("FLOTILLA_DENSE_PREFILL", "yes")
-    with pytest.raises(ValueError, match="FLOTILLA_DENSE_PREFILL"):
-        dense_attention.enabled(gpu)
+    with pytest.raises(ValueError, match="dense_prefill"):
+        select_kernels(dense_prefill="yes")

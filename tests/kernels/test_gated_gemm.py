@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -101,9 +103,11 @@ def test_gated_gemm_gpu_llama3_shape(config: tuple[int, int, int, int, int] | No
 
 
 @pytest.mark.gpu
-def test_unquantized_gated_projection_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On Hopper, FLOTILLA_GATED_GEMM=auto fuses prefill-sized inputs (>= GATED_GEMM_MIN_ROWS
-    rows) and leaves smaller ones to cuBLAS + SiLU·mul; 0 never fuses; both give the same y."""
+def test_unquantized_gated_projection_dispatch(monkeypatch: pytest.MonkeyPatch,
+                                               select_kernels: Any) -> None:
+    """On Hopper, gated_gemm=auto (FLOTILLA_GATED_GEMM) fuses prefill-sized inputs
+    (>= GATED_GEMM_MIN_ROWS rows) and leaves smaller ones to cuBLAS + SiLU·mul; 0 never fuses;
+    both give the same y."""
     from torch import nn
 
     from services.engine.quant import base
@@ -119,15 +123,12 @@ def test_unquantized_gated_projection_dispatch(monkeypatch: pytest.MonkeyPatch) 
                                 requires_grad=False)
     method = base.UnquantizedLinearMethod()
     rows = base.GATED_GEMM_MIN_ROWS
-    try:
-        cases = (("auto", rows, True), ("auto", rows // 2, False), ("0", rows, False))
-        for mode, m, fused in cases:
-            base.set_gated_gemm(mode)
-            calls.clear()
-            x = _inputs(m, 1024, 512, torch.bfloat16, seed=m)[0]
-            y = method.apply_gated(layer, x)
-            assert bool(calls) is fused, (mode, m)
-            ref = silu_and_mul_triton(x @ layer.weight.T)
-            assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
-    finally:
-        base.set_gated_gemm(None)
+    cases = (("auto", rows, True), ("auto", rows // 2, False), ("0", rows, False))
+    for mode, m, fused in cases:
+        select_kernels(gated_gemm=mode)
+        calls.clear()
+        x = _inputs(m, 1024, 512, torch.bfloat16, seed=m)[0]
+        y = method.apply_gated(layer, x)
+        assert bool(calls) is fused, (mode, m)
+        ref = silu_and_mul_triton(x @ layer.weight.T)
+        assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

@@ -4,7 +4,7 @@ FLOTILLA_GEMV dispatch in the unquantized linear method."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -14,8 +14,6 @@ from kernels.activation import silu_and_mul_ref
 from kernels.gemv import CONFIGS, GEMV_MAX_M, _config, gemv_triton
 from services.engine.layers.linear import ReplicatedLinear
 from services.engine.quant.base import (
-    gemv_backend,
-    set_gemv_backend,
     use_triton_gemv,
 )
 from tests.kernels.conftest import DEVICE, tolerance
@@ -94,12 +92,6 @@ def test_gemv_configs_compile_for_sm90_without_spills() -> None:
 # ------------------------------------------------------------------ engine dispatch
 
 
-@pytest.fixture
-def gemv_backend_reset() -> Iterator[None]:
-    yield
-    set_gemv_backend(None)
-
-
 @pytest.mark.parametrize("backend,n,m,dtype,expected", [
     ("cublas", 64, 1, torch.bfloat16, False),
     ("triton", 64, 1, torch.bfloat16, True),
@@ -112,27 +104,29 @@ def gemv_backend_reset() -> Iterator[None]:
 ])
 def test_gemv_backend_picks_triton_only_for_decode_sized_16bit_inputs(
         backend: str, n: int, m: int, dtype: torch.dtype, expected: bool,
-        gemv_backend_reset: None) -> None:
-    set_gemv_backend(backend)
+        select_kernels: Any) -> None:
+    select_kernels(gemv=backend)
     w = torch.empty(n, 16, dtype=dtype, device="meta")
     assert use_triton_gemv(torch.empty(m, 16, dtype=dtype, device="meta"), w) is expected
 
 
-def test_gemv_backend_defaults_to_auto_and_reads_the_env(
-        monkeypatch: pytest.MonkeyPatch, gemv_backend_reset: None) -> None:
+def test_gemv_backend_defaults_to_auto_and_comes_from_the_settings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from libs.common.settings import EngineSettings
+    from services.engine.factory import kernel_selection
+
     monkeypatch.delenv("FLOTILLA_GEMV", raising=False)
-    set_gemv_backend(None)
-    assert gemv_backend() == "auto"
+    assert kernel_selection(EngineSettings()).gemv == "auto"
     monkeypatch.setenv("FLOTILLA_GEMV", "triton")
-    set_gemv_backend(None)
-    assert gemv_backend() == "triton"
-    with pytest.raises(ValueError, match="GEMV backend"):
-        set_gemv_backend("cutlass")
+    assert kernel_selection(EngineSettings()).gemv == "triton"
+    monkeypatch.setenv("FLOTILLA_GEMV", "cutlass")
+    with pytest.raises(ValueError, match="gemv"):
+        EngineSettings()
 
 
 @pytest.mark.gpu
-def test_gpu_unquantized_linear_through_triton_gemv(gemv_backend_reset: None) -> None:
-    set_gemv_backend("triton")
+def test_gpu_unquantized_linear_through_triton_gemv(select_kernels: Any) -> None:
+    select_kernels(gemv="triton")
     layer = ReplicatedLinear(4096, 6144, bias=True).to("cuda", torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.02)
     torch.nn.init.normal_(layer.bias)

@@ -4,7 +4,7 @@ replayed from a CUDA graph gives the results of plain launches."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -13,22 +13,14 @@ from kernels import pdl
 from tests.kernels.sm90_report import needs_ptxas, sm90_report
 
 
-@pytest.fixture
-def pdl_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    pdl.pdl_mode.cache_clear()
-    yield monkeypatch
-    pdl.pdl_mode.cache_clear()
-
-
-def test_off_the_gpu_kernels_launch_without_pdl(pdl_env: pytest.MonkeyPatch) -> None:
-    pdl_env.setenv("FLOTILLA_PDL", "1")
+def test_off_the_gpu_kernels_launch_without_pdl(select_kernels: Any) -> None:
+    select_kernels(pdl="1")
     assert pdl.pdl_args(torch.zeros(1)) == {"USE_PDL": 0}
 
 
-def test_mode_is_validated(pdl_env: pytest.MonkeyPatch) -> None:
-    pdl_env.setenv("FLOTILLA_PDL", "yes")
-    with pytest.raises(ValueError, match="FLOTILLA_PDL"):
-        pdl.pdl_mode()
+def test_mode_is_validated(select_kernels: Any) -> None:
+    with pytest.raises(ValueError, match="pdl"):
+        select_kernels(pdl="yes")
 
 
 @pytest.mark.slow
@@ -51,7 +43,7 @@ def test_the_wait_precedes_every_activation_load() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_graph_of_pdl_kernels_matches_plain_launches(pdl_env: pytest.MonkeyPatch) -> None:
+def test_gpu_graph_of_pdl_kernels_matches_plain_launches(select_kernels: Any) -> None:
     """norm -> GEMV -> norm -> gated GEMV -> GEMV, 8 times over, each reading the one before:
     a CUDA graph of PDL launches equals plain eager launches bit for bit."""
     from kernels.gemv import gemv_triton
@@ -74,8 +66,7 @@ def test_gpu_graph_of_pdl_kernels_matches_plain_launches(pdl_env: pytest.MonkeyP
         return x + res
 
     for mode in ("0", "1"):
-        pdl_env.setenv("FLOTILLA_PDL", mode)
-        pdl.pdl_mode.cache_clear()
+        select_kernels(pdl=mode)
         eager = chain(x0)  # also tunes before the capture
         if mode == "0":
             want = eager

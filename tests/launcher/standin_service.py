@@ -48,6 +48,9 @@ class StandIn:
         await writer.drain()
         writer.close()
 
+    async def drain(self, timeout_s: float) -> None:
+        pass  # a stand-in holds no work in flight
+
     async def stop(self) -> None:
         await self.announcer.stop()
         if self.http is not None:

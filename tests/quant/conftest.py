@@ -12,6 +12,7 @@ import ctypes
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,16 +49,16 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def kernels_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def kernels_mode(select_kernels: Any) -> Iterator[None]:
     """Quantized layers run their Triton kernels even on CPU (the interpreter)."""
-    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "triton")
+    select_kernels(quant_kernels="triton")
     yield
 
 
 @pytest.fixture
-def dequant_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def dequant_mode(select_kernels: Any) -> Iterator[None]:
     """Quantized layers dequantize once after loading and serve float weights."""
-    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "torch")
+    select_kernels(quant_kernels="torch")
     yield
 
 

@@ -6,6 +6,8 @@ kernel at Llama-3-8B sizes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -81,10 +83,11 @@ def test_gpu_real_sizes(n: int, k: int, group: int, m: int) -> None:
 @pytest.mark.parametrize("kind,m,expect", [("auto", 1, "fma"), ("auto", 2, "mma"),
                                            ("auto", 3, "fma"), ("mma", 1, "mma"),
                                            ("fma", 2, "fma")])
-def test_decode_dispatch(kind: str, m: int, expect: str, monkeypatch: pytest.MonkeyPatch
-                         ) -> None:
+def test_decode_dispatch(kind: str, m: int, expect: str, monkeypatch: pytest.MonkeyPatch,
+                         select_kernels: Any) -> None:
     """kernels/fp8.py's GEMV choice: one row on the CUDA cores, two on the tensor cores (which
-    read W once for both), more on the CUDA cores; FLOTILLA_FP8_GEMV pins one."""
+    read W once for both), more on the CUDA cores; the selection's fp8_gemv (FLOTILLA_FP8_GEMV)
+    pins one."""
     from kernels import fp8
 
     calls: list[str] = []
@@ -94,11 +97,8 @@ def test_decode_dispatch(kind: str, m: int, expect: str, monkeypatch: pytest.Mon
     monkeypatch.setattr(fp8, "fp8_gemv_fma", fake("fma"))
     monkeypatch.setattr(fp8, "fp8_gemv_mma", fake("mma"))
     x, weight, scale, _ = make(8, 64, 64, m, torch.bfloat16, seed=0)
-    fp8.set_fp8_gemv(kind)
-    try:
-        fp8.fp8_matmul_triton(x, weight, scale, kernel="gemv")
-    finally:
-        fp8.set_fp8_gemv("auto")
+    select_kernels(fp8_gemv=kind)
+    fp8.fp8_matmul_triton(x, weight, scale, kernel="gemv")
     assert calls == [expect]
-    with pytest.raises(ValueError, match="fp8 GEMV must be one of"):
-        fp8.set_fp8_gemv("cublas")
+    with pytest.raises(ValueError, match="fp8_gemv must be one of"):
+        select_kernels(fp8_gemv="cublas")

@@ -9,6 +9,7 @@ embedding is Q8_0 in this file and stays float on both paths (embeddings are not
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -61,13 +62,13 @@ def test_mixed_types_in_one_fused_layer_fall_back_to_float() -> None:
 
 @pytest.mark.slow
 def test_perplexity_with_quantized_kernels_matches_dequantized_weights(
-    monkeypatch: pytest.MonkeyPatch,
+    select_kernels: Any,
 ) -> None:
     path = ensure_default_model()
     ids = Tokenizer.from_path(path).encode(TEXT)
     assert len(ids) > 300
     reference = perplexity(load_model(path).model, ids)  # gguf.quants-dequantized float32
-    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "triton")
+    select_kernels(quant_kernels="triton")
     quantized = load_model(path, quantization="gguf").model
     assert quantized.model.layers[29].mlp.down_proj.qweight.dtype == torch.uint8
     ours = perplexity(quantized, ids)

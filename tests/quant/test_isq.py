@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,10 +40,10 @@ def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @pytest.mark.parametrize("name", ISQ_NAMES)
 def test_isq_kernels_match_dequantized_and_stay_near_float(
-    name: str, llama256: tuple[Path, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    name: str, llama256: tuple[Path, torch.Tensor], select_kernels: Any
 ) -> None:
     path, float_logits = llama256
-    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "triton")
+    select_kernels(quant_kernels="triton")
     quantized = load_model(path, device=DEVICE, quantization=name).model
     for layer in linear_layers(quantized):  # every linear layer and the LM head
         assert not isinstance(getattr(layer, "weight", None), torch.nn.Parameter)
@@ -52,7 +53,7 @@ def test_isq_kernels_match_dequantized_and_stay_near_float(
             t = GGUF_TYPES[ISQ_GGUF_TYPES[name]]
             assert layer.quant_method.type == t and layer.qweight.dtype == torch.uint8
             assert layer.qweight.shape[1] % t.type_size == 0
-    monkeypatch.setenv("FLOTILLA_QUANT_KERNELS", "torch")
+    select_kernels(quant_kernels="torch")
     dequantized = load_model(path, device=DEVICE, quantization=name).model
     ours = SingleSequenceRunner(quantized).forward(IDS)
     ref = SingleSequenceRunner(dequantized).forward(IDS)

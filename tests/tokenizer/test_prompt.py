@@ -24,9 +24,10 @@ def test_context_length_exceeded_names_both_numbers(smollm2: Tokenizer) -> None:
     with pytest.raises(FlotillaError) as err:
         b.sampling(req, prompt_tokens)
     info = err.value.info
-    assert (info.status, info.code, info.param) == (400, "context_length_exceeded", "prompt")
+    assert (info.status, info.code, info.param) == (400, "context_length_exceeded", "max_tokens")
     assert "maximum context length is 64 tokens" in info.message
     assert "70 tokens (40 in the prompt, 30 in the completion)" in info.message
+    assert "max_tokens may be at most 24" in info.message
 
 
 def test_prompt_alone_too_long_for_any_completion(smollm2: Tokenizer) -> None:
@@ -42,10 +43,11 @@ def test_prompt_alone_too_long_for_any_completion(smollm2: Tokenizer) -> None:
     assert f"resulted in {n} tokens" in message and "16 tokens" in message
 
 
-def test_unset_max_tokens_takes_the_room_left(smollm2: Tokenizer) -> None:
+def test_max_tokens_goes_to_the_engine_as_it_came(smollm2: Tokenizer) -> None:
+    """The engine resolves an unset max_tokens against its own context (libs/common/context.py);
+    the tokenizer only checks that the request fits."""
     b = PromptBuilder(smollm2, max_model_len=100)
-    sampling = b.sampling(completion("hi"), prompt_tokens=30)
-    assert sampling.max_tokens == 70
+    assert b.sampling(completion("hi"), prompt_tokens=30).max_tokens is None
     exact = completion("hi", sampling=SamplingOptions(max_tokens=70))
     assert b.sampling(exact, 30).max_tokens == 70
 

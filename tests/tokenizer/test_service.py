@@ -43,7 +43,7 @@ async def test_chat_stream_end_to_end(bus: Bus, service: TokenizerService, engin
     sent = engine.requests[-1]
     assert sent.prompt_token_ids == list(expected_prompt)
     assert out.admission.prompt_tokens == len(expected_prompt)
-    assert sent.sampling.max_tokens == 8192 - len(expected_prompt)
+    assert sent.sampling.max_tokens is None  # the engine resolves it (libs/common/context.py)
     assert im_end[0] in sent.sampling.stop_token_ids
     assert out.text == reply
     assert all("\ufffd" not in f.data.text for f in out.frames if f.data)
@@ -210,6 +210,35 @@ async def test_announces_model_and_context_length(bus: Bus, service: TokenizerSe
     msg = await asyncio.wait_for(seen.get(), 2.0)
     await sub.unsubscribe()
     assert (msg.service, msg.max_model_len) == ("tokenizer", 8192)
+
+
+async def test_the_engines_published_context_length_wins(bus: Bus, service: TokenizerService,
+                                                          engine: FakeEngine) -> None:
+    """An engine whose KV cache holds fewer tokens than the model's context publishes that
+    length: the tokenizer checks requests against it and announces it (for /v1/models)."""
+    seen: asyncio.Queue[Announcement] = asyncio.Queue()
+
+    async def on_announce(msg: Announcement) -> None:
+        if msg.model == service.model and msg.service == "tokenizer":
+            await seen.put(msg)
+
+    sub = await bus.subscribe(subjects.DISCOVERY_ANNOUNCE, Announcement, on_announce)
+    await bus.publish(subjects.DISCOVERY_ANNOUNCE, Announcement(
+        service="engine", instance="engine-small", model=service.model, max_model_len=100))
+    await bus.publish(subjects.DISCOVERY_ANNOUNCE, Announcement(  # another model's: ignored
+        service="engine", instance="engine-other", model="other", max_model_len=50))
+    await bus.publish(subjects.DISCOVERY_PING, Ping())
+    msg = await asyncio.wait_for(seen.get(), 2.0)
+    while msg.max_model_len != 100:
+        msg = await asyncio.wait_for(seen.get(), 2.0)
+    await sub.unsubscribe()
+    out = await gateway(bus, service.model, request(sampling=SamplingOptions(max_tokens=95)))
+    err = out.admission.error
+    assert err is not None and (err.code, err.param) == ("context_length_exceeded", "max_tokens")
+    assert "maximum context length is 100 tokens" in err.message
+    assert engine.requests == []
+    unset = await gateway(bus, service.model, request())
+    assert unset.admission.accepted and engine.requests[-1].sampling.max_tokens is None
 
 
 async def test_trace_joins_gateway_tokenizer_and_engine(bus: Bus, service: TokenizerService,

@@ -13,14 +13,14 @@ Rules:
   device tensors only (CUDA-graph safe): q_lat = q_nope W_UK (per head, [H, kv_lora_rank]),
   scores = q_lat . c + q_pe . k_pe, out = (softmax(scores) . c) W_UV^T. No per-step
   decompression of the context.
-- With FLOTILLA_MLA_KERNEL=triton, on CUDA every batch runs the absorbed form in Triton
-  (kernels/mla_attention.py: split-KV decode, causal extend for prefill / mixed batches) reading
-  the latent cache directly: q_lat = q_nope W_UK by one batched matmul, out_lat from the kernel,
-  then out_lat W_UV^T. Opt-in until it is timed against the torch paths in the engine: the
-  kernels match their reference on an H200 at DeepSeek-V3 sizes, and the whole model with every
-  Triton kernel forced (interpreter) matches transformers' greedy tokens; the engine-level GPU
-  test that failed on the H200 had a wrong reference (transformers treating token 0 as padding).
-  The two torch paths above serve every other case.
+- With the kernel selection's mla_kernel = triton (FLOTILLA_MLA_KERNEL, kernels/selection.py), on
+  CUDA every batch runs the absorbed form in Triton (kernels/mla_attention.py: split-KV decode,
+  causal extend for prefill / mixed batches) reading the latent cache directly: q_lat = q_nope W_UK
+  by one batched matmul, out_lat from the kernel, then out_lat W_UV^T. Opt-in until it is timed
+  against the torch paths in the engine: the kernels match their reference on an H200 at DeepSeek-V3
+  sizes, and the whole model with every Triton kernel forced (interpreter) matches transformers'
+  greedy tokens; the engine-level GPU test that failed on the H200 had a wrong reference
+  (transformers treating token 0 as padding). The two torch paths above serve every other case.
 - forward(q_nope [T, H, nope], q_pe [T, H, rope] rotated, latent [T, r] normed,
   k_pe [T, rope] rotated, w_kv_b [H*(nope+v), r]) -> [T, H * v]. H is this rank's head count.
 """
@@ -28,18 +28,17 @@ Rules:
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 
 import kernels
+from kernels import selection
 from kernels.kv_quant import KVScales
 from kernels.mla_attention import mla_attention_triton
 from services.engine.forward_context import AttentionMetadata, get_forward_context
 from services.engine.layers.attention import Attention
 
-MLA_KERNEL = os.environ.get("FLOTILLA_MLA_KERNEL", "torch").lower() == "triton"
 SCORES_BYTES = 1 << 28  # bound on the prefill path's fp32 score block per query chunk
 
 
@@ -97,7 +96,7 @@ class MLAAttention(Attention):
         return out.reshape(q_nope.shape[0], self.num_heads * self.v_dim)
 
     def use_kernel(self, t: torch.Tensor) -> bool:
-        return MLA_KERNEL and kernels.use_triton(t)
+        return selection.current().mla_kernel == "triton" and kernels.use_triton(t)
 
     def _absorbed_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
                          w_uv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -13,10 +13,11 @@ Rules:
 - `apply(layer, x, bias)` computes `x @ W.T (+ bias)` in `x.dtype`.
 - Quantized formats (GGUF blocks, GPTQ/AWQ int4, fp8) keep their packed weights and run Triton
   kernels when the weights live on CUDA; elsewhere they dequantize once after loading and serve
-  float weights. `FLOTILLA_QUANT_KERNELS=triton` forces the kernels (on CPU: the Triton
-  interpreter, for tests), `=torch` forces the dequantized path.
+  float weights. The kernel selection's quant_kernels (kernels/selection.py,
+  FLOTILLA_QUANT_KERNELS) `triton` forces the kernels (on CPU: the Triton interpreter, for
+  tests), `torch` forces the dequantized path.
 - Unquantized weights multiply through cuBLAS (F.linear), except decode-sized inputs on CUDA
-  under the GEMV backend `FLOTILLA_GEMV` (or `set_gemv_backend`): `auto` (default) kernels/gemv.py
+  under the selection's GEMV backend (`gemv`, FLOTILLA_GEMV): `auto` (default) kernels/gemv.py
   for one row of 16-bit x (batch-1 decode), F.linear otherwise; `triton` kernels/gemv.py for
   M <= TRITON_GEMV_MAX_M rows; `cublas` always F.linear. H200 sweep (bench/gemv_sweep.py,
   Llama-3-8B matrices, CUDA-graph replays from HBM): at M=1 ours took 14.3 / 10.4 / 56.1 / 28.7 us
@@ -24,8 +25,8 @@ Rules:
   at M=2..8 cuBLAS wins (15.5 / 13.4 / 56.3 / 32.2 against 17.4 / 13.2 / 60.0 / 36.7).
 - A gated MLP's bias-free [gate; up] projection (`apply_gated`) of at least GATED_GEMM_MIN_ROWS
   16-bit rows on a Hopper-or-later GPU runs kernels/gated_gemm.py, which stores
-  silu(gate) * up from the GEMM's epilogue (FLOTILLA_GATED_GEMM auto | 0 | 1, or
-  `set_gated_gemm`). H100, Llama-3-8B, 4,096 tokens in the engine: 1.316 ms a layer against
+  silu(gate) * up from the GEMM's epilogue (the selection's gated_gemm, FLOTILLA_GATED_GEMM:
+  auto | 0 | 1). H100, Llama-3-8B, 4,096 tokens in the engine: 1.316 ms a layer against
   cuBLAS 1.256 + SiLU·mul 0.118; below ~1,024 rows cuBLAS + the kernel is as fast or faster. If
   the kernel fails to build (Triton's warp specialisation), the process logs it once and keeps
   the cuBLAS path.
@@ -34,7 +35,6 @@ Rules:
 from __future__ import annotations
 
 import logging
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import cast
@@ -44,15 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import selection
 from kernels.gated_gemm import gated_gemm_ok, gated_gemm_triton
 from kernels.gemv import gemv_triton
 
-GEMV_BACKENDS = ("auto", "cublas", "triton")
 TRITON_GEMV_MAX_M = 8  # `triton`: decode batches the Triton GEMV serves (graph buckets 1-8)
 AUTO_GEMV_MAX_M = 1  # `auto`: where it beats cuBLAS (module rules)
 GATED_GEMM_MIN_ROWS = 1024  # below: cuBLAS + SiLU·mul (as fast or faster; decode graphs too)
-_gemv_backend: str | None = None
-_gated_gemm_mode: str | None = None
 # the fused gate/up GEMM in this process: None not tried yet, True built and ran, False failed
 # to build (the cuBLAS path from then on)
 _gated_gemm_built: bool | None = None
@@ -114,10 +112,10 @@ class UnquantizedLinearMethod(QuantMethod):
 
 def use_gated_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a gated projection runs kernels/gated_gemm.py (SiLU·mul in the GEMM's epilogue).
-    FLOTILLA_GATED_GEMM (or `set_gated_gemm`): auto (default) for 16-bit inputs of at least
+    The selection's gated_gemm (FLOTILLA_GATED_GEMM): auto (default) for 16-bit inputs of at least
     GATED_GEMM_MIN_ROWS rows on Hopper or later GPUs; 1 for any CUDA input the kernel takes; 0
     never. Off for the process once its kernel fails to build here (`_gated_gemm_built`)."""
-    mode = gated_gemm_mode()
+    mode = selection.current().gated_gemm
     if mode == "0" or _gated_gemm_built is False or not x.is_cuda:
         return False
     if mode == "auto" and (x.numel() // max(1, x.shape[-1]) < GATED_GEMM_MIN_ROWS
@@ -143,39 +141,9 @@ def _gated_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def set_gated_gemm(mode: str | None) -> None:
-    """Process-wide FLOTILLA_GATED_GEMM override (auto, 0, 1); None: the environment's."""
-    global _gated_gemm_mode
-    if mode is not None and mode not in ("auto", "0", "1"):
-        raise ValueError(f"gated GEMM mode must be auto, 0 or 1, got {mode!r}")
-    _gated_gemm_mode = mode
-
-
-def gated_gemm_mode() -> str:
-    if _gated_gemm_mode is None:
-        set_gated_gemm(os.environ.get("FLOTILLA_GATED_GEMM", "auto").strip().lower())
-    assert _gated_gemm_mode is not None
-    return _gated_gemm_mode
-
-
-def set_gemv_backend(backend: str | None) -> None:
-    """Process-wide GEMV backend (see the module rules); None: FLOTILLA_GEMV, else auto."""
-    global _gemv_backend
-    if backend is not None and backend not in GEMV_BACKENDS:
-        raise ValueError(f"GEMV backend must be one of {GEMV_BACKENDS}, got {backend!r}")
-    _gemv_backend = backend
-
-
-def gemv_backend() -> str:
-    if _gemv_backend is None:
-        set_gemv_backend(os.environ.get("FLOTILLA_GEMV", "auto").lower())
-    assert _gemv_backend is not None
-    return _gemv_backend
-
-
 def use_triton_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an unquantized x @ weight.T runs kernels/gemv.py (see the module rules)."""
-    backend = gemv_backend()
+    backend = selection.current().gemv
     if backend == "cublas" or x.dtype not in (torch.float16, torch.bfloat16):
         return False
     rows = x.numel() // max(1, x.shape[-1])
@@ -231,9 +199,7 @@ def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
 
 def use_kernels(device: torch.device) -> bool:
     """Whether quantized layers on `device` run their Triton kernels (see the module rules)."""
-    mode = os.environ.get("FLOTILLA_QUANT_KERNELS", "auto").lower()
-    if mode not in ("auto", "triton", "torch"):
-        raise ValueError(f"FLOTILLA_QUANT_KERNELS must be auto, triton or torch, got {mode!r}")
+    mode = selection.current().quant_kernels
     return mode == "triton" or (mode == "auto" and device.type == "cuda")
 
 
