@@ -118,6 +118,14 @@ class GatewaySettings(CommonSettings):
     responses_ttl_s: float = Field(
         7 * 24 * 3600.0, gt=0, description="How long stored responses (/v1/responses with "
         "store, the default) are kept; in Redis when FLOTILLA_REDIS_URL is set")
+    conversations_ttl_s: float = Field(
+        30 * 24 * 3600.0, gt=0, description="How long a conversation (/v1/conversations) is kept "
+        "after its last change; in Redis when FLOTILLA_REDIS_URL is set")
+    conversation_max_items: int = Field(
+        1000, ge=1, description="Most items one conversation may hold; adding more is a 400")
+    conversation_max_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Most bytes (its items as JSON) one conversation "
+        "may hold; adding more is a 400")
     gateway_workers: int = Field(
         1, ge=1, le=64, description="Gateway processes sharing the HTTP port, each with its own "
         "event loop and NATS connection (>1 spreads a burst's HTTP, validation and SSE work over "

@@ -36,6 +36,7 @@ from services.gateway import http_errors
 from services.gateway.anthropic.routes import router as anthropic_router
 from services.gateway.api_keys import KeyRing
 from services.gateway.auth import ApiKeyAuth
+from services.gateway.conversations.routes import install as install_conversations
 from services.gateway.drain import Drain, DrainGate
 from services.gateway.health import router as health_router
 from services.gateway.limits import spec_limits
@@ -108,6 +109,7 @@ def create_app(settings: GatewaySettings, bus: Bus, store: Store) -> FastAPI:
     app.include_router(router)
     app.include_router(anthropic_router)
     install_responses(app)
+    install_conversations(app)
     app.include_router(token_router)
     app.include_router(pooling_router)
     app.add_middleware(InFlightLimit, in_flight=app.state.gateway.in_flight,

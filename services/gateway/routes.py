@@ -13,6 +13,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -21,15 +22,16 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from libs.common.deadline import Deadline
-from libs.common.errors import internal
+from libs.common.errors import internal, invalid_request
 from services.gateway.chunks import chunk_builder
+from services.gateway.conversations.chat import AfterReply, in_conversation
 from services.gateway.functions import from_legacy
 from services.gateway.key_usage import CURRENT as KEY_USAGE
 from services.gateway.key_usage import check_body
 from services.gateway.limits import check_schema_sizes, parse_json, read_body
 from services.gateway.overload import request_timeout
 from services.gateway.plan import Plan, chat_plan, completion_plan
-from services.gateway.results import chat_completion, collect, text_completion
+from services.gateway.results import ChoiceResult, chat_completion, collect, text_completion
 from services.gateway.sse import EventStream, sse_events
 from services.gateway.streams import ChoiceStreams
 
@@ -115,8 +117,12 @@ async def unless_disconnected(request: Request, work: Awaitable[T], streams: Can
         watcher.cancel()
 
 
-async def generate(request: Request, plan: Plan, deadline: Deadline) -> Response:
+async def generate(request: Request, plan: Plan, deadline: Deadline,
+                   after: AfterReply | None = None) -> Response:
+    """Run `plan`; `after(results, rid)`, when given, runs once every choice is complete (a
+    chat request in a conversation: conversations/chat.py)."""
     gw = gateway(request)
+    done = None if after is None else functools.partial(_after, after, plan.rid)
     for req in plan.requests:
         req.deadline = deadline.at
     streams = ChoiceStreams(gw.bus, plan.requests,
@@ -129,7 +135,7 @@ async def generate(request: Request, plan: Plan, deadline: Deadline) -> Response
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     if plan.stream:
-        events = sse_events(streams, chunk_builder(plan, created), plan.include_usage)
+        events = sse_events(streams, chunk_builder(plan, created), plan.include_usage, done)
         return EventStream(events, on_disconnect=streams.cancel, on_close=streams.close)
     try:
         results = await unless_disconnected(request, collect(streams), streams)
@@ -139,8 +145,14 @@ async def generate(request: Request, plan: Plan, deadline: Deadline) -> Response
         streams.close()
     if any(r.final is None for r in results):
         raise internal("a choice ended without its final frame")
+    if done is not None:
+        await done(results)
     build = chat_completion if plan.kind == "chat" else text_completion
     return JSONResponse(build(plan, results, created))
+
+
+async def _after(after: AfterReply, rid: str, results: list[ChoiceResult]) -> None:
+    await after(results, rid)
 
 
 @router.post("/v1/chat/completions")
@@ -153,6 +165,12 @@ async def create_chat_completion(request: Request) -> Response:
     await gw.require_model(body["model"], "generate")
     body = from_legacy(body)
     tools = await gw.tools.tools_for(body)
+    after = None
+    if body.get("conversation") is not None:
+        if body.get("tools") is None and tools:
+            raise invalid_request("The server's MCP tools are not run in a `conversation`; send "
+                                  "`tools: []` or your own tools.", param="conversation")
+        body, after = await in_conversation(request.app.state.conversations, body)
     if body.get("tools") is None and tools:  # injected MCP tools: the server runs their calls
         if int(body.get("n") or 1) == 1:
             from services.gateway.mcp_chat import complete_with_mcp  # it imports this module
@@ -161,7 +179,7 @@ async def create_chat_completion(request: Request) -> Response:
         tools = []  # the server's tool loop serves one choice; n choices answer without it
     return await generate(request, chat_plan(body, tools, gw.settings.max_n,
                                              reasoning_field=gw.settings.reasoning_field),
-                          deadline)
+                          deadline, after)
 
 
 @router.post("/v1/completions")

@@ -5,6 +5,9 @@ Rules:
 - A stream is `data: <chunk>` events, then (with include_usage) the usage chunk, then
   `data: [DONE]`. A failure after the first byte (engine died, stream lost) becomes one
   `data: {"error": ...}` event followed by `data: [DONE]`: the status line is already sent.
+- With `after` (a chat request in a conversation), the choices are also accumulated and, once
+  every choice has its final frame, `after(results)` runs before the usage chunk; its failure
+  (the conversation full, the store away) is that error event.
 - `EventStream` listens for `http.disconnect` while it sends (whatever ASGI spec version the
   server speaks) and treats a failed send the same way: either way the producer is stopped and
   `on_disconnect` runs once, at once (it publishes the Cancels).
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -23,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from libs.common.errors import FlotillaError, envelope
 from services.gateway.chunks import ChunkBuilder
+from services.gateway.results import ChoiceResult
 from services.gateway.streams import ChoiceStreams
 
 log = logging.getLogger(__name__)
@@ -35,19 +39,27 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-async def sse_events(streams: ChoiceStreams, chunks: ChunkBuilder,
-                     include_usage: bool) -> AsyncIterator[bytes]:
+async def sse_events(streams: ChoiceStreams, chunks: ChunkBuilder, include_usage: bool,
+                     after: Callable[[list[ChoiceResult]], Awaitable[None]] | None = None
+                     ) -> AsyncIterator[bytes]:
     """The SSE bytes of one admitted request (see the module rules)."""
+    results = [ChoiceResult() for _ in streams.requests] if after is not None else None
     try:
         for chunk in chunks.opening():
             yield sse(chunk)
         async for index, frame in streams.events():
             if frame.kind == "data" and frame.data is not None:
+                if results is not None:
+                    results[index].add(frame.data)
                 delta = chunks.delta(index, frame.data)
                 if delta is not None:
                     yield sse(delta)
             elif frame.kind == "final" and frame.final is not None:
+                if results is not None:
+                    results[index].final = frame.final
                 yield sse(chunks.final(index, frame.final))
+        if after is not None and results is not None and all(r.final for r in results):
+            await after(results)
         if include_usage:
             yield sse(chunks.usage_chunk())
     except FlotillaError as exc:

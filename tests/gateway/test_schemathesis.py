@@ -68,6 +68,8 @@ DOCUMENTED_RULES = [
     r"tokens",  # token ids within the model's vocabulary
     # pooling: Matryoshka sizes, vLLM's score pairing, ids within the vocabulary
     r"dimensions|text_1|input",
+    # a conversation: not with previous_response_id, room for the request's items, chat n 1
+    r"conversation|n",
 ]
 # Anthropic's envelope has no `param`: its documented rule, by message
 DOCUMENTED_ANTHROPIC = ("`tool_choice`",)

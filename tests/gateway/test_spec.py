@@ -13,6 +13,7 @@ import yaml
 from libs.common.errors import FlotillaError
 from services.gateway import spec as spec_module
 from services.gateway.anthropic.routes import router as anthropic_router
+from services.gateway.conversations.routes import router as conversations_router
 from services.gateway.health import router as health_router
 from services.gateway.pooling_routes import router as pooling_router
 from services.gateway.responses.routes import router as responses_router
@@ -32,6 +33,7 @@ VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_t
 LLAMA_CPP_EXTENSIONS = {"n_predict", "cache_prompt", "json_schema", "grammar"}
 # accepted on /v1/completions too, without effect on the output (OpenAI has them on chat only)
 NO_EFFECT = {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+FLOTILLA_EXTENSIONS = {"conversation"}  # chat in a server-kept conversation (api_compatibility)
 
 GOOD_CHAT: list[dict[str, Any]] = [
     {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
@@ -123,7 +125,7 @@ def test_missing_spec_names_the_path(tmp_path: Path) -> None:
 def test_every_spec_operation_is_routed(spec: Spec) -> None:
     routed = {(getattr(route, "path", "").replace(":path", ""), method.lower())
               for r in (router, anthropic_router, responses_router, token_router, health_router,
-                        pooling_router)
+                        pooling_router, conversations_router)
               for route in r.routes for method in getattr(route, "methods", ())}
     documented = {(path, method) for path, item in spec.document["paths"].items()
                   for method in item if method in ("get", "post", "delete")}
@@ -149,7 +151,8 @@ def test_request_parameters_are_openai_names(spec: Spec, ours: str, official: st
         return names
 
     accepted = set(spec.document["components"]["schemas"][ours]["properties"])
-    assert accepted - props(schemas[official]) <= VLLM_EXTENSIONS | LLAMA_CPP_EXTENSIONS | NO_EFFECT
+    allowed = VLLM_EXTENSIONS | LLAMA_CPP_EXTENSIONS | NO_EFFECT | FLOTILLA_EXTENSIONS
+    assert accepted - props(schemas[official]) <= allowed
 
 
 @pytest.mark.parametrize("body", GOOD_CHAT)

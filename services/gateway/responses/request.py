@@ -43,6 +43,12 @@ class ResponseRequest:
         return self.body.get("store") is not False
 
     @property
+    def conversation(self) -> str | None:
+        """The id of the request's `conversation` (a string or `{id}`), if any."""
+        value = self.body.get("conversation")
+        return value["id"] if isinstance(value, dict) else value
+
+    @property
     def background(self) -> bool:
         return bool(self.body.get("background"))
 
@@ -132,6 +138,7 @@ def response_object(req: ResponseRequest, status: str = "in_progress") -> dict[s
         "model": body["model"], "output": [],
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": body.get("previous_response_id"),
+        "conversation": {"id": req.conversation} if req.conversation else None,
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
         "store": req.store, "temperature": body.get("temperature", 1.0), "text": text,
         "tool_choice": body.get("tool_choice", "auto"),

@@ -25,10 +25,11 @@ from fastapi.responses import JSONResponse
 
 from libs.common.errors import FlotillaError, envelope, invalid_request
 from libs.common.messages import ErrorInfo
+from services.gateway.conversations.store import ConversationStore
 from services.gateway.mcp import McpToolset, requested_toolset
 from services.gateway.responses.background import BackgroundRuns
 from services.gateway.responses.items import input_items
-from services.gateway.responses.request import response_object, response_request
+from services.gateway.responses.request import ResponseRequest, response_object, response_request
 from services.gateway.responses.run import ResponseRun
 from services.gateway.responses.store import ResponseStore
 from services.gateway.routes import CLIENT_CLOSED, ClientGone, read_json, unless_disconnected
@@ -77,7 +78,20 @@ async def _sse(run: ResponseRun) -> AsyncIterator[bytes]:
         yield b"data: " + orjson.dumps(envelope(exc.info)) + b"\n\n"
 
 
-async def _history(rs: ResponsesState, body: dict[str, Any]) -> list[dict[str, Any]]:
+async def _history(request: Request, rs: ResponsesState, req: ResponseRequest,
+                   items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The items before the request's `input`: its conversation's, or its previous
+    response's chain (a conversation must have room for `items`)."""
+    body = req.body
+    if req.conversation is not None:
+        if body.get("previous_response_id") is not None:
+            raise invalid_request("Mutually exclusive parameters: provide only one of "
+                                  "`previous_response_id` or `conversation`.",
+                                  param="conversation")
+        conversations: ConversationStore = request.app.state.conversations
+        history = (await conversations.get(req.conversation, "conversation"))["items"]
+        conversations.check(history + items, "conversation")
+        return list(history)
     previous = body.get("previous_response_id")
     if previous is None:
         return []
@@ -99,12 +113,13 @@ async def create_response(request: Request) -> Response:
         raise invalid_request("Streaming a `background` response is not supported by this "
                               "server; poll `GET /v1/responses/{id}` instead.", param="stream")
     await gw.require_model(body["model"], "generate")
-    history = await _history(rs, body)
+    items = input_items(body["input"])
+    history = await _history(request, rs, req, items)
     mcp = McpToolset()
     if any(t["type"] == "mcp" for t in body.get("tools") or []):
         mcp = requested_toolset(body["tools"], await gw.tools.listing())
-    run = ResponseRun(gw, req, response_object(req), history, input_items(body["input"]), mcp,
-                      rs.store)
+    run = ResponseRun(gw, req, response_object(req), history, items, mcp, rs.store,
+                      request.app.state.conversations)
     if req.background:
         await rs.store.save(run.response, run.input_items, [])
         rs.background.start(run)

@@ -18,7 +18,9 @@ Rules:
 - A failure (refused turn, dead stream) ends the response as `failed` with an `error` event
   before `response.failed`. `cancel()` stops the turn in flight (its engine work is cancelled)
   and `status` becomes `cancelled`.
-- When the run ends, a stored response (`store`, default true) is saved with its history.
+- When the run ends, a stored response (`store`, default true) is saved with its history; a
+  response of a `conversation` that completed (or is `incomplete`: it has output) has its input
+  and output items added to the conversation (not when it failed or was cancelled).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from libs.common.errors import FlotillaError
+from services.gateway.conversations.store import ConversationStore
 from services.gateway.mcp import McpToolset, run_call
 from services.gateway.responses.items import chat_messages
 from services.gateway.responses.output import Event, ResponseOutput
@@ -57,8 +60,10 @@ def _drop_oldest(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class ResponseRun:
     def __init__(self, gw: GatewayState, req: ResponseRequest, response: dict[str, Any],
                  history: list[dict[str, Any]], input_items: list[dict[str, Any]],
-                 mcp: McpToolset, store: ResponseStore):
+                 mcp: McpToolset, store: ResponseStore,
+                 conversations: ConversationStore | None = None):
         self.gw, self.req, self.response, self.mcp, self.store = gw, req, response, mcp, store
+        self.conversations = conversations  # with `req.conversation`: where the items go
         self.history, self.input_items = history, input_items
         self.out = ResponseOutput(response, mcp.route)
         self.usage = UsageTotal()
@@ -191,6 +196,11 @@ class ResponseRun:
         await self._save()
 
     async def _save(self) -> None:
+        conversation = self.req.conversation
+        if (conversation is not None and self.conversations is not None
+                and self.status in ("completed", "incomplete")):
+            await self.conversations.append(conversation, self.input_items + self.out.output,
+                                            "conversation")
         if self.req.store:
             history = self.history + self.input_items + self.out.output
             await self.store.save(self.response, self.input_items, history)
