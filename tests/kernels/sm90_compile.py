@@ -157,9 +157,9 @@ def spill_report() -> dict[str, int]:
          {n: bf16 for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")}
          | {"pos_ptr": "*i64", "cache_ptr": "*fp32"},
          dict(IS_NEOX=False, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=32, BLOCK_P=64, HAS_PASS=True), 4),
-        ("sampling", "_chunk_best_kernel",
-         {"logits_ptr": "*fp32", "keys_ptr": "*i64", "best_val_ptr": "*fp32",
-          "best_idx_ptr": "*i32"}, dict(RACE=True, BLOCK=4096), 8),
+        ("argmax", "_chunk_best_kernel",
+         {"logits_ptr": "*fp32", "best_val_ptr": "*fp32", "best_idx_ptr": "*i32"},
+         dict(BLOCK=4096), 8),
     ]
     for module, kernel, types, constexprs, warps in others:
         spills[kernel] = spill_bytes(compile_sm90(module, kernel, types, constexprs, warps))
