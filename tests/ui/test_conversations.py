@@ -58,9 +58,12 @@ async def test_conversations_persist_rename_export_delete(page: Any, tmp_path: P
     assert "## User\n\nfirst question\n" in markdown
     assert "## Assistant\n\nHello world !\n" in markdown
 
+    # the first click only arms the button (for 3 s; a loaded machine must not let it lapse
+    # before the second click, so nothing slower than this check sits between the two)
     await page.click(".conv.active [data-act=delete]")
-    assert await conversation_titles(page) == ["markdown", "Renamed chat"]  # needs a 2nd click
+    assert await page.locator(".conv.active [data-act=delete]").inner_text() == "Delete?"
     await page.click(".conv.active [data-act=delete]")
+    await page.locator(".conv-title", has_text="Renamed chat").wait_for(state="detached")
     await page.reload()
     await page.locator(".conv-title").first.wait_for()
     assert await conversation_titles(page) == ["markdown"]
