@@ -70,6 +70,8 @@ DOCUMENTED_RULES = [
     r"dimensions|text_1|input",
     # a conversation: not with previous_response_id, room for the request's items, chat n 1
     r"conversation|n",
+    # continue the last message or open a new assistant turn, not both
+    r"continue_final_message",
 ]
 # Anthropic's envelope has no `param`: its documented rule, by message
 DOCUMENTED_ANTHROPIC = ("`tool_choice`",)
