@@ -18,20 +18,16 @@ from __future__ import annotations
 import ast
 import json
 import re
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from libs.common.messages import ToolCallDelta
-from services.tokenizer.tool_calls import Parsed
+from services.tokenizer.call_stream import Parsed, openai_call_id
 
 MAX_CANDIDATE = 65536
 _OPENING = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
 _OPENING_PREFIX = re.compile(r"\[\s*([A-Za-z_]\w*\s*)?")
 
-
-def _openai_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def read_calls(text: str, names: set[str]) -> list[tuple[str, dict[str, Any]]] | None:
@@ -62,7 +58,7 @@ class PythonicToolCallParser:
     """One per reply; feed it text in order (`push`), then `flush` once at the end."""
 
     def __init__(self, tool_names: list[str], parallel: bool = True,
-                 new_id: Callable[[], str] = _openai_id):
+                 new_id: Callable[[], str] = openai_call_id):
         self.names, self.parallel, self.new_id = set(tool_names), parallel, new_id
         self.calls = 0
         self._state = "start"  # start | candidate | after | content

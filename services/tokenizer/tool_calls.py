@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 import string
-import uuid
 from collections.abc import Callable
-from typing import NamedTuple
 
 from libs.common.messages import ToolCallDelta
+from services.tokenizer.call_stream import CallStream, Parsed, openai_call_id
 from services.tokenizer.json_scan import CallObject, Event, JsonError, JsonValue
 from services.tokenizer.stop_strings import partial_suffix
 
@@ -39,13 +38,6 @@ _AFTER_OBJECT = {"hermes": "hermes_close", "json": "json_after", "list": "list_a
                  "mistral": "top"}
 
 
-class Parsed(NamedTuple):
-    content: str = ""
-    calls: list[ToolCallDelta] = []
-
-
-def _openai_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _decoded(raw: str) -> str:
@@ -57,30 +49,25 @@ def _decoded(raw: str) -> str:
     return value if isinstance(value, str) else raw
 
 
-class ToolCallParser:
+class ToolCallParser(CallStream):
     """One per reply; feed it text in order (`push`), then `flush` once at the end."""
 
     def __init__(self, tool_names: list[str], parallel: bool = True,
-                 new_id: Callable[[], str] = _openai_id):
+                 new_id: Callable[[], str] = openai_call_id):
+        super().__init__()
         self.names = set(tool_names)
         self.parallel = parallel
         self.new_id = new_id
-        self.calls = 0  # calls emitted
-        self._any_call = False  # a call was committed (emitted or dropped)
-        self._buf, self._pos = "", 0
+        self._pos = 0
         self._state = "top"
         self._after = ""  # what follows the current call object
         self._cand = ""  # text of the undecided candidate
         self._committed = self._dropping = False
-        self._fresh = True  # nothing but whitespace since the reply's start or the last call
-        self._ws = ""  # whitespace held while fresh
         self._obj: CallObject | None = None
         self._val: JsonValue | None = None
         self._pending_args = ""  # arguments seen before the name committed the call
         self._string_args = ""  # a string-valued arguments value, decoded at its end
         self._name = self._call_id = ""
-        self._content: list[str] = []
-        self._deltas: list[ToolCallDelta] = []
 
     # ------------------------------------------------------------------ API
 
@@ -89,29 +76,7 @@ class ToolCallParser:
         self._run(final=False)
         return self._take()
 
-    def flush(self) -> Parsed:
-        self._run(final=True)
-        if self._ws and not self._any_call:
-            self._content.append(self._ws)
-        self._ws = ""
-        return self._take()
-
     # ------------------------------------------------------------------ output
-
-    def _take(self) -> Parsed:
-        out = Parsed("".join(self._content), self._deltas)
-        self._content, self._deltas = [], []
-        return out
-
-    def _emit(self, text: str) -> None:
-        if not text:
-            return
-        if self._fresh:
-            if text.isspace():
-                self._ws += text
-                return
-            text, self._ws, self._fresh = self._ws + text, "", False
-        self._content.append(text)
 
     def _fail(self) -> bool:
         """The candidate is not a call: its text is content; scanning resumes after it."""

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from libs.common.messages import ToolCallDelta
-from services.tokenizer.stop_strings import partial_suffix
-from services.tokenizer.tool_calls import Parsed
+from services.tokenizer.call_stream import CallStream, openai_call_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_NAME = 256  # a name not complete within this many characters is not a call
@@ -94,70 +92,28 @@ def value_json(raw: str, schema: Any) -> str:
     return json.dumps(raw, ensure_ascii=False)
 
 
-def _openai_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
-
-class XmlToolCallParser:
+class XmlToolCallParser(CallStream):
     """One per reply; `tools` are the request's tool definitions (names and schemas)."""
 
     def __init__(self, syntax: XmlSyntax, tools: list[dict[str, Any]], parallel: bool = True,
-                 new_id: Callable[[], str] = _openai_id):
+                 new_id: Callable[[], str] = openai_call_id):
+        super().__init__()
         self.syntax = syntax
         self.schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}).get(
             "properties") or {} for t in tools}
         self.parallel, self.new_id = parallel, new_id
-        self.calls = 0  # calls emitted
-        self._any_call = False
-        self._buf = ""
         self._in_call = False
         self._name: str | None = None  # the current call's committed name
         self._dropping = False
         self._params = 0  # parameters of the current call already emitted
-        self._fresh, self._ws = True, ""  # whitespace held at the start or after a call
-        self._content: list[str] = []
-        self._deltas: list[ToolCallDelta] = []
 
-    def push(self, text: str) -> Parsed:
-        self._buf += text
-        self._run(final=False)
-        return self._take()
-
-    def flush(self) -> Parsed:
-        self._run(final=True)
-        if self._ws and not self._any_call:
-            self._content.append(self._ws)
-        self._ws = ""
-        return self._take()
-
-    def _take(self) -> Parsed:
-        out = Parsed("".join(self._content), self._deltas)
-        self._content, self._deltas = [], []
-        return out
-
-    def _emit(self, text: str) -> None:
-        if not text:
-            return
-        if self._fresh:
-            if text.isspace():
-                self._ws += text
-                return
-            text, self._ws, self._fresh = self._ws + text, "", False
-        self._content.append(text)
-
-    def _run(self, final: bool) -> None:
-        while self._buf and (self._call(final) if self._in_call else self._top(final)):
-            pass
+    def _step(self, final: bool) -> bool:
+        return self._call(final) if self._in_call else self._top(final)
 
     def _top(self, final: bool) -> bool:
-        at = self._buf.find(OPEN)
-        if at < 0:
-            keep = 0 if final else partial_suffix(self._buf, [OPEN])
-            self._emit(self._buf[:len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep:]
+        if self._until(OPEN, final) < 0:
             return False
-        self._emit(self._buf[:at])
-        self._buf = self._buf[at:]
         self._in_call, self._name, self._params = True, None, 0
         return True
 
