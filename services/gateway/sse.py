@@ -24,7 +24,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from libs.common.errors import FlotillaError, envelope
+from libs.common.errors import FlotillaError, envelope, internal
 from services.gateway.chunks import ChunkBuilder
 from services.gateway.results import ChoiceResult
 from services.gateway.streams import ChoiceStreams
@@ -65,6 +65,9 @@ async def sse_events(streams: ChoiceStreams, chunks: ChunkBuilder, include_usage
     except FlotillaError as exc:
         log.warning("stream %s failed: %s", chunks.plan.rid, exc)
         yield sse(envelope(exc.info))
+    except Exception as exc:  # a bug: the client still gets a terminal error and [DONE]
+        log.exception("stream %s broke", chunks.plan.rid)
+        yield sse(envelope(internal(f"the stream broke ({type(exc).__name__})").info))
     finally:
         streams.close()
     yield DONE
