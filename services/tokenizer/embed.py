@@ -86,6 +86,16 @@ class Embedder:
         return prompts
 
 
+async def pool_on_engine(bus: Bus, pool: PoolRequest, request_timeout_s: float) -> PoolReply:
+    """Ask the model's engines to pool `pool`, within its deadline (else `request_timeout_s`)."""
+    timeout = request_timeout_s
+    if pool.deadline is not None:
+        timeout = pool.deadline - time.time()
+        if timeout <= 0:
+            raise deadline_exceeded("the request's deadline passed before the engine")
+    return await bus.request(subjects.engine_pool(pool.model), pool, PoolReply, timeout)
+
+
 async def serve_embed(
     bus: Bus, model: str, embedder: Embedder, request_timeout_s: float
 ) -> Subscription:
@@ -94,20 +104,9 @@ async def serve_embed(
     async def embed(req: EmbedRequest) -> PoolReply:
         try:
             prompts = await asyncio.to_thread(embedder.token_ids, req)
-            timeout = request_timeout_s
-            if req.deadline is not None:
-                timeout = req.deadline - time.time()
-                if timeout <= 0:
-                    raise deadline_exceeded("the request's deadline passed before the engine")
-            pool = PoolRequest(
-                request_id=req.request_id,
-                model=model,
-                prompts=prompts,
-                pooling=req.pooling,
-                priority=req.priority,
-                deadline=req.deadline,
-            )
-            return await bus.request(subjects.engine_pool(model), pool, PoolReply, timeout)
+            pool = PoolRequest(request_id=req.request_id, model=model, prompts=prompts,
+                               pooling=req.pooling, priority=req.priority, deadline=req.deadline)
+            return await pool_on_engine(bus, pool, request_timeout_s)
         except FlotillaError as exc:
             return PoolReply(error=exc.info)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import math
-import time
 from typing import Literal
 
 import numpy as np
@@ -28,7 +27,7 @@ from nats.aio.subscription import Subscription
 
 from libs.common import subjects
 from libs.common.bus import Bus
-from libs.common.errors import FlotillaError, deadline_exceeded, invalid_request
+from libs.common.errors import FlotillaError, invalid_request
 from libs.common.model_capabilities import ModelKind
 from libs.common.pooling_messages import (
     EmbedRequest,
@@ -38,7 +37,7 @@ from libs.common.pooling_messages import (
     ScoreReply,
     ScoreRequest,
 )
-from services.tokenizer.embed import Embedder
+from services.tokenizer.embed import Embedder, pool_on_engine
 from services.tokenizer.tokenizer import Tokenizer
 
 ScoreMode = Literal["embedding", "qwen3_reranker"]
@@ -152,20 +151,9 @@ async def serve_score(
     async def score(req: ScoreRequest) -> ScoreReply:
         try:
             prompts, pooling = await asyncio.to_thread(scorer.prompts, req)
-            timeout = request_timeout_s
-            if req.deadline is not None:
-                timeout = req.deadline - time.time()
-                if timeout <= 0:
-                    raise deadline_exceeded("the request's deadline passed before the engine")
-            pool = PoolRequest(
-                request_id=req.request_id,
-                model=model,
-                prompts=prompts,
-                pooling=pooling,
-                priority=req.priority,
-                deadline=req.deadline,
-            )
-            reply = await bus.request(subjects.engine_pool(model), pool, PoolReply, timeout)
+            pool = PoolRequest(request_id=req.request_id, model=model, prompts=prompts,
+                               pooling=pooling, priority=req.priority, deadline=req.deadline)
+            reply = await pool_on_engine(bus, pool, request_timeout_s)
             if reply.error is not None:
                 return ScoreReply(error=reply.error)
             return ScoreReply(scores=scorer.scores(req, reply), prompt_tokens=reply.prompt_tokens)
