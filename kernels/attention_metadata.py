@@ -27,6 +27,11 @@ class AttentionMetadata:
         tensors change between replays, so the kernels must not size or branch on the step's host
         values; max_query_len / max_seq_len are only bounds, the host lists are empty, and
         sequences past the real ones have no new tokens and seq_len 0.
+    state_indices: int32 [B], each sequence's slot in the linear-attention state pool (hybrid
+        models, services/engine/state_pool.py); -1 marks padding rows, whose state no kernel may
+        touch (CUDA-graph padding). None for models without linear attention.
+    has_initial_state: bool [B], the sequence continues from its slot's state (it has computed
+        tokens before this step); None with state_indices.
     """
 
     query_start_loc: torch.Tensor
@@ -38,6 +43,8 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     bounds_only: bool = False
+    state_indices: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

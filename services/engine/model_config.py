@@ -52,6 +52,8 @@ GGUF_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # text_config of gemma-3-4b-it names only its sizes), by the text model_type.
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": dict(partial_rotary_factor=0.5),
+    # Qwen3.5-MoE routes like qwen3_moe (top-k weights renormalised) and names no dense width
+    "qwen3_5_moe_text": dict(norm_topk_prob=True, intermediate_size=0),
     "gemma4_text": dict(
         vocab_size=262144, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
         tie_word_embeddings=True, sliding_window=512, sliding_window_pattern=6,

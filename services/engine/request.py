@@ -4,6 +4,7 @@ Rules:
 - `token_ids` is the prompt followed by every generated token; `num_computed_tokens` of them have
   K/V in the cache. The last generated token is never in the cache yet: the next step computes it.
 - The KV blocks in `block_ids` are owned by the KVCacheManager; the request only records them.
+  So is `state_slot` (hybrid models: the StateSlots slot of its linear-attention state, -1 none).
 - Preemption (recompute) drops the blocks and resets `num_computed_tokens` to 0; the generated
   tokens are kept and recomputed as part of the next prefill.
 - A seeded request owns its `torch.Generator`, so its samples do not depend on its batch companions.
@@ -99,6 +100,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
+        self.state_slot = -1  # linear-attention state slot (state_pool.py); -1: none held
         self.num_preemptions = 0
 
     @property

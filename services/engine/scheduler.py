@@ -13,6 +13,9 @@ Rules:
   are freed and it goes back to the waiting queue at its place (its priority and arrival), to be
   recomputed (prompt + generated tokens) when it is admitted again. No waiting request is
   admitted in a step that preempted.
+- Hybrid models (a StateSlots pool, state_pool.py): a request takes a state slot when admitted
+  and gives it back when it finishes or is preempted (its recompute restarts from zero state);
+  a waiting request is not admitted while no slot is free.
 - A request with prompt_logprobs takes no prefix-cache hit (cached positions have no logits);
   each of its prompt chunks tells the runner how many of its rows give prompt logprobs
   (`prompt_logprob_rows`: rows whose next token is a prompt token) until its first output.
@@ -32,6 +35,7 @@ import torch
 from services.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
+from services.engine.state_pool import StateSlots
 from services.engine.waiting_queue import WaitingQueue
 
 
@@ -68,6 +72,7 @@ class ScheduledRequest:
     all_token_ids: list[int]  # prompt + generated so far (read-only; for penalties)
     stop_ids: frozenset[int] = frozenset()  # what min_tokens holds back (eos, stop ids)
     prompt_logprob_rows: int = 0  # leading rows of this chunk that give prompt logprobs
+    state_slot: int = -1  # the request's linear-attention state slot (hybrid models)
 
     @property
     def num_tokens(self) -> int:
@@ -93,9 +98,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 state_slots: StateSlots | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.state_slots = state_slots
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -147,6 +154,8 @@ class Scheduler:
         # Waiting requests, in order, while they fit.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if self.state_slots is not None and self.state_slots.num_free == 0:
+                break
             hit = (PrefixHit([], 0) if request.wants_prompt_logprobs
                    else self.kv.get_computed_blocks(request))
             num_new = self._num_new_tokens(request, hit.num_tokens, budget)
@@ -154,6 +163,8 @@ class Scheduler:
                 break
             if not self.kv.allocate_slots(request, num_new, hit.block_ids):
                 break
+            if self.state_slots is not None:
+                self.state_slots.allocate(request)  # a slot is free: checked above
             self.waiting.pop()
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
@@ -192,6 +203,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        if self.state_slots is not None:
+            self.state_slots.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -222,6 +235,7 @@ class Scheduler:
                 all_token_ids=tokens,
                 stop_ids=request.stop_ids,
                 prompt_logprob_rows=rows,
+                state_slot=request.state_slot,
             )
         )
         out.num_batched_tokens += num_new
@@ -239,5 +253,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv.free(request)
+        if self.state_slots is not None:
+            self.state_slots.free(request)
         request.status = status
         return request

@@ -12,6 +12,8 @@ Rules:
 - Two sets of host buffers alternate between steps: a step's (non-blocking) host-to-device copies
   may still be pending while the next step is built (async scheduling), never two steps later.
   Consumers copy what they keep (on CPU the tensors alias the buffers).
+- With `states` (hybrid models) the metadata carries each sequence's state slot and whether it
+  continues from that slot's state (`state_indices`, `has_initial_state`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from services.engine.scheduler import ScheduledRequest
 
 _num_computed = attrgetter("num_computed_tokens")
 _samples = attrgetter("samples")
+_state_slot = attrgetter("state_slot")
 
 
 @dataclass
@@ -44,11 +47,12 @@ class StepInputs:
 class StepInputBuilder:
     def __init__(
         self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-        device: torch.device, pad: bool = False,
+        device: torch.device, pad: bool = False, states: bool = False,
     ) -> None:
         self.block_size = block_size
         self.device = device
         self.pad = pad
+        self.states = states
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         sizes = (max_num_tokens, max_num_seqs, max_blocks_per_seq)
         self._buffers = [_HostBuffers(*sizes, pin=device.type == "cuda") for _ in range(2)]
@@ -111,6 +115,14 @@ class StepInputBuilder:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device, non_blocking=True)
 
+        state_indices = has_initial_state = None
+        if self.states:
+            slots = b.state_slots[:n]
+            slots[:] = np.fromiter(map(_state_slot, requests), np.int32, n)
+            if int(slots.min()) < 0:
+                raise ValueError("a request of a hybrid model runs without a state slot")
+            state_indices = dev(slots)
+            has_initial_state = dev(np.greater(start, 0, out=b.has_initial_state[:n]))
         meta = AttentionMetadata(
             query_start_loc=dev(qsl),
             seq_lens=dev(seq_lens),
@@ -120,6 +132,8 @@ class StepInputBuilder:
             max_seq_len=max_seq_len,
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            state_indices=state_indices,
+            has_initial_state=has_initial_state,
         )
         return StepInputs(
             input_ids=dev(b.input_ids[:rows_t]),
@@ -146,3 +160,5 @@ class _HostBuffers:
         self.seq_lens = buf(max_num_seqs, torch.int32)
         self.block_tables = buf(max_num_seqs * max_blocks_per_seq, torch.int32)
         self.logits_rows = buf(max_num_seqs, torch.int64)
+        self.state_slots = buf(max_num_seqs, torch.int32)
+        self.has_initial_state = buf(max_num_seqs, torch.bool)

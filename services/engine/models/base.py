@@ -6,7 +6,9 @@ Rules:
 - `compute_logits(hidden [N, H]) -> float32 [N, vocab]`: the runner passes only the rows it
   samples from (last token of each sequence), so the LM head never runs on prefill rows.
 - `attention_layers()` lists the `Attention` modules in layer order; the runner binds one KV cache
-  pair to each.
+  pair to each. `state_layers()` lists the linear-attention modules (hybrid models), to which the
+  runner binds their per-sequence state (services/engine/state_pool.py); only the attention
+  layers take KV blocks.
 - Constructor: `(config: ModelConfig, quant_config: QuantConfig | None)`; layers read the
   tensor-parallel rank/size at construction, so `init_tensor_parallel` comes first.
 - Weight loading is declarative: `packed_modules_mapping` maps a checkpoint sub-name onto a fused
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from services.engine.layers.attention import Attention
+from services.engine.layers.gated_delta_net import GatedDeltaNet
 from services.engine.model_config import ModelConfig
 from services.engine.quant.base import QuantConfig
 
@@ -48,6 +51,9 @@ class CausalLM(nn.Module):
         if self._attention_layers is None:
             self._attention_layers = [m for m in self.modules() if isinstance(m, Attention)]
         return self._attention_layers
+
+    def state_layers(self) -> list[GatedDeltaNet]:
+        return [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name in this model's naming (identity; multimodal checkpoints

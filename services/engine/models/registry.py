@@ -37,6 +37,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("services.engine.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("services.engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("services.engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    # Hybrid linear attention (Gated DeltaNet + gated full attention): one model, two layouts.
+    "Qwen3NextForCausalLM": ("services.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("services.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("services.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("services.engine.models.qwen3_5",
+                                        "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("services.engine.models.qwen3_5",
+                                           "Qwen3_5ForConditionalGeneration"),
     "DeepseekV2ForCausalLM": ("services.engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("services.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }

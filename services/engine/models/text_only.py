@@ -1,5 +1,5 @@
 """Serving the language model of a vision-language checkpoint (Mistral 3, Gemma 3 4B+, Llama 4,
-Gemma 4) as text.
+Gemma 4, Qwen3.5) as text.
 
 The checkpoint keeps the decoder under `language_model.model.` (the format transformers saves
 and the Hub holds) or `model.language_model.` (transformers 5's in-memory naming), the head under
@@ -15,7 +15,7 @@ _PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "mod
              ("language_model.lm_head.", "lm_head."))
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
            "model.multi_modal_projector.", "vision_model.", "model.vision_model.",
-           "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+           "model.embed_vision.", "model.audio_tower.", "model.embed_audio.", "model.visual.")
 
 
 class TextOnlyMixin(CausalLM):
