@@ -52,6 +52,10 @@ class EngineConfig:
     # (services/engine/cuda_graphs.py); 0 = off
     decode_short_context: int = 512
     num_kv_blocks: int | None = None
+    # hybrid (linear-attention) models: sequences whose recurrent state the state pool holds,
+    # i.e. that run at once (None: max_num_seqs, capped to half the memory budget;
+    # services/engine/state_pool.py)
+    num_state_slots: int | None = None
     # eager steps run bucketed row counts, their GEMMs warmed at start-up
     # (services/engine/row_buckets.py); None: on CUDA
     pad_eager_steps: bool | None = None
@@ -109,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"step_graph_tokens must be >= 0, got {self.step_graph_tokens}")
         if self.pooling not in ("auto", "last", "mean", "cls"):
             raise ValueError(f"pooling must be auto, last, mean or cls, got {self.pooling!r}")
+        if self.num_state_slots is not None and self.num_state_slots < 1:
+            raise ValueError(f"num_state_slots must be >= 1, got {self.num_state_slots}")
         if self.tp is not None and self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
 

@@ -5,7 +5,8 @@ Rules:
   pool. A graph runs the model and the LM head on every row of its bucket.
 - The graphs read persistent input tensors owned here; `replay` copies a step's inputs in and pads
   the unused rows with slot -1 (their K/V are never written) and seq_len 1. Padded rows' logits
-  are garbage and never read.
+  are garbage and never read. Hybrid models' steps carry state_indices: padded rows get state
+  slot -1 (the linear-attention kernels skip them); the graphs read the persistent tensor.
 - The host ints baked into a capture (max_query_len 1, max_seq_len = max_model_len) cover every
   decode step the engine can produce.
 - Short-context graphs: buckets up to SHORT_GRAPH_MAX_BATCH get a second graph captured with
@@ -71,6 +72,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(g, dtype=i32, device=device)
         self.query_start_loc = torch.arange(g + 1, dtype=i32, device=device)
         self.block_tables = torch.zeros(g, max_blocks_per_seq, dtype=i32, device=device)
+        self.state_indices = torch.full((g,), -1, dtype=i32, device=device)
         # (bucket, short) -> (graph, its logits)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -91,6 +93,8 @@ class DecodeGraphs:
             max_seq_len=self.short_context if short else self.max_model_len,
             query_start_loc_cpu=list(range(bs + 1)),
             seq_lens_cpu=[1] * bs,
+            state_indices=self.state_indices[:bs],
+            has_initial_state=None,
         )
 
     def capture(self) -> Any:
@@ -136,5 +140,8 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(1)
         cols = meta.block_tables.shape[1]
         self.block_tables[:n, :cols].copy_(meta.block_tables, non_blocking=True)
+        if meta.state_indices is not None:
+            self.state_indices[:n].copy_(meta.state_indices, non_blocking=True)
+            self.state_indices[n:bs].fill_(-1)
         graph.replay()
         return logits[:n]

@@ -28,6 +28,9 @@ Rules:
 - Pooling requests (`add_request` with PoolingParams: embeddings, score, rerank) wait in their
   own queue (pooling.py); every step runs one pooling batch before its generation step, and a
   finished one comes out as a RequestOutput whose `pooled` holds its vector (finish 'stop').
+- Hybrid models (linear attention, the runner's state pool): each running request holds a state
+  slot (the scheduler hands them out); prefix caching is off for them (a cached prefix would
+  skip tokens whose recurrent state is not kept), and pooling is not offered.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from services.engine.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from services.engine.state_pool import StateSlots
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +123,17 @@ class Engine:
                 "with chunked prefill off, max_num_batched_tokens "
                 f"({config.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
+        hybrid = self.runner.num_state_slots > 0
+        if hybrid and config.enable_prefix_caching:
+            log.info("prefix caching is off: %s is a hybrid (linear-attention) model whose "
+                     "per-sequence state is not kept per block", self.model_config.architecture)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching and not hybrid)
+        self.state_slots = StateSlots(self.runner.num_state_slots) if hybrid else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size),
-            self.kv,
+            self.kv, self.state_slots,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.pooling = PoolingQueue()
@@ -140,9 +149,11 @@ class Engine:
         # the previous step first when it cannot overlap), the launch, collecting after it
         self.last_scheduled: SchedulerOutput | None = None
         self.last_phases: tuple[float, ...] = (0.0, 0.0, 0.0)
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d%s",
                  path, self.runner.device, self.runner.dtype, self.runner.num_blocks,
-                 config.block_size, self.max_model_len)
+                 config.block_size, self.max_model_len,
+                 f", {self.runner.num_state_slots} linear-attention state slots" if hybrid
+                 else "")
 
     @property
     def vocab_size(self) -> int:
@@ -182,6 +193,9 @@ class Engine:
 
     def _add_pooling(self, request_id: str, token_ids: list[int], params: PoolingParams,
                      priority: int, deadline: float | None) -> None:
+        if self.state_slots is not None:
+            raise ValueError("pooling (embeddings, score, rerank) is not supported for hybrid "
+                             "(linear-attention) models")
         if not self.executor.supports_pooling:
             raise ValueError("pooling (embeddings, score, rerank) is not supported with tensor "
                              "parallelism yet")
@@ -400,6 +414,8 @@ class Engine:
         request = Request("__prompt_logits__", list(token_ids), SamplingParams(), 1)
         chunk = self.config.max_num_batched_tokens
         parts = []
+        if self.state_slots is not None and not self.state_slots.allocate(request):
+            raise RuntimeError("prompt_logits: no linear-attention state slot is free")
         try:
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
@@ -410,10 +426,13 @@ class Engine:
                     num_computed_tokens=start, block_ids=request.block_ids, is_prefill=True,
                     samples=False, sampling_params=request.sampling_params, generator=None,
                     prompt_len=n, all_token_ids=request.token_ids,
+                    state_slot=request.state_slot,
                 )))
                 request.num_computed_tokens = end
         finally:
             self.kv.free(request)
+            if self.state_slots is not None:
+                self.state_slots.free(request)
         return torch.cat(parts)
 
     def prepare_thread(self) -> None:

@@ -8,6 +8,12 @@ Rules:
   and the block count grows with the bytes saved. Its size is an explicit block count,
   an explicit MiB size, or (on CUDA) what `gpu_memory_utilization` of the GPU leaves after the
   weights and a profiling forward at the largest batch.
+- Hybrid models (linear-attention layers, `model.state_layers()`) also get a state pool
+  (state_pool.py: `num_state_slots` slots, max_num_seqs unless the config names fewer, capped so
+  the states take at most half of the memory budget), allocated before the KV cache is sized so
+  the KV budget is what the states leave. A step zeroes the slots of the sequences it starts
+  (num_computed_tokens 0). Their decode steps replay CUDA graphs (padded rows index slot -1);
+  their other steps run eagerly (no whole-step graphs). Not under tensor parallelism yet.
 - It knows only the SchedulerOutput (plain data), never the scheduler. For each step it builds the
   flattened inputs (step_inputs.py), runs the model, takes logits only on the last row of every
   sequence that samples, and samples. `launch` returns at once with a LaunchedStep (tokens on the
@@ -33,7 +39,7 @@ from kernels import dense_attention, selection
 from kernels.kv_quant import FP8_KV_DTYPE, KVScales
 from services.engine import prompt_logprobs, step_graphs
 from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
-from services.engine.distributed import tp_min
+from services.engine.distributed import get_tp_size, tp_min
 from services.engine.forward_context import forward_context
 from services.engine.layers.attention import Attention
 from services.engine.loader import load_model
@@ -43,6 +49,7 @@ from services.engine.row_buckets import token_buckets, warm_up_gemms
 from services.engine.sampler import Sampler, SamplingBatch, sample_isolated
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
+from services.engine.state_pool import StateCache, state_bytes_per_slot
 from services.engine.step_graphs import StepGraphs
 from services.engine.step_inputs import StepInputBuilder, StepInputs
 from services.engine.step_output import LaunchedStep, RunnerOutput
@@ -90,6 +97,16 @@ class ModelRunner:
         self._gemms_to_warm = self.pad_eager_steps and self.device.type == "cuda"
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
+        self.state_layers = self.model.state_layers()
+        self.state_cache: StateCache | None = None
+        self.num_state_slots = 0
+        if self.state_layers:
+            if get_tp_size() > 1:
+                raise ValueError("hybrid (linear-attention) models do not run under tensor "
+                                 "parallelism yet; run them with tp 1")
+            self.num_state_slots = self._num_state_slots(config)
+            self.state_cache = StateCache(self.state_layers, self.num_state_slots, self.dtype,
+                                          self.device)
         self.num_blocks = tp_min(self._num_kv_blocks(config))  # one count for every TP rank
         if self.num_blocks * self.block_size < self.max_model_len:
             log.warning("the KV cache holds %d tokens: max_model_len lowered from %d",
@@ -99,7 +116,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.inputs = StepInputBuilder(self.max_num_tokens, self.max_num_seqs,
                                        self.max_blocks_per_seq, self.block_size, self.device,
-                                       pad=self.pad_eager_steps)
+                                       pad=self.pad_eager_steps, states=bool(self.state_layers))
         self.warm_up_dense_attention()
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
@@ -127,7 +144,7 @@ class ModelRunner:
         """Whole-step graphs for the token buckets up to max_tokens (not captured yet), or None
         where this model cannot be captured whole (step_graphs.py `supported`)."""
         buckets = [t for t in token_buckets(self.max_num_tokens) if t <= max_tokens]
-        if not buckets or not step_graphs.supported(self.attention):
+        if not buckets or not step_graphs.supported(self.attention) or self.state_layers:
             return None
         return StepGraphs(self._sampled_hidden, buckets, self.max_num_seqs,
                           self.max_blocks_per_seq, self.max_model_len, self.device)
@@ -163,7 +180,7 @@ class ModelRunner:
             blocks = list(range(-(-n // self.block_size)))
             if len(blocks) > self.num_blocks:
                 break
-            inputs = self.inputs.build([_dummy_request("warm-up", n, blocks)])
+            inputs = self._build_inputs([_dummy_request("warm-up", n, blocks)])
             with forward_context(inputs.meta):
                 hidden = self.model(inputs.input_ids, inputs.positions)
             self.model.compute_logits(hidden[inputs.logits_rows])
@@ -200,16 +217,42 @@ class ModelRunner:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         if config.kvcache_mem_mib is not None:
-            budget = config.kvcache_mem_mib * (1 << 20)
-        elif self.device.type == "cuda":
+            budget = config.kvcache_mem_mib * (1 << 20) - self.state_bytes
+        elif self.device.type == "cuda":  # the state pool is allocated: the profile counts it
             budget = self._profile_free_memory(config.gpu_memory_utilization)
         else:
-            budget = DEFAULT_CPU_KVCACHE_MIB * (1 << 20)
+            budget = DEFAULT_CPU_KVCACHE_MIB * (1 << 20) - self.state_bytes
         num_blocks = budget // self.kv_bytes_per_block()
         if num_blocks < 1:
             raise ValueError(f"no room for a KV cache ({budget / 2**20:.1f} MiB left); lower the "
                              "batch limits or raise gpu_memory_utilization / kvcache_mem_mib")
         return int(num_blocks)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the state pool (0 without linear-attention layers)."""
+        return self.num_state_slots * state_bytes_per_slot(self.state_layers, self.dtype)
+
+    def _num_state_slots(self, config: EngineConfig) -> int:
+        """config.num_state_slots (None: max_num_seqs), capped to half the memory budget where
+        the KV cache is sized from one (an explicit block count is the KV cache alone)."""
+        wanted = config.num_state_slots or self.max_num_seqs
+        per_slot = state_bytes_per_slot(self.state_layers, self.dtype)
+        if config.num_kv_blocks is not None:
+            return wanted
+        if config.kvcache_mem_mib is not None:
+            budget = config.kvcache_mem_mib * (1 << 20)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * config.gpu_memory_utilization) - (total - free)
+        else:
+            budget = DEFAULT_CPU_KVCACHE_MIB * (1 << 20)
+        slots = tp_min(max(1, min(wanted, budget // 2 // per_slot)))
+        if slots < wanted:
+            log.warning("the linear-attention state pool holds %d sequences (%.1f MiB each), "
+                        "fewer than the %d asked: at most %d run at once", slots,
+                        per_slot / 2**20, wanted, slots)
+        return slots
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         """Every layer's cache tensors (K, V and fp8 scales), bound to their layers."""
@@ -237,14 +280,15 @@ class ModelRunner:
         num_seqs = min(self.max_num_seqs, -(-tokens // seq_len))
         self.kv_cache = self._allocate_kv_cache(-(-tokens // self.block_size) + num_seqs)
         builder = StepInputBuilder(tokens, num_seqs, -(-seq_len // self.block_size),
-                                   self.block_size, self.device)
+                                   self.block_size, self.device, states=bool(self.state_layers))
         blocks_per_seq = -(-seq_len // self.block_size)
         requests, left = [], tokens
         for i in range(num_seqs):
             n = min(seq_len, left)
             left -= n
             blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            requests.append(_dummy_request(f"profile-{i}", n, blocks))
+            slot = i % self.num_state_slots if self.state_layers else -1
+            requests.append(_dummy_request(f"profile-{i}", n, blocks, slot))
         inputs = builder.build(requests)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
@@ -275,6 +319,12 @@ class ModelRunner:
         return max(budget, 0)
 
     # ------------------------------------------------------------------ steps
+
+    def _build_inputs(self, requests: list[ScheduledRequest]) -> StepInputs:
+        """The step's inputs; the state slots of the sequences it starts are zeroed first."""
+        if self.state_cache is not None:
+            self.state_cache.reset([r.state_slot for r in requests if r.num_computed_tokens == 0])
+        return self.inputs.build(requests)
 
     def _logits_all_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions))
@@ -327,7 +377,7 @@ class ModelRunner:
         tensor-parallel worker runs; `launch` samples them), and the prompt logprobs of its
         prompt rows (prompt_logprobs.py; gathered only with `gather`, on rank 0). A step with
         prompt rows runs eagerly: graphs keep only the sampled rows' hidden states."""
-        inputs = self.inputs.build(requests)
+        inputs = self._build_inputs(requests)
         input_ids = self._input_ids(inputs, requests, prev)
         if decode_only or not any(r.prompt_logprob_rows for r in requests):
             return StepLogits(self._logits(input_ids, inputs, decode_only))
@@ -359,7 +409,7 @@ class ModelRunner:
     @torch.inference_mode()
     def all_logits(self, request: ScheduledRequest) -> torch.Tensor:
         """Logits of every new token of one sequence (eager), float32 [n, vocab] on the host."""
-        inputs = self.inputs.build([request])
+        inputs = self._build_inputs([request])
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return self.model.compute_logits(hidden[: inputs.num_tokens]).float().cpu()
@@ -368,17 +418,19 @@ class ModelRunner:
     def pool_hidden(self, requests: list[ScheduledRequest]) -> torch.Tensor:
         """Final-normed hidden states of every new token of the requests (eager), [n, hidden]
         on the device: what pooling requests (embeddings) reduce to one vector each."""
-        inputs = self.inputs.build(requests)
+        inputs = self._build_inputs(requests)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return hidden[: inputs.num_tokens]
 
 
-def _dummy_request(request_id: str, num_tokens: int, block_ids: list[int]) -> ScheduledRequest:
+def _dummy_request(request_id: str, num_tokens: int, block_ids: list[int], state_slot: int = 0
+                   ) -> ScheduledRequest:
     return ScheduledRequest(
         request_id=request_id, token_ids=[0] * num_tokens, num_computed_tokens=0,
         block_ids=block_ids, is_prefill=True, samples=True, sampling_params=SamplingParams(),
         generator=None, prompt_len=num_tokens, all_token_ids=[0] * num_tokens,
+        state_slot=state_slot,
     )
 
 

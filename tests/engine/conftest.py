@@ -2,7 +2,8 @@
 
 `SingleSequenceRunner` plays the ModelRunner for one sequence: it binds a small paged KV cache to
 every attention layer (blocks 0..n-1 in order, so slot == position) and builds the
-`AttentionMetadata` of each step. `save_tiny_llama` writes a tiny random transformers Llama.
+`AttentionMetadata` of each step; a hybrid model's linear-attention layers get a one-slot state
+pool (slot 0, zeroed when a sequence starts at position 0). `save_tiny_llama` writes a tiny random transformers Llama.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from services.engine.forward_context import AttentionMetadata, forward_context
 from services.engine.models.base import CausalLM
+from services.engine.state_pool import StateCache
 
 # Tiny GQA llama: 4 query heads over 2 kv heads, every size divisible by 2 (tensor parallel).
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -47,6 +49,8 @@ class SingleSequenceRunner:
                                  for shape in (k_shape, v_shape)))
         self.block_table = torch.arange(self.num_blocks, dtype=torch.int32,
                                         device=self.device)[None]
+        layers = model.state_layers()
+        self.states = (StateCache(layers, 1, param.dtype, self.device) if layers else None)
 
     def metadata(self, start: int, num_new: int) -> AttentionMetadata:
         end = start + num_new
@@ -61,6 +65,10 @@ class SingleSequenceRunner:
             max_seq_len=end,
             query_start_loc_cpu=[0, num_new],
             seq_lens_cpu=[end],
+            state_indices=None if self.states is None else torch.zeros(
+                1, dtype=torch.int32, device=self.device),
+            has_initial_state=None if self.states is None else torch.tensor(
+                [start > 0], device=self.device),
         )
 
     @torch.inference_mode()
@@ -70,6 +78,8 @@ class SingleSequenceRunner:
         [len, vocab], or [1, vocab] for the last token only when all_logits is False."""
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         positions = torch.arange(start, start + len(token_ids), device=self.device)
+        if self.states is not None and start == 0:
+            self.states.reset([0])
         with forward_context(self.metadata(start, len(token_ids))):
             hidden = self.model(ids, positions)
         return self.model.compute_logits(hidden if all_logits else hidden[-1:])

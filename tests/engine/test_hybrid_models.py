@@ -1,0 +1,192 @@
+"""The hybrid linear-attention families (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against transformers
+on tiny random checkpoints (fp32, CPU), with the linear-attention state in the state pool.
+
+Tiny models come from transformers' own config classes (`AutoConfig.for_model`), their 1-D
+parameters (zero-centred norm scales, A_log, dt_bias) randomised so they matter (save_tiny of
+test_recent_families.py). Two linear-attention layers per full-attention one, 2 key heads over
+4 value heads (grouped), a conv of width 4. Checked per family:
+- prompt logits, every cached decode step's logits (the in-place recurrent update) and 16 greedy
+  tokens against transformers (rel. error < 1e-4);
+- a prompt prefilled in three chunks (each continuing from the state the previous one left)
+  gives the logits of one prefill;
+- the Engine with prefill chunks of 8, blocks of 4 and a KV pool or a state pool too small for
+  all requests at once (so requests are preempted and recomputed from zero state, or wait for a
+  slot) gives every prompt of a mixed-length batch transformers' greedy tokens, the same tokens
+  as an unpressured run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.engine.loader import load_model
+from tests.engine.conftest import SingleSequenceRunner, rel_error
+from tests.engine.test_architectures import decode_logits
+from tests.engine.test_recent_families import TINY, Family, hf_greedy, save_tiny
+
+VOCAB = int(TINY["vocab_size"])
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+               linear_value_head_dim=16, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+               num_hidden_layers=6)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48)
+FAMILIES: dict[str, Family] = {
+    # MoE with a shared expert everywhere but layer 1 (mlp_only_layers: dense)
+    "qwen3_next": Family("qwen3_next", {**_LINEAR, **_MOE, "mlp_only_layers": [1],
+                                        "norm_topk_prob": True}),
+    "qwen3_5_text": Family("qwen3_5_text", dict(_LINEAR)),
+    "qwen3_5_moe_text": Family("qwen3_5_moe_text", {**_LINEAR, **_MOE}),
+}
+PROMPT_LEN = 24
+
+
+def _prompt(length: int = PROMPT_LEN, seed: int = 1) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_logits_and_greedy_tokens_match_transformers(tmp_path: Path, name: str) -> None:
+    hf = save_tiny(tmp_path, FAMILIES[name])
+    model, config = load_model(tmp_path, dtype=torch.float32, device="cpu")
+    assert config.architecture == hf.config.architectures[0]
+    assert len(model.state_layers()) == 4 and len(model.attention_layers()) == 2
+    runner = SingleSequenceRunner(model, max_tokens=64)
+    prompt = _prompt()
+    with torch.no_grad():
+        ref_logits = hf(torch.tensor([prompt])).logits[0]
+    err = rel_error(runner.forward(prompt), ref_logits)
+    assert err < 1e-4, f"{name}: prompt logits rel. error {err:.2e}"
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                          do_sample=False, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+    expected = ref.sequences[0, PROMPT_LEN:].tolist()
+    step_err = rel_error(decode_logits(runner, prompt, expected), torch.cat(ref.logits).float())
+    assert step_err < 1e-4, f"{name}: decode-step logits rel. error {step_err:.2e}"
+    assert runner.greedy_cached(prompt, 16) == expected
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_chunked_prefill_continues_from_the_state(tmp_path: Path, name: str) -> None:
+    save_tiny(tmp_path, FAMILIES[name])
+    model, _ = load_model(tmp_path)
+    prompt = _prompt(40, seed=3)
+    full = SingleSequenceRunner(model).forward(prompt)
+    chunked = SingleSequenceRunner(model)
+    parts = [chunked.forward(prompt[:17]), chunked.forward(prompt[17:30], start=17),
+             chunked.forward(prompt[30:], start=30)]
+    assert rel_error(torch.cat(parts), full) < 1e-4  # chunk splits round differently
+
+
+def _engine_tokens(path: Path, prompts: list[list[int]], max_tokens: int, **config: Any
+                   ) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    from services.engine.engine import Engine, EngineConfig
+    from services.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=4,
+                                 prefill_chunk_size=8, max_num_batched_tokens=16, **config))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    return got, engine.stats()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_engine_with_chunked_prefill_and_preemption_matches_transformers(
+        tmp_path: Path, name: str) -> None:
+    hf = save_tiny(tmp_path, FAMILIES[name])
+    prompts = [_prompt(n, seed=10 + n) for n in (21, 6, 15, 1)]
+    expected = {f"r{i}": hf_greedy(hf, p, 12) for i, p in enumerate(prompts)}
+    free, stats = _engine_tokens(tmp_path, prompts, 12, num_kv_blocks=64)
+    assert stats["preemptions"] == 0
+    assert free == expected
+    # 10 blocks of 4 tokens: the sequences (up to 33 tokens each) cannot all stay resident
+    pressed, stats = _engine_tokens(tmp_path, prompts, 12, num_kv_blocks=10)
+    assert stats["preemptions"] > 0
+    assert pressed == expected
+
+
+def test_engine_with_fewer_state_slots_than_requests_waits_for_slots(tmp_path: Path) -> None:
+    """Two slots for four requests: at most two run at once, the others wait (no preemption),
+    and every request still gets transformers' tokens."""
+    hf = save_tiny(tmp_path, FAMILIES["qwen3_5_text"])
+    prompts = [_prompt(n, seed=20 + n) for n in (9, 17, 4, 12)]
+    got, stats = _engine_tokens(tmp_path, prompts, 6, num_kv_blocks=64, num_state_slots=2)
+    assert stats["preemptions"] == 0
+    assert got == {f"r{i}": hf_greedy(hf, p, 6) for i, p in enumerate(prompts)}
+
+
+def test_engine_turns_prefix_caching_off_for_hybrids(tmp_path: Path) -> None:
+    """A shared prompt prefix is recomputed (the linear-attention state is not kept per block):
+    no prefix-cache hit, and the second request's tokens are still right."""
+    hf = save_tiny(tmp_path, FAMILIES["qwen3_5_text"])
+    shared = _prompt(16, seed=5)
+    prompts = [shared + [7, 8], shared + [9]]
+    got, stats = _engine_tokens(tmp_path, prompts, 4, num_kv_blocks=64,
+                                enable_prefix_caching=True)
+    assert stats["prefix_cache_hit_tokens"] == 0
+    assert got == {f"r{i}": hf_greedy(hf, p, 4) for i, p in enumerate(prompts)}
+
+
+def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Qwen3_5ForConditionalGeneration (text_config, `model.language_model.` names, a vision
+    tower under `model.visual.` to skip) against transformers' text forward of the model."""
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+    text = {**TINY, **FAMILIES["qwen3_5_text"].overrides}
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+        patch_size=2, temporal_patch_size=1, spatial_merge_size=1))
+    torch.manual_seed(0)
+    hf = Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for _, param in hf.named_parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.2)
+    hf.save_pretrained(tmp_path)
+    model, loaded = load_model(tmp_path)
+    assert loaded.architecture == "Qwen3_5ForConditionalGeneration"
+    prompt = _prompt()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([prompt])).logits[0]
+    assert rel_error(SingleSequenceRunner(model).forward(prompt), ref) < 1e-4
+
+
+def test_qwen3_5_moe_loads_stacked_experts(tmp_path: Path) -> None:
+    """Experts stored stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
+    [E, H, I], transformers 5's in-memory layout) load as the per-expert checkpoint does."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(tmp_path / "per_expert", FAMILIES["qwen3_5_moe_text"])
+    state = load_file(tmp_path / "per_expert" / "model.safetensors")
+    stacked: dict[str, torch.Tensor] = {}
+    for name in list(state):
+        if ".experts.0.gate_proj." in name:
+            prefix = name.split(".experts.")[0] + ".experts"
+            n = sum(1 for k in state if k.startswith(prefix) and k.endswith("gate_proj.weight"))
+            stacked[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(
+                [state[f"{prefix}.{e}.gate_proj.weight"], state[f"{prefix}.{e}.up_proj.weight"]])
+                for e in range(n)])
+            stacked[f"{prefix}.down_proj"] = torch.stack(
+                [state[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])
+    stacked.update({k: v for k, v in state.items() if ".experts." not in k})
+    (tmp_path / "stacked").mkdir()
+    save_file(stacked, tmp_path / "stacked" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "stacked" / "config.json").write_text(
+        (tmp_path / "per_expert" / "config.json").read_text())
+    prompt = _prompt()
+    ref = SingleSequenceRunner(load_model(tmp_path / "per_expert").model).forward(prompt)
+    got = SingleSequenceRunner(load_model(tmp_path / "stacked").model).forward(prompt)
+    assert torch.equal(got, ref)
