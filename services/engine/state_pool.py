@@ -23,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -73,7 +74,7 @@ class StateSlots:
 
 
 class StateCache:
-    def __init__(self, layers: list[StateLayer], num_slots: int, dtype: torch.dtype,
+    def __init__(self, layers: Sequence[StateLayer], num_slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         conv_shape, state_shape = _common_shapes(layers)
         n = len(layers)
@@ -93,7 +94,7 @@ class StateCache:
         self.recurrent.index_fill_(1, index, 0)
 
 
-def state_bytes_per_slot(layers: list[StateLayer], dtype: torch.dtype) -> int:
+def state_bytes_per_slot(layers: Sequence[StateLayer], dtype: torch.dtype) -> int:
     """Bytes one sequence's states take over all linear-attention layers."""
     if not layers:
         return 0
@@ -103,7 +104,7 @@ def state_bytes_per_slot(layers: list[StateLayer], dtype: torch.dtype) -> int:
     return per_layer * len(layers)
 
 
-def _common_shapes(layers: list[StateLayer]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _common_shapes(layers: Sequence[StateLayer]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     shapes = {layer.state_shapes() for layer in layers}
     if len(shapes) != 1:
         raise ValueError(f"linear-attention layers of different state shapes: {sorted(shapes)}")

@@ -3,7 +3,8 @@
 `SingleSequenceRunner` plays the ModelRunner for one sequence: it binds a small paged KV cache to
 every attention layer (blocks 0..n-1 in order, so slot == position) and builds the
 `AttentionMetadata` of each step; a hybrid model's linear-attention layers get a one-slot state
-pool (slot 0, zeroed when a sequence starts at position 0). `save_tiny_llama` writes a tiny random transformers Llama.
+pool (slot 0, zeroed when a sequence starts at position 0). `save_tiny_llama` writes a tiny
+random transformers Llama.
 """
 
 from __future__ import annotations

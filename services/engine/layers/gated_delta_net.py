@@ -103,6 +103,14 @@ class GatedRMSNorm(nn.Module):
         return (out * F.silu(z.float())).to(dtype)
 
 
+class _ConvWeight(nn.Module):
+    """`conv1d.weight` [C, W] (the checkpoint's [C, 1, W] squeezed); channels q | k | v."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, width), requires_grad=False)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str
                  ) -> None:
@@ -121,10 +129,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_ba = MergedColumnParallelLinear(
             config.hidden_size, [d.num_v_heads, d.num_v_heads], False, quant_config,
             f"{prefix}.in_proj_ba")
-        # conv1d.weight [C, W] (the checkpoint's [C, 1, W] squeezed); channels q | k | v
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, d.conv_kernel),
-                                          requires_grad=False)
+        self.conv1d = _ConvWeight(self.conv_dim, d.conv_kernel)
         self.conv1d.weight.weight_loader = self._load_conv  # type: ignore[attr-defined]
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
