@@ -49,7 +49,7 @@ from services.engine.row_buckets import token_buckets, warm_up_gemms
 from services.engine.sampler import Sampler, SamplingBatch, sample_isolated
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
-from services.engine.state_pool import StateCache, state_bytes_per_slot
+from services.engine.state_pool import StateCache, fit_state_slots, state_bytes_per_slot
 from services.engine.step_graphs import StepGraphs
 from services.engine.step_inputs import StepInputBuilder, StepInputs
 from services.engine.step_output import LaunchedStep, RunnerOutput
@@ -237,7 +237,6 @@ class ModelRunner:
         """config.num_state_slots (None: max_num_seqs), capped to half the memory budget where
         the KV cache is sized from one (an explicit block count is the KV cache alone)."""
         wanted = config.num_state_slots or self.max_num_seqs
-        per_slot = state_bytes_per_slot(self.state_layers, self.dtype)
         if config.num_kv_blocks is not None:
             return wanted
         if config.kvcache_mem_mib is not None:
@@ -247,12 +246,8 @@ class ModelRunner:
             budget = int(total * config.gpu_memory_utilization) - (total - free)
         else:
             budget = DEFAULT_CPU_KVCACHE_MIB * (1 << 20)
-        slots = tp_min(max(1, min(wanted, budget // 2 // per_slot)))
-        if slots < wanted:
-            log.warning("the linear-attention state pool holds %d sequences (%.1f MiB each), "
-                        "fewer than the %d asked: at most %d run at once", slots,
-                        per_slot / 2**20, wanted, slots)
-        return slots
+        per_slot = state_bytes_per_slot(self.state_layers, self.dtype)
+        return tp_min(fit_state_slots(wanted, per_slot, budget))
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         """Every layer's cache tensors (K, V and fp8 scales), bound to their layers."""

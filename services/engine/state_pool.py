@@ -22,6 +22,7 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Protocol
@@ -29,6 +30,8 @@ from typing import Protocol
 import torch
 
 from services.engine.request import Request
+
+log = logging.getLogger(__name__)
 
 STATE_DTYPE = torch.float32  # the recurrent state; the conv state keeps the model dtype
 
@@ -102,6 +105,17 @@ def state_bytes_per_slot(layers: Sequence[StateLayer], dtype: torch.dtype) -> in
     elem = torch.empty(0, dtype=dtype).element_size()
     per_layer = math.prod(conv_shape) * elem + math.prod(state_shape) * STATE_DTYPE.itemsize
     return per_layer * len(layers)
+
+
+def fit_state_slots(wanted: int, per_slot: int, budget: int) -> int:
+    """The slots to allocate: `wanted`, but the states take at most half of `budget` bytes
+    (the KV cache needs the rest); at least one."""
+    slots = max(1, min(wanted, budget // 2 // per_slot))
+    if slots < wanted:
+        log.warning("the linear-attention state pool holds %d sequences (%.1f MiB each), fewer "
+                    "than the %d asked: at most %d run at once", slots, per_slot / 2**20,
+                    wanted, slots)
+    return slots
 
 
 def _common_shapes(layers: Sequence[StateLayer]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -190,3 +190,48 @@ def test_qwen3_5_moe_loads_stacked_experts(tmp_path: Path) -> None:
     ref = SingleSequenceRunner(load_model(tmp_path / "per_expert").model).forward(prompt)
     got = SingleSequenceRunner(load_model(tmp_path / "stacked").model).forward(prompt)
     assert torch.equal(got, ref)
+
+
+def test_padded_decode_rows_leave_every_other_state_untouched(tmp_path: Path) -> None:
+    """A decode step as a CUDA graph replays it: the real rows, then padding rows with state
+    slot -1 and KV slot -1. The real row's logits equal an unpadded decode, and no other
+    sequence's state (conv or recurrent) changes."""
+    import dataclasses
+
+    from services.engine.forward_context import forward_context
+    from services.engine.state_pool import StateCache
+
+    save_tiny(tmp_path, FAMILIES["qwen3_next"])
+    model, _ = load_model(tmp_path)
+    prompt = _prompt(12, seed=4)
+    ref_runner = SingleSequenceRunner(model)
+    ref_runner.forward(prompt)
+    expected = ref_runner.forward([5], start=len(prompt))
+
+    runner = SingleSequenceRunner(model)  # its KV cache; the pool below rebinds the states
+    pool = StateCache(model.state_layers(), 4, torch.float32, torch.device("cpu"))
+    pool.conv.normal_()
+    pool.recurrent.normal_()
+    others = [0, 1, 3]
+    before = pool.conv[:, others].clone(), pool.recurrent[:, others].clone()
+    pool.reset([2])
+    meta = runner.metadata(0, len(prompt))
+    with forward_context(dataclasses.replace(
+            meta, state_indices=torch.tensor([2], dtype=torch.int32),
+            has_initial_state=torch.tensor([False]))):
+        model(torch.tensor(prompt), torch.arange(len(prompt)))
+    step = runner.metadata(len(prompt), 1)
+    pad = 3
+    padded = dataclasses.replace(
+        step, query_start_loc=torch.arange(pad + 2, dtype=torch.int32),
+        seq_lens=torch.tensor([len(prompt) + 1] + [1] * pad, dtype=torch.int32),
+        block_tables=step.block_tables.expand(pad + 1, -1).contiguous(),
+        slot_mapping=torch.tensor([len(prompt)] + [-1] * pad),
+        query_start_loc_cpu=list(range(pad + 2)), seq_lens_cpu=[len(prompt) + 1] + [1] * pad,
+        state_indices=torch.tensor([2] + [-1] * pad, dtype=torch.int32),
+        has_initial_state=None)
+    with forward_context(padded):
+        hidden = model(torch.tensor([5, 9, 9, 9]), torch.tensor([len(prompt), 0, 0, 0]))
+    assert rel_error(model.compute_logits(hidden[:1]), expected) < 1e-5
+    assert torch.equal(pool.conv[:, others], before[0])
+    assert torch.equal(pool.recurrent[:, others], before[1])
