@@ -132,22 +132,24 @@ def _conv_varlen_kernel(
     if (start == bos) & (slot >= 0):
         # The sequence's first block is the only one reading its state: it writes the new one.
         col = tl.arange(0, BW)
-        pos = eos - bos - (W - 1) + col
-        mask = mask_c[:, None] & (col < W - 1)[None, :]
-        xv = tl.load(
-            x_ptr + (bos + pos).to(tl.int64)[None, :] * stride_xt + offs_c[:, None],
-            mask=mask & (pos >= 0)[None, :],
+        tail_pos = eos - bos - (W - 1) + col
+        tail_mask = mask_c[:, None] & (col < W - 1)[None, :]
+        tail_x = tl.load(
+            x_ptr + (bos + tail_pos).to(tl.int64)[None, :] * stride_xt + offs_c[:, None],
+            mask=tail_mask & (tail_pos >= 0)[None, :],
             other=0.0,
         ).to(tl.float32)
         new_base = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
-        sv = tl.load(
-            new_base + (W - 1 + pos)[None, :] * stride_sw,
-            mask=mask & (pos < 0)[None, :] & use_state,
+        tail_s = tl.load(
+            new_base + (W - 1 + tail_pos)[None, :] * stride_sw,
+            mask=tail_mask & (tail_pos < 0)[None, :] & use_state,
             other=0.0,
         ).to(tl.float32)
         tl.debug_barrier()  # every thread's reads of the old state come first
         tl.store(
-            new_base + col[None, :] * stride_sw, (xv + sv).to(state_ptr.dtype.element_ty), mask=mask
+            new_base + col[None, :] * stride_sw,
+            (tail_x + tail_s).to(state_ptr.dtype.element_ty),
+            mask=tail_mask,
         )
 
 
@@ -214,13 +216,15 @@ def causal_conv1d_varlen_triton(
     state_indices: torch.Tensor,
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
-    block_t: int = 64,
+    block_t: int = 32,
     block_c: int = 128,
 ) -> torch.Tensor:
     """Grid (token blocks of each sequence, channel blocks); shapes checked by gated_delta.py."""
     from kernels.gated_delta_chunk import sequence_chunks
 
     channels, width = weight.shape
+    if width - 1 > block_t:  # a sequence's first block must hold every read of its old state
+        raise ValueError(f"conv width {width} needs block_t >= {width - 1}")
     x = _channels_contiguous(x)
     weight = weight.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)

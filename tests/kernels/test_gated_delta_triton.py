@@ -21,6 +21,7 @@ from kernels.gated_delta_torch import (
 )
 from tests.kernels.conftest import DEVICE
 from tests.kernels.gated_delta_cases import delta_inputs
+from tests.kernels.sm90_report import needs_ptxas, sm90_report
 
 
 def test_sequence_chunks_start_at_each_sequence() -> None:
@@ -28,6 +29,7 @@ def test_sequence_chunks_start_at_each_sequence() -> None:
     chunks = sequence_chunks(cu, 64)
     assert chunks.sequence.tolist() == [0, 2, 3, 3, 3]
     assert chunks.start.tolist() == [0, 1, 65, 129, 193]
+    assert chunks.first.tolist() == [0, 1, 1, 2]
 
 
 @pytest.mark.parametrize(
@@ -117,3 +119,11 @@ def test_conv_update_kernel_matches_torch(width: int) -> None:
     ref = causal_conv1d_update_torch(x, weight, bias, ref_pool, slots)
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool, ref_pool, atol=0, rtol=0)
+
+
+@pytest.mark.slow
+@needs_ptxas
+def test_gated_delta_kernels_compile_for_sm90_without_spills() -> None:
+    spills = sm90_report("tests.kernels.gated_delta_sm90", timeout=600)
+    assert len(spills) == 6
+    assert {name: n for name, n in spills.items() if n} == {}
