@@ -17,7 +17,8 @@ from tests.engine.test_architectures import TINY, Case, _yarn
 from tests.engine.test_moe_models import MLA
 
 WINDOW = 32
-REDUCTIONS = ("2 layers (3 for gemma2/gemma3, 4 for smollm3/llama4), vocab 32000, routed "
+REDUCTIONS = ("2 layers (3 for gemma2/gemma3, 4 for smollm3/llama4; hybrids one linear-attention "
+              "and one full-attention layer), vocab 32000, routed "
               "experts reduced (top-k and "
               f"expert sizes real), sliding windows {WINDOW} (prompt 64 tokens), random weights "
               "(std 0.02, norm scales and biases perturbed)")
@@ -49,6 +50,15 @@ _MINISTRAL3_TEXT = dict(
     max_position_embeddings=262144, rope_parameters=_yarn(
         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1,
         original_max_position_embeddings=16384))
+# Hybrid linear attention (Gated DeltaNet): Qwen3-Next-80B-A3B / Qwen3.5 sizes, one
+# linear-attention layer then one gated full-attention layer.
+_HYBRID = dict(
+    hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+    max_position_embeddings=262144, layer_types=["linear_attention", "full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                     "partial_rotary_factor": 0.25})
 _TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                     num_attention_heads=2, image_size=32, patch_size=16, head_dim=8)
 
@@ -164,6 +174,18 @@ FAMILIES: dict[str, Family] = {
                          "original_max_position_embeddings": 8192})),
         "Llama-4-Scout text, 16->4 experts top-1, 4 layers (3 chunked, 1 NoPE), chunk "
         "8192->32"),
+    "qwen3_next": Family(Case("qwen3_next", dict(
+        _HYBRID, intermediate_size=5120, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=32, num_experts_per_tok=10,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
+        "Qwen3-Next-80B-A3B, 512->32 experts top-10, 1 linear + 1 full layer"),
+    "qwen3_5": Family(Case("qwen3_5_text", dict(
+        _HYBRID, hidden_size=4096, intermediate_size=12288, num_key_value_heads=4)),
+        "Qwen3.5-9B text, 1 linear + 1 full layer"),
+    "qwen3_5_moe": Family(Case("qwen3_5_moe_text", dict(
+        _HYBRID, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_experts=32, num_experts_per_tok=8)),
+        "Qwen3.5-35B-A3B text, 256->32 experts top-8, 1 linear + 1 full layer"),
 }
 
 # --smoke: each size onto the CPU tests' tiny value; routing, rope kinds and flags stay.
@@ -171,7 +193,8 @@ _TINY_SIZES: dict[str, Any] = dict(
     {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
                           "num_attention_heads", "initializer_range")},
     head_dim=16, query_pre_attn_scalar=16, shared_expert_intermediate_size=48,
-    intermediate_size_mlp=TINY["intermediate_size"],
+    intermediate_size_mlp=TINY["intermediate_size"], linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
     **{k: MLA[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                            "moe_intermediate_size")})
 
