@@ -268,6 +268,10 @@ class EngineSettings(CommonSettings):
     kvcache_mem_mib: int | None = Field(None, ge=1, description="KV cache size; unset = measured")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory share to use")
     max_num_seqs: int = Field(256, ge=1, description="Cap on concurrently running sequences")
+    num_state_slots: int | None = Field(
+        None, ge=1, description="Hybrid (linear-attention) models: sequences whose recurrent "
+        "state the state pool holds, i.e. that run at once; unset = max_num_seqs, capped so the "
+        "states take at most half of the KV-cache memory budget")
     max_num_batched_tokens: int | None = Field(
         None, ge=16, description="Token budget of one step, which also caps the prompt tokens a "
         "step prefills beside the running decodes (chunked prefill); unset = 8192, on CPU 512 "
