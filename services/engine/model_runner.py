@@ -13,7 +13,8 @@ Rules:
   the states take at most half of the memory budget), allocated before the KV cache is sized so
   the KV budget is what the states leave. A step zeroes the slots of the sequences it starts
   (num_computed_tokens 0). Their decode steps replay CUDA graphs (padded rows index slot -1);
-  their other steps run eagerly (no whole-step graphs). Not under tensor parallelism yet.
+  their other steps run eagerly (no whole-step graphs). Under tensor parallelism each rank holds
+  its heads' share of every slot.
 - It knows only the SchedulerOutput (plain data), never the scheduler. For each step it builds the
   flattened inputs (step_inputs.py), runs the model, takes logits only on the last row of every
   sequence that samples, and samples. `launch` returns at once with a LaunchedStep (tokens on the
@@ -39,7 +40,7 @@ from kernels import dense_attention, selection
 from kernels.kv_quant import FP8_KV_DTYPE, KVScales
 from services.engine import prompt_logprobs, step_graphs
 from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
-from services.engine.distributed import get_tp_size, tp_min
+from services.engine.distributed import tp_min
 from services.engine.forward_context import forward_context
 from services.engine.layers.attention import Attention
 from services.engine.loader import load_model
@@ -101,9 +102,6 @@ class ModelRunner:
         self.state_cache: StateCache | None = None
         self.num_state_slots = 0
         if self.state_layers:
-            if get_tp_size() > 1:
-                raise ValueError("hybrid (linear-attention) models do not run under tensor "
-                                 "parallelism yet; run them with tp 1")
             self.num_state_slots = self._num_state_slots(config)
             self.state_cache = StateCache(self.state_layers, self.num_state_slots, self.dtype,
                                           self.device)

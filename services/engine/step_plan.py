@@ -5,7 +5,8 @@ Rules:
   request its token ids (PLACEHOLDER_TOKEN included), num_computed_tokens, is_prefill, whether
   it samples, and its KV block ids; plus the step's decode_only and share_tokens flags; and,
   only in steps that have them, each request's prompt_logprob_rows (the LM head's all-gather
-  runs for those rows on every rank).
+  runs for those rows on every rank); and, for hybrid models, each request's linear-attention
+  state slot (rank 0's scheduler hands them out; every rank keeps its shard of the states).
   Sampling parameters, generators and token histories stay on rank 0: only it samples.
 - Block ids travel as deltas. The encoder remembers the block list it sent for each request of
   the previous step; a request scheduled again with the same list object sends only the new tail
@@ -36,6 +37,7 @@ class StepPlan(NamedTuple):
     new_blocks: list[list[int]]
     replace: list[bool]  # new_blocks is the whole list, not a tail
     prompt_rows: list[int] | None = None  # prompt_logprob_rows per request (None: all 0)
+    state_slots: list[int] | None = None  # state slot per request (None: not a hybrid model)
 
 
 class LogitsPlan(NamedTuple):
@@ -44,6 +46,7 @@ class LogitsPlan(NamedTuple):
     token_ids: list[int]
     num_computed: int
     block_ids: list[int]
+    state_slot: int = -1
 
 
 class StopPlan(NamedTuple):
@@ -88,10 +91,12 @@ class PlanEncoder:
             now[r.request_id] = _Sent(index, blocks, len(blocks), blocks[-1] if blocks else -1)
         self._sent = now
         rows = [r.prompt_logprob_rows for r in requests]
+        slots = [r.state_slot for r in requests]
         plan = StepPlan(decode_only, share_tokens, ids, [r.token_ids for r in requests],
                         [r.num_computed_tokens for r in requests],
                         [r.is_prefill for r in requests], [r.samples for r in requests],
-                        new_blocks, replace, rows if any(rows) else None)
+                        new_blocks, replace, rows if any(rows) else None,
+                        slots if any(slot >= 0 for slot in slots) else None)
         return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
 
     def _new_index(self) -> int:
@@ -100,7 +105,8 @@ class PlanEncoder:
 
     @staticmethod
     def logits(request: ScheduledRequest) -> bytes:
-        plan = LogitsPlan(request.token_ids, request.num_computed_tokens, request.block_ids)
+        plan = LogitsPlan(request.token_ids, request.num_computed_tokens, request.block_ids,
+                          request.state_slot)
         return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
@@ -112,11 +118,13 @@ _PARAMS = SamplingParams()  # workers never sample; the builder ignores sampling
 
 
 def _request(request_id: str, token_ids: list[int], num_computed: int, block_ids: list[int],
-             is_prefill: bool, samples: bool, prompt_rows: int = 0) -> ScheduledRequest:
+             is_prefill: bool, samples: bool, prompt_rows: int = 0, state_slot: int = -1
+             ) -> ScheduledRequest:
     return ScheduledRequest(
         request_id=request_id, token_ids=token_ids, num_computed_tokens=num_computed,
         block_ids=block_ids, is_prefill=is_prefill, samples=samples, sampling_params=_PARAMS,
         generator=None, prompt_len=0, all_token_ids=[], prompt_logprob_rows=prompt_rows,
+        state_slot=state_slot,
     )
 
 
@@ -139,19 +147,21 @@ class PlanDecoder:
             return None
         if isinstance(plan, LogitsPlan):
             return _request("__prompt_logits__", plan.token_ids, plan.num_computed,
-                            plan.block_ids, True, False)
+                            plan.block_ids, True, False, state_slot=plan.state_slot)
         known, now = self._blocks, {}
         requests = []
         prompt_rows = plan.prompt_rows or [0] * len(plan.ids)
-        for index, tokens, computed, prefill, samples, blocks, whole, rows in zip(
+        slots = plan.state_slots or [-1] * len(plan.ids)
+        for index, tokens, computed, prefill, samples, blocks, whole, rows, slot in zip(
                 plan.ids, plan.token_ids, plan.num_computed, plan.is_prefill, plan.samples,
-                plan.new_blocks, plan.replace, prompt_rows, strict=True):
+                plan.new_blocks, plan.replace, prompt_rows, slots, strict=True):
             if whole:
                 mine = blocks
             else:
                 mine = known[index]
                 mine.extend(blocks)
             now[index] = mine
-            requests.append(_request(str(index), tokens, computed, mine, prefill, samples, rows))
+            requests.append(_request(str(index), tokens, computed, mine, prefill, samples, rows,
+                                     slot))
         self._blocks = now
         return DecodedStep(requests, plan.decode_only, plan.share_tokens)

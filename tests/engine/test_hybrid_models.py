@@ -235,3 +235,52 @@ def test_padded_decode_rows_leave_every_other_state_untouched(tmp_path: Path) ->
     assert rel_error(model.compute_logits(hidden[:1]), expected) < 1e-5
     assert torch.equal(pool.conv[:, others], before[0])
     assert torch.equal(pool.recurrent[:, others], before[1])
+
+
+def test_step_plan_carries_the_state_slots() -> None:
+    """Tensor-parallel workers get each request's state slot from rank 0's plan."""
+    from services.engine.model_runner import _dummy_request
+    from services.engine.step_plan import DecodedStep, PlanDecoder, PlanEncoder
+
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    step = decoder.decode(encoder.step([_dummy_request("a", 3, [0], state_slot=2),
+                                        _dummy_request("b", 1, [1], state_slot=0)],
+                                       decode_only=False, share_tokens=False))
+    assert isinstance(step, DecodedStep) and [r.state_slot for r in step.requests] == [2, 0]
+    step = decoder.decode(encoder.step([_dummy_request("c", 2, [0], state_slot=-1)],
+                                       decode_only=False, share_tokens=False))
+    assert isinstance(step, DecodedStep) and step.requests[0].state_slot == -1
+    logits = decoder.decode(PlanEncoder.logits(_dummy_request("d", 4, [3], state_slot=5)))
+    assert not isinstance(logits, DecodedStep) and logits is not None
+    assert logits.state_slot == 5
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: Path) -> None:
+    """Linear-attention key / value heads, conv channels, A_log / dt_bias and the gated
+    attention's query + gate heads split 1 + 1 / 2 + 2, experts 2 + 2: the engine on two gloo
+    ranks (state slots in the step plan, chunked prefill, preemption) gives one rank's tokens."""
+    from services.engine.engine import Engine, EngineConfig
+    from services.engine.sampling_params import SamplingParams
+
+    save_tiny(tmp_path, FAMILIES["qwen3_5_moe_text"])
+    prompts = [_prompt(n, seed=30 + n) for n in (21, 6, 15)]
+    config: dict[str, Any] = dict(model=str(tmp_path), device="cpu", dtype="float32",
+                                  block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16,
+                                  num_kv_blocks=10)
+    ref_tokens, _ = _engine_tokens(tmp_path, prompts, 8, num_kv_blocks=10)
+    single = Engine(EngineConfig(**config)).prompt_logits(prompts[0])
+    engine = Engine(EngineConfig(**config, tp=2))
+    try:
+        assert rel_error(engine.prompt_logits(prompts[0]), single) < 1e-5
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+        assert engine.stats()["preemptions"] > 0
+        assert got == ref_tokens
+    finally:
+        engine.shutdown()
