@@ -26,6 +26,7 @@ import torch
 from services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 from tests.engine.test_architectures import decode_logits
+from tests.engine.test_gguf_architectures import llama_cpp_converter  # noqa: F401 (fixture)
 from tests.engine.test_recent_families import TINY, Family, hf_greedy, save_tiny
 
 VOCAB = int(TINY["vocab_size"])
@@ -284,3 +285,59 @@ def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: Path) -> None:
         assert got == ref_tokens
     finally:
         engine.shutdown()
+
+
+# llama.cpp's qwen3next has MoE on every layer (no dense MLP layers)
+GGUF_FAMILIES = {**FAMILIES, "qwen3_next": Family("qwen3_next", {
+    k: v for k, v in FAMILIES["qwen3_next"].overrides.items() if k != "mlp_only_layers"})}
+
+
+@pytest.fixture(scope="module")
+def converted_hybrids(llama_cpp_converter: Path,  # noqa: F811 (the imported fixture)
+                      tmp_path_factory: pytest.TempPathFactory
+                      ) -> dict[str, tuple[Path, Path]]:
+    """name -> (safetensors dir, GGUF file made by llama.cpp's converter, f32)."""
+    import subprocess
+    import sys
+
+    from tests.engine.test_gguf_architectures import _sentencepiece_model
+
+    root = tmp_path_factory.mktemp("gguf-hybrid")
+    tokenizer = _sentencepiece_model()
+    jobs, paths = [], {}
+    for name, family in GGUF_FAMILIES.items():
+        hf_dir, gguf = root / name, root / f"{name}.gguf"
+        save_tiny(hf_dir, family)
+        (hf_dir / "tokenizer.model").write_bytes(tokenizer)
+        jobs.append((str(hf_dir), str(gguf)))
+        paths[name] = (hf_dir, gguf)
+    driver = (f"import sys; sys.path.insert(0, {str(llama_cpp_converter)!r})\n"
+              "import convert_hf_to_gguf as c\n"
+              "from conversion.base import TextModel\n"
+              "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n"
+              "TextModel._set_vocab_qwen = TextModel._set_vocab_sentencepiece\n"
+              f"for src, out in {jobs!r}:\n"
+              "    sys.argv = ['convert', src, '--outtype', 'f32', '--outfile', out,"
+              " '--no-mtp']\n"
+              "    c.main()\n")
+    result = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return paths
+
+
+@pytest.mark.parametrize("name", list(GGUF_FAMILIES))
+def test_converted_gguf_matches_its_safetensors(converted_hybrids: dict[str, tuple[Path, Path]],
+                                                name: str) -> None:
+    """llama.cpp's conversion undone (1 + w norms, -exp(A_log), Qwen3.5's tiled value heads):
+    the GGUF gives the safetensors' logits, prompt and cached decode steps."""
+    hf_dir, gguf = converted_hybrids[name]
+    ref_model, ref_config = load_model(hf_dir)
+    model, config = load_model(gguf)
+    assert config.architecture == ref_config.architecture
+    assert config.layer_types == ref_config.layer_types
+    assert config.rotary_dim == ref_config.rotary_dim
+    prompt = _prompt()
+    tokens = [5, 77, 301]
+    ref = decode_logits(SingleSequenceRunner(ref_model), prompt, tokens)
+    got = decode_logits(SingleSequenceRunner(model), prompt, tokens)
+    assert rel_error(got, ref) < 1e-5

@@ -16,7 +16,9 @@ Rules:
   the attn_k_b / attn_v_b halves of each layer's kv_b_proj are dequantized (kv_b_proj stays
   float in the model) and joined into one tensor once both have been read.
 - Other archs whose metadata holds more than the generic fields (glm4moe, ...) get their config
-  from gguf_configs.py.
+  from gguf_configs.py; the hybrid archs (qwen3next, qwen35, qwen35moe) from gguf_qwen3next.py,
+  which also undoes the converter's transforms of their tensors (their linear-attention
+  tensors always load as floats).
 - Tied embeddings are inferred from the absence of an `output.weight` tensor.
 """
 
@@ -39,6 +41,12 @@ from services.engine.loader.gguf_names import (
     MAPPED_ARCHS,
     PERMUTED_ARCHS,
     hf_name,
+)
+from services.engine.loader.gguf_qwen3next import (
+    HYBRID_ARCHS,
+    fix_tensor,
+    hybrid_config,
+    keeps_float,
 )
 from services.engine.model_config import ModelConfig
 from services.engine.quant.gguf import QuantBytes
@@ -98,6 +106,8 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
                                                     for n in names))
     elif arch in GGUF_ARCH_CONFIGS:
         config = GGUF_ARCH_CONFIGS[arch](config, meta, names)
+    elif arch in HYBRID_ARCHS:
+        config = hybrid_config(config, meta, names)
     return GGUFCheckpoint(config, reader)
 
 
@@ -116,8 +126,10 @@ def mxfp4_experts(checkpoint: GGUFCheckpoint) -> set[str]:
 def tensor_types(checkpoint: GGUFCheckpoint) -> dict[str, int]:
     """HF name -> ggml type id of every matrix the model loads."""
     arch = _arch(checkpoint.reader)
+    hybrid = arch in HYBRID_ARCHS
     return {name: int(t.tensor_type) for t in checkpoint.reader.tensors
-            if (name := hf_name(t.name, arch)) is not None and len(t.shape) == 2}
+            if (name := hf_name(t.name, arch)) is not None and len(t.shape) == 2
+            and not (hybrid and keeps_float(name))}
 
 
 def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = None
@@ -125,6 +137,7 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
     config, reader = checkpoint
     arch = _arch(reader)
     permuted = arch in PERMUTED_ARCHS
+    hybrid = arch in HYBRID_ARCHS
     kv_b_parts: dict[str, dict[str, np.ndarray]] = {}  # kv_b_proj name -> part -> array
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch)
@@ -149,8 +162,10 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
             for e, weight in enumerate(_dequantized(tensor)):
                 yield name.replace(EXPERT, str(e)), torch.from_numpy(weight.copy())
             continue
-        raw = keep is not None and keep(name)
+        raw = keep is not None and keep(name) and not (hybrid and keeps_float(name))
         array = np.asarray(tensor.data) if raw else _dequantized(tensor)
+        if hybrid and not raw:
+            array = fix_tensor(arch, name, array, config)
         if permuted and ".q_proj." in name:
             array = unpermute_qk(array, config.num_heads)
         elif permuted and ".k_proj." in name:

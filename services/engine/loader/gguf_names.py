@@ -20,6 +20,9 @@ is a buffer, `e_score_correction_bias`, not a `.bias`). glm4moe names deepseek's
 and correction bias the same way, and its second norm `post_attention_norm`; its MTP layers'
 `nextn.*` tensors are not mapped. gpt-oss names its sinks `attn_sinks` and its biased router
 `ffn_gate_inp`; its expert biases are stacked like the weights (`ffn_*_exps.bias`).
+The hybrid archs (qwen3next, qwen35, qwen35moe: gguf_qwen3next.py) name the Gated DeltaNet's
+tensors `attn_qkv` / `attn_gate` / `ssm_*` (qwen3next's fused `ssm_ba`, qwen35's `ssm_alpha` /
+`ssm_beta`); `ssm_a` has no `.weight` suffix.
 """
 
 from __future__ import annotations
@@ -86,6 +89,18 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
         "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     },
+    **{arch: {
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_ba": "linear_attn.in_proj_ba",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ssm_dt.bias": "linear_attn.dt_bias",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_out": "linear_attn.out_proj",
+        "post_attention_norm": "post_attention_layernorm",
+    } for arch in ("qwen3next", "qwen35", "qwen35moe")},
     "gpt-oss": {
         "attn_sinks.weight": "self_attn.sinks",
         "post_attention_norm": "post_attention_layernorm",
@@ -96,9 +111,13 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 # Architectures with a verified map (the loader refuses others rather than guess).
 MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe",
-                         "deepseek2", "smollm3", "glm4moe", "gpt-oss", "llama4"})
+                         "deepseek2", "smollm3", "glm4moe", "gpt-oss", "llama4", "qwen3next",
+                         "qwen35", "qwen35moe"})
+# block tensors stored without a .weight / .bias suffix -> HF suffix
+BARE_BLOCK_NAMES = {"ssm_a": "linear_attn.A_log"}
 
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_BARE_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)$")
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -108,6 +127,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.match(gguf_name)
     if match is None:
+        bare = _BARE_RE.match(gguf_name)
+        if bare is not None and bare.group(2) in BARE_BLOCK_NAMES:
+            return f"model.layers.{bare.group(1)}.{BARE_BLOCK_NAMES[bare.group(2)]}"
         return None
     layer, part, kind = match.groups()
     arch_names = ARCH_BLOCK_NAMES.get(arch, {})
