@@ -3,6 +3,11 @@ Qwen3-Next functions and an fp64 token-by-token recurrence."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -270,3 +275,19 @@ def test_arguments_are_checked() -> None:
             cu_seqlens=inp.cu_seqlens,
             use_qk_l2norm=True,
         )
+
+
+@pytest.mark.slow
+def test_bench_script_runs_its_cpu_smoke_mode() -> None:
+    """bench/gated_delta.py (run unattended on a GPU) gets through every case on the CPU."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(root / "bench" / "gated_delta.py"), "--cpu", "--reps", "1"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = [
+        line for line in result.stdout.splitlines() if line.startswith("| ") and "us" not in line
+    ]
+    assert len(rows) == 5 and all(line.endswith("| ok |") for line in rows), result.stdout
