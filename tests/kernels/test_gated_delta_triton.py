@@ -121,6 +121,21 @@ def test_conv_update_kernel_matches_torch(width: int) -> None:
     torch.testing.assert_close(pool, ref_pool, atol=0, rtol=0)
 
 
+def test_chunk_kernel_with_nearly_repeated_keys() -> None:
+    """Near-identical keys, beta ~ 1, no decay: I + A is far from I (its inverse is nearly
+    bidiagonal while the Neumann terms grow like binomials), the case a blocked inverse must
+    still get right."""
+    inp = delta_inputs([130], 1, 2, 16, 16, device=DEVICE, seed=15)
+    base = torch.randn(1, 1, 16, device=DEVICE)
+    keys = base + 0.01 * torch.randn(130, 1, 16, device=DEVICE)
+    inp = inp._replace(k=keys, g=torch.zeros_like(inp.g), beta=torch.full_like(inp.beta, 0.99))
+    args = (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.initial_state, inp.cu_seqlens, True)
+    o, final = chunk_gated_delta_rule_triton(*args)
+    ref_o, ref_final = chunk_gated_delta_rule_torch(*args)
+    torch.testing.assert_close(o, ref_o, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(final, ref_final, atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.slow
 @needs_ptxas
 def test_gated_delta_kernels_compile_for_sm90_without_spills() -> None:
