@@ -42,6 +42,7 @@ REAL = dict(
 )
 TINY = dict(hk=2, hv=4, d=16, width=4, prefill=130, ragged=[1, 63, 64, 2], batch=5, slots=9)
 ROWS: list[str] = []
+BREAKDOWN: list[str] = []
 FAILED: list[str] = []
 
 
@@ -135,6 +136,52 @@ def bench_prefill(
         o, final = fn()
         errors = {"o": rel_err(o, expected[0]), "state": rel_err(final, expected[1])}
         row(name + label, timed(fn, device, reps), nbytes, errors, 2e-2, copy_gbs)
+    if device == "cuda":
+        BREAKDOWN.append(f"{name}: " + kernel_times(variants[0][1]))
+
+
+def kernel_times(fn: Callable[[], object]) -> str:
+    """Each CUDA kernel's time in one call of fn (torch.profiler), the longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time_total
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name[:40]} {us:,.1f} us" for name, us in ranked[:6])
+
+
+def bench_repeated_keys(cfg: dict, device: str, copy_gbs: float, reps: int) -> None:
+    """The prefill's hard case for the UT transform: near-identical keys, beta ~ 1, no decay."""
+    d, hv, total = cfg["d"], cfg["hv"], cfg["prefill"]
+    inp = delta_inputs([total], cfg["hk"], hv, d, d, device=device, seed=4)
+    keys = torch.randn(1, cfg["hk"], d, device=device)
+    inp = inp._replace(
+        k=keys + 0.01 * torch.randn_like(inp.k),
+        g=torch.zeros_like(inp.g),
+        beta=torch.full_like(inp.beta, 0.99),
+    )
+    args = (inp.q, inp.k, inp.v, inp.g, inp.beta)
+    kw = dict(
+        scale=d**-0.5,
+        initial_state=inp.initial_state,
+        cu_seqlens=inp.cu_seqlens,
+        use_qk_l2norm=True,
+    )
+    expected = ref.chunk_gated_delta_rule_torch(
+        *args, d**-0.5, inp.initial_state, inp.cu_seqlens, True
+    )
+    o, final = chunk_gated_delta_rule(*args, **kw)
+    errors = {"o": rel_err(o, expected[0]), "state": rel_err(final, expected[1])}
+    nbytes = sum(x.numel() * x.element_size() for x in args) + 2 * o.numel() * 4
+    us = timed(lambda: chunk_gated_delta_rule(*args, **kw), device, reps)
+    row(f"prefill T={total} fp32, repeated keys", us, nbytes, errors, 2e-2, copy_gbs)
 
 
 def bench_decode(cfg: dict, device: str, dtype: torch.dtype, copy_gbs: float, reps: int) -> None:
@@ -247,6 +294,7 @@ def main() -> int:
             "prefill ragged",
             lambda: bench_prefill(cfg, device, dtype, cfg["ragged"], copy_gbs, args.reps),
         ),
+        ("prefill repeated keys", lambda: bench_repeated_keys(cfg, device, copy_gbs, args.reps)),
         ("decode", lambda: bench_decode(cfg, device, dtype, copy_gbs, args.reps)),
         ("conv", lambda: bench_conv(cfg, device, dtype, copy_gbs, args.reps)),
     ]
@@ -263,6 +311,9 @@ def main() -> int:
     )
     print("| op | us | MB moved | GB/s | rel. error | check |\n|---|---|---|---|---|---|")
     print("\n".join(ROWS))
+    if BREAKDOWN:
+        print("\nprefill kernels (one call, torch.profiler):")
+        print("\n".join(BREAKDOWN))
     if FAILED:
         print("FAILED:", ", ".join(FAILED))
     return 1 if FAILED else 0

@@ -290,4 +290,4 @@ def test_bench_script_runs_its_cpu_smoke_mode() -> None:
     rows = [
         line for line in result.stdout.splitlines() if line.startswith("| ") and "us" not in line
     ]
-    assert len(rows) == 5 and all(line.endswith("| ok |") for line in rows), result.stdout
+    assert len(rows) == 6 and all(line.endswith("| ok |") for line in rows), result.stdout
