@@ -304,6 +304,7 @@ def chunk_gated_delta_rule_triton(
     cu_seqlens: torch.Tensor,
     use_qk_l2norm: bool,
     precision: str = "tf32",
+    block_v_state: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The three launches; shapes checked by kernels/gated_delta.py. Scratch: G, w, u/v_new
     per token and value head, one state per chunk and value head (all fp32)."""
@@ -324,8 +325,9 @@ def chunk_gated_delta_rule_triton(
     u = torch.empty(total, hv, dv, dtype=torch.float32, device=device)
     h = torch.empty(num_chunks, hv, dk, dv, dtype=torch.float32, device=device)
     bk = max(triton.next_power_of_2(dk), 16)
-    # the state walk: 32 columns a program (parallelism); the output: 64 (fewer q k^T redone)
-    bv_state = max(min(32, triton.next_power_of_2(dv)), 16)
+    # the state walk: 32 columns a program (parallelism: N * Hv * Dv / 32 programs walk in
+    # parallel); the output: 64 (fewer q k^T redone). All compile spill-free on sm_90 (16-64).
+    bv_state = max(min(block_v_state, triton.next_power_of_2(dv)), 16)
     bv_out = max(min(64, triton.next_power_of_2(dv)), 16)
     common = dict(HV=hv, DK=dk, DV=dv, GROUP=hv // hk, BK=bk, CHUNK=BT, USE_L2=use_qk_l2norm)
     if num_chunks > 0:
