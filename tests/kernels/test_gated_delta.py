@@ -263,6 +263,18 @@ def test_arguments_are_checked() -> None:
             cu_seqlens=inp.cu_seqlens,
             use_qk_l2norm=True,
         )
+    with pytest.raises(ValueError, match="must be on cpu"):
+        chunk_gated_delta_rule(
+            inp.q,
+            inp.k,
+            inp.v,
+            inp.g,
+            inp.beta,
+            scale=0.25,
+            initial_state=None,
+            cu_seqlens=inp.cu_seqlens.to("meta"),
+            use_qk_l2norm=True,
+        )
     with pytest.raises(ValueError, match="Hv a multiple"):
         chunk_gated_delta_rule(
             inp.q.repeat(1, 3, 1),
