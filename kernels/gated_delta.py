@@ -35,6 +35,13 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and selection.current().kernels != "torch"
 
 
+def _check_devices(x: torch.Tensor, *others: torch.Tensor | None) -> None:
+    """Index and state tensors must live with the data: a kernel cannot read host memory."""
+    for t in others:
+        if t is not None and t.device != x.device:
+            raise ValueError(f"every tensor must be on {x.device}, got one on {t.device}")
+
+
 def _check_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 ) -> None:
@@ -69,6 +76,7 @@ def chunk_gated_delta_rule(
     packed by cu_seqlens int32 [N+1]; initial_state [N, Hv, Dk, Dv] fp32 or None (zeros).
     Returns o [T, Hv, Dv] in v's dtype and each sequence's final state [N, Hv, Dk, Dv] fp32."""
     _check_heads(q, k, v, g, beta)
+    _check_devices(q, k, v, g, beta, initial_state, cu_seqlens)
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
         raise ValueError("cu_seqlens must be int32 [N+1]")
     shape = (cu_seqlens.shape[0] - 1, v.shape[1], k.shape[2], v.shape[2])
@@ -108,6 +116,7 @@ def fused_recurrent_gated_delta_rule_update(
     pool state [S, Hv, Dk, Dv] fp32 is updated in place at rows state_indices int32 [N]
     (< 0: padding, skipped). Returns o [N, Hv, Dv] in v's dtype."""
     _check_heads(q, k, v, g, beta)
+    _check_devices(q, k, v, g, beta, state, state_indices)
     if (
         state.dim() != 4
         or state.shape[1:] != (v.shape[1], k.shape[2], v.shape[2])
@@ -139,6 +148,7 @@ def _check_conv(
     rows: int,
 ) -> None:
     channels, width = weight.shape
+    _check_devices(x, weight, bias, conv_state, state_indices)
     if x.dim() != 2 or x.shape[1] != channels:
         raise ValueError(f"x must be [T, {channels}], got {tuple(x.shape)}")
     if bias is not None and bias.shape != (channels,):
@@ -166,6 +176,7 @@ def causal_conv1d_varlen(
     W-1 inputs are written there. Returns y [T, C] in x's dtype."""
     rows = cu_seqlens.shape[0] - 1
     _check_conv(x, weight, bias, conv_state, state_indices, rows)
+    _check_devices(x, cu_seqlens, has_initial_state)
     if cu_seqlens.dtype != torch.int32 or has_initial_state.shape != (rows,):
         raise ValueError("cu_seqlens must be int32 [N+1] and has_initial_state bool [N]")
     if _use_triton(x):

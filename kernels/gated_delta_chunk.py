@@ -4,8 +4,8 @@ Chunks of BT = 64 tokens start at each sequence's first token (kernels/gated_del
 the math). Three launches:
 1. `_chunk_prepare_kernel`, one program per (chunk, value head), all chunks in parallel: the
    in-chunk cumulative log decay G, the strictly lower A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j),
-   T = (I + A)^-1 by forward substitution over the 64 rows (each row one masked reduction over
-   the [BT, BT] tile; the UT transform), then w = T (beta exp(G) k) and u = T (beta v) with
+   T = (I + A)^-1 (the UT transform; `_unit_lower_inverse`: 16x16 diagonal blocks by forward
+   substitution, then joined by four dots), then w = T (beta exp(G) k) and u = T (beta v) with
    tensor-core dots. Writes G [T, Hv], w [T, Hv, Dk], u [T, Hv, Dv] (fp32 scratch).
 2. `_chunk_state_kernel`, one program per (sequence, value head, block of BV value columns),
    walking its sequence's chunks in order with the [Dk, BV] state slice S in registers: stores
@@ -67,6 +67,31 @@ def _load_keys(
 
 
 @triton.jit
+def _unit_lower_inverse(a, idx, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + a)^-1 for a strictly lower [CHUNK, CHUNK] tile, CHUNK a multiple of 16.
+
+    The 16x16 diagonal blocks first, all four at once: forward substitution, step r finishing
+    row r of every block as I - A_diag T from the rows above it (15 dots). Then, with
+    I + A = (I + A_diag)(I + N), N = T_diag A_off strictly block-lower (N^(CHUNK/16) = 0):
+    (I + A)^-1 = (I - N (I - N (I - N))) T_diag, nested so no partial sum grows past the
+    inverse's own entries."""
+    i = idx[:, None]
+    j = idx[None, :]
+    eye = tl.where(i == j, 1.0, 0.0)
+    same_block = (i // 16) == (j // 16)
+    a_diag = tl.where(same_block, a, 0.0)
+    t = eye
+    for r in range(1, 16):
+        step = eye - tl.dot(a_diag, t, input_precision=PRECISION)
+        t = tl.where((i % 16) == r, step, t)
+    n = tl.dot(t, tl.where(same_block, 0.0, a), input_precision=PRECISION)
+    p = eye - n
+    for _ in tl.static_range(CHUNK // 16 - 2):
+        p = eye - tl.dot(n, p, input_precision=PRECISION)
+    return tl.dot(p, t, input_precision=PRECISION)
+
+
+@triton.jit
 def _chunk_prepare_kernel(
     k_ptr,  # [T, Hk, Dk] keys (last dim contiguous)
     v_ptr,  # [T, Hv, Dv] values
@@ -111,20 +136,15 @@ def _chunk_prepare_kernel(
     gcum = tl.cumsum(g, axis=0)
     tl.store(gcum_ptr + rows * HV + hv, gcum, mask=mask_rows)
 
-    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)  # symmetric
-    i = idx[:, None]
-    j = idx[None, :]
-    # a_t[i, j] = A[j, i] (A transposed, built directly: kk is symmetric), nonzero for i < j.
-    a_t = tl.where(
-        i < j, beta[None, :] * kk * tl.exp(tl.where(i < j, gcum[None, :] - gcum[:, None], 0.0)), 0.0
-    )
-    t = tl.where(i == j, 1.0, 0.0)
-    for r in range(1, CHUNK):
-        # row r of T: e_r - sum_{m < r} A[r, m] T[m, :] (rows m < r are final, the rest unit)
-        a_row = tl.sum(tl.where(j == r, a_t, 0.0), axis=1)  # A[r, m] along m (rows)
-        new = tl.where(idx == r, 1.0, 0.0) - tl.sum(a_row[:, None] * t, axis=0)
-        t = tl.where(i == r, new[None, :], t)
+    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+    lower = idx[:, None] > idx[None, :]
+    decay = tl.exp(tl.where(lower, gcum[:, None] - gcum[None, :], 0.0))
+    t = _unit_lower_inverse(tl.where(lower, beta[:, None] * kk * decay, 0.0), idx, CHUNK, PRECISION)
 
+    # k again (an L2 hit) rather than kept live across the inverse: registers, not bandwidth
+    k = _load_keys(
+        k_ptr, rows, mask_rows, hv // GROUP, stride_kt, stride_kh, offs_k, mask_k, USE_L2
+    )
     kg = k * (beta * tl.exp(gcum))[:, None]
     w = tl.dot(t, kg, input_precision=PRECISION)
     out_rows = rows[:, None] * HV + hv
@@ -284,6 +304,7 @@ def chunk_gated_delta_rule_triton(
     cu_seqlens: torch.Tensor,
     use_qk_l2norm: bool,
     precision: str = "tf32",
+    block_v_state: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The three launches; shapes checked by kernels/gated_delta.py. Scratch: G, w, u/v_new
     per token and value head, one state per chunk and value head (all fp32)."""
@@ -304,15 +325,16 @@ def chunk_gated_delta_rule_triton(
     u = torch.empty(total, hv, dv, dtype=torch.float32, device=device)
     h = torch.empty(num_chunks, hv, dk, dv, dtype=torch.float32, device=device)
     bk = max(triton.next_power_of_2(dk), 16)
-    # the state walk: 32 columns a program (parallelism); the output: 64 (fewer q k^T redone)
-    bv_state = max(min(32, triton.next_power_of_2(dv)), 16)
+    # the state walk: 32 columns a program (parallelism: N * Hv * Dv / 32 programs walk in
+    # parallel); the output: 64 (fewer q k^T redone). All compile spill-free on sm_90 (16-64).
+    bv_state = max(min(block_v_state, triton.next_power_of_2(dv)), 16)
     bv_out = max(min(64, triton.next_power_of_2(dv)), 16)
     common = dict(HV=hv, DK=dk, DV=dv, GROUP=hv // hk, BK=bk, CHUNK=BT, USE_L2=use_qk_l2norm)
     if num_chunks > 0:
         _chunk_prepare_kernel[(num_chunks, hv)](
             k, v, g, beta, chunks.sequence, chunks.start, cu_seqlens, gcum, w, u,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            BV=bv_state, PRECISION="ieee" if precision == "ieee" else "tf32x3", num_warps=8,
+            BV=bv_state, PRECISION="ieee" if precision == "ieee" else "tf32x3", num_warps=4,
             **common,
         )  # fmt: skip
     init = initial_state.contiguous() if initial_state is not None else final

@@ -21,7 +21,7 @@ CASES: list[tuple[str, str, dict[str, str], dict[str, Any], int]] = [
     ("gated_delta_chunk", "_chunk_prepare_kernel",
      {"k_ptr": BF16, "v_ptr": BF16, "g_ptr": F32, "beta_ptr": BF16, "chunk_seq_ptr": I32,
       "chunk_start_ptr": I32, "cu_ptr": I32, "gcum_ptr": F32, "w_ptr": F32, "u_ptr": F32},
-     CHUNK | dict(BV=32, PRECISION="tf32x3"), 8),
+     CHUNK | dict(BV=32, PRECISION="tf32x3"), 4),
     ("gated_delta_chunk", "_chunk_state_kernel",
      {"k_ptr": BF16, "gcum_ptr": F32, "w_ptr": F32, "u_ptr": F32, "cu_ptr": I32,
       "first_ptr": I32, "init_ptr": F32, "h_ptr": F32, "final_ptr": F32},

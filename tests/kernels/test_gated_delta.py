@@ -3,6 +3,11 @@ Qwen3-Next functions and an fp64 token-by-token recurrence."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -258,6 +263,18 @@ def test_arguments_are_checked() -> None:
             cu_seqlens=inp.cu_seqlens,
             use_qk_l2norm=True,
         )
+    with pytest.raises(ValueError, match="must be on cpu"):
+        chunk_gated_delta_rule(
+            inp.q,
+            inp.k,
+            inp.v,
+            inp.g,
+            inp.beta,
+            scale=0.25,
+            initial_state=None,
+            cu_seqlens=inp.cu_seqlens.to("meta"),
+            use_qk_l2norm=True,
+        )
     with pytest.raises(ValueError, match="Hv a multiple"):
         chunk_gated_delta_rule(
             inp.q.repeat(1, 3, 1),
@@ -270,3 +287,19 @@ def test_arguments_are_checked() -> None:
             cu_seqlens=inp.cu_seqlens,
             use_qk_l2norm=True,
         )
+
+
+@pytest.mark.slow
+def test_bench_script_runs_its_cpu_smoke_mode() -> None:
+    """bench/gated_delta.py (run unattended on a GPU) gets through every case on the CPU."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(root / "bench" / "gated_delta.py"), "--cpu", "--reps", "1"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = [
+        line for line in result.stdout.splitlines() if line.startswith("| ") and "us" not in line
+    ]
+    assert len(rows) == 6 and all(line.endswith("| ok |") for line in rows), result.stdout
