@@ -6,8 +6,9 @@ sigmoid gate) or, off the `decoder_sparse_step` rhythm / in `mlp_only_layers`, a
 - Gated attention: q_proj gives each head its query and an output gate ([q_h, gate_h] per head
   in the checkpoint); the attention output is multiplied by sigmoid(gate) before o_proj. q/k
   per-head norms, rotary on `partial_rotary_factor` of each head (neox).
-- Every RMSNorm (decoder norms, q/k norms) scales by (1 + w) as gemma's (GemmaRMSNorm); the
-  DeltaNet's gated output norm scales by w.
+- Every RMSNorm (decoder norms, q/k norms) scales by (1 + w) as gemma's, with 1 + w kept in
+  fp32 as transformers computes it (`ZeroCenteredRMSNorm`: in bf16, 1 + w would round to steps
+  of 2^-7, a 0.4% per-channel error); the DeltaNet's gated output norm scales by w.
 - The linear-attention layers keep a per-sequence state in the state pool
   (services/engine/state_pool.py); only the full-attention layers take KV blocks.
 - Checkpoint tensors of the multi-token-prediction head (`mtp.*`) are skipped.
@@ -42,8 +43,18 @@ from services.engine.quant.base import QuantConfig
 LINEAR_ATTENTION = "linear_attention"
 
 
+class ZeroCenteredRMSNorm(GemmaRMSNorm):
+    """GemmaRMSNorm whose stored scale 1 + w stays fp32 whatever the model dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+
 class Qwen3NextAttention(LlamaAttention):
-    qk_norm_cls: ClassVar[type[nn.Module] | None] = GemmaRMSNorm
+    qk_norm_cls: ClassVar[type[nn.Module] | None] = ZeroCenteredRMSNorm
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
                  layer: int) -> None:
@@ -73,7 +84,7 @@ class Qwen3NextDecoderLayer(Qwen2MoeDecoderLayer):
     then the MLP of qwen2_moe's rules (MoE or dense)."""
 
     attention_cls: ClassVar[type[LlamaAttention]] = Qwen3NextAttention
-    norm_cls: ClassVar[type[nn.Module]] = GemmaRMSNorm
+    norm_cls: ClassVar[type[nn.Module]] = ZeroCenteredRMSNorm
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
                  layer: int) -> None:
