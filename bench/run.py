@@ -38,11 +38,6 @@ SUITE: dict[str, Benchmark] = {
         "moe_bench.py", "engine", "gpu",
         "batch-1 decode and 64-request throughput of a gpt-oss-20b-shaped model (MXFP4 experts)",
         "the bandwidth limit of the bytes a step reads"),
-    "hybrid": Benchmark(
-        "hybrid_bench.py", "engine", "gpu",
-        "batch-1 decode and 64-request throughput of a Qwen3.5-35B-A3B-shaped hybrid model "
-        "(Gated DeltaNet + full attention, 16 of 40 layers)",
-        "the bandwidth limit of the bytes a step moves (weights and linear-attention states)"),
     "quant": Benchmark(
         "quant_bench.py", "quantization", "gpu",
         "decode with GPTQ / AWQ / fp8 / GGUF / in-situ quantized weights", "bf16 in the same run "
