@@ -42,6 +42,11 @@ SUITE: dict[str, Benchmark] = {
         "quant_bench.py", "quantization", "gpu",
         "decode with GPTQ / AWQ / fp8 / GGUF / in-situ quantized weights", "bf16 in the same run "
         "and the weight-bytes bandwidth limit"),
+    "w4batch": Benchmark(
+        "w4a16_batched.py", "quantization", "gpu",
+        "4-bit GEMMs at batched-decode rows (M = 2..64) per Llama-3-8B projection "
+        "(--sweep: a grid of pinned tiles)", "cuBLAS bf16 on the same shapes and the copy "
+        "bandwidth, in the same run"),
     "suite": Benchmark(
         "suite_bench.py", "suite", "gpu",
         "gateway -> NATS -> tokenizer -> engine: a burst of streams, time to first token and "
