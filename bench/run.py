@@ -89,6 +89,10 @@ SUITE: dict[str, Benchmark] = {
     "fp8-kv": Benchmark(
         "fp8_kv_cache.py", "kernels", "gpu",
         "fp8 vs bf16 KV cache: attention and cache-write kernel times", "the bf16 cache"),
+    "gated-delta": Benchmark(
+        "gated_delta.py", "kernels", "gpu (or --cpu)",
+        "Gated DeltaNet prefill / decode and its causal conv at Qwen3-Next-80B sizes: time, "
+        "GB/s and error against the fp32 torch path", "the device copy bandwidth measured first"),
     "profile": Benchmark(
         "profile_decode.py", "engine", "gpu",
         "where a decode step (graph replay vs host work) or one prefill goes, kernel by kernel",
