@@ -78,7 +78,8 @@ class ModelRunner:
         selection.install(config.kernel_selection)  # before the model's layers are built
         self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device,
                                                    quantization=config.resolved_quantization,
-                                                   load_format=config.load_format)
+                                                   load_format=config.load_format,
+                                                   expert_offload=config.expert_offload)
         self.vocab_size = self.model_config.vocab_size
         self.attention = self.model.attention_layers()
         self.kv_fp8 = config.kv_cache_dtype == "fp8"

@@ -13,6 +13,8 @@ Rules:
   tied to the input embeddings (logged: such a model is for pooling; its generations mean
   nothing).
 - After loading, each module's `quant_method.process_after_loading` runs exactly once.
+- A parameter with `loaded_through` (the host twin of an offloaded expert stack) is filled by
+  its device twin's weight loader and is not missing on its own.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
                                                      ckpt_tensor):
             if not model.skip_weight(name):
                 loaded.add(_load_one(model, params, name, tensor))
-    missing = sorted(set(params) - loaded)
+    # host twins of offloaded experts load through their device parameter (layers/moe_offload)
+    missing = sorted(name for name in set(params) - loaded
+                     if not hasattr(params[name], "loaded_through"))
     if bare and missing == ["lm_head.weight"]:
         log.warning("the checkpoint is a base model without an LM head (an embedding model): "
                     "the head is tied to the input embeddings; use it for embeddings, score "
