@@ -90,9 +90,12 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights for benchmarks (speed does not depend on values): small normal matrices,
     norm scales of one, so activations stay finite in bf16 through any depth. Runs where the
     parameters live (fast on a GPU), then the quant post-processing as after a real load."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}  # offloaded experts live on the CPU
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if param.device not in gens:
+                gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            gen = gens[param.device]
             if param.dtype == torch.uint8 and name.endswith(".scales"):  # MXFP4: 2^-3 groups
                 param.fill_(MXFP4_DUMMY_SCALE)
             elif param.dtype == torch.uint8 and name.endswith(".blocks"):
