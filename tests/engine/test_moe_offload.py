@@ -220,3 +220,37 @@ def test_engine_greedy_tokens_with_n_cpu_moe(tmp_path: Path) -> None:
         )
         results.append([c.token_ids for c in llm.generate(prompts, params)])
     assert results[1] == results[0] and results[2] == results[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["cpu", "stream"])
+def test_gpu_offload_greedy_tokens(tmp_path: Path, mode: str) -> None:
+    """On a GPU (Triton fused MoE on the device side, pinned host experts): half of every
+    layer's experts on the host, computed on the CPU or streamed, gives the greedy tokens of the
+    all-on-GPU engine (fp32: the sides differ only in fp32 summation order)."""
+    save_tiny(tmp_path, "qwen3_moe")
+    prompts = [
+        torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (7, 19, 33)
+    ]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    results = []
+    for extra in ({}, {"num_experts_offload_per_rank": 4, "moe_offload_mode": mode}):
+        llm = LLM(
+            str(tmp_path),
+            device="cuda",
+            dtype="float32",
+            num_kv_blocks=64,
+            block_size=16,
+            quantization=None,
+            **extra,
+        )
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, MoEExperts)]
+        if extra:
+            host = layers[0].host
+            assert host is not None and host.w13.weight.is_pinned()
+            assert layers[0].w13.weight.is_cuda and layers[0].w13.weight.shape[0] == 4
+        results.append([c.token_ids for c in llm.generate(prompts, params)])
+        del llm
+    assert results[1] == results[0]
