@@ -17,6 +17,7 @@ from services.engine.llm import LLM
 from services.engine.quant.base import ExpertQuantMethod
 from services.engine.quant.int4_experts import Int4ExpertMethod
 from services.engine.sampling_params import SamplingParams
+from tests.engine.conftest import SingleSequenceRunner
 from tests.engine.test_moe_models import VOCAB, save_tiny
 
 E, H, INTER, TOP_K = 8, 64, 32, 3
@@ -220,6 +221,52 @@ def test_engine_greedy_tokens_with_n_cpu_moe(tmp_path: Path) -> None:
         )
         results.append([c.token_ids for c in llm.generate(prompts, params)])
     assert results[1] == results[0] and results[2] == results[0]
+
+
+def _tp_offload_worker(
+    rank: int, world: int, path: str, port: int, prompt: list[int], out: str
+) -> None:
+    import torch.distributed as dist
+
+    from services.engine.distributed import init_tensor_parallel
+    from services.engine.loader import load_model
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        torch.set_num_threads(1)
+        init_tensor_parallel(rank, world)
+        model, _ = load_model(path, expert_offload=ExpertOffload(experts_per_rank=2))
+        layers = [m for m in model.modules() if isinstance(m, MoEExperts)]
+        # rank r owns experts [4r, 4r + 4): its last two are on the host
+        assert all(m.host is not None and m.w13.weight.shape[0] == 2 for m in layers)
+        assert all(m.host is not None and m.host.w13.first_expert == 4 * rank + 2 for m in layers)
+        logits = SingleSequenceRunner(model).forward(prompt)
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_offload_their_own_experts(tmp_path: Path) -> None:
+    """tp=2 gloo ranks, each with the last 2 of its 4 experts on the host: the prompt logits
+    of one unsplit process (expert parallel sums in another order: fp32 rounding)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from services.engine.loader import load_model
+
+    save_tiny(tmp_path / "ckpt", "qwen3_moe")
+    prompt = list(range(5, 29))
+    single = SingleSequenceRunner(load_model(tmp_path / "ckpt").model).forward(prompt)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "tp_logits.pt"
+    mp.spawn(_tp_offload_worker, args=(2, str(tmp_path / "ckpt"), port, prompt, str(out)), nprocs=2)
+    torch.testing.assert_close(torch.load(out), single, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
