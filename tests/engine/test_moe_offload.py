@@ -12,7 +12,7 @@ import torch
 
 from services.engine.layers import moe as moe_layer
 from services.engine.layers.moe import MoEExperts
-from services.engine.layers.moe_offload import ExpertOffload, building, layer_index
+from services.engine.layers.moe_offload import ExpertOffload, building, layer_index, summary
 from services.engine.llm import LLM
 from services.engine.quant.base import ExpertQuantMethod
 from services.engine.quant.int4_experts import Int4ExpertMethod
@@ -221,6 +221,10 @@ def test_engine_greedy_tokens_with_n_cpu_moe(tmp_path: Path) -> None:
         )
         results.append([c.token_ids for c in llm.generate(prompts, params)])
     assert results[1] == results[0] and results[2] == results[0]
+    # the last (llm) engine: 3 of 8 experts in both layers
+    assert summary(llm.engine.runner.model).startswith(
+        "expert offload: 6 experts of 2 MoE layers in host memory"
+    )
 
 
 def _tp_offload_worker(

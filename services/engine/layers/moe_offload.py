@@ -128,6 +128,23 @@ def placement(prefix: str, num_local: int) -> ExpertPlacement:
     return ExpertPlacement(num_local - host, host)
 
 
+def summary(model: nn.Module) -> str:
+    """How many experts (and bytes) the model keeps in host memory, for the start-up log."""
+    hosts = [m for m in model.modules() if isinstance(m, HostExperts)]
+    experts = sum(h.count for h in hosts)
+    size = sum(
+        t.numel() * t.element_size()
+        for h in hosts
+        for stack in (h.w13, h.w2)
+        for t in stack_tensors(stack).values()
+    )
+    mode = hosts[0].mode if hosts else "-"
+    return (
+        f"expert offload: {experts} experts of {len(hosts)} MoE layers in host memory "
+        f"({size / 2**30:.2f} GiB), mode {mode}; CUDA graphs off"
+    )
+
+
 def stack_tensors(stack: nn.Module) -> dict[str, torch.Tensor]:
     """The per-expert tensors of a stack (leading dim = its expert count): parameters and the
     buffers a method's post-processing registered."""
