@@ -198,7 +198,7 @@ class MoEExperts(nn.Module):
 
     def run_device(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor) -> torch.Tensor:
-        """The device stacks' experts for local ids (-1 or >= their count: none)."""
+        """The device stacks' experts for local ids (-1: none; split_forward masks the host's)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return kernels.fused_moe(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids,
@@ -224,6 +224,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"fused MoE experts support the silu gated activation only, got "
                              f"{hidden_act!r}")
         self.gate = Router(hidden_size, routing)
+
         def method() -> ExpertQuantMethod | None:
             return (quant_config.get_expert_method(f"{prefix}.experts")
                     if quant_config is not None else None)
