@@ -38,10 +38,21 @@ SUITE: dict[str, Benchmark] = {
         "moe_bench.py", "engine", "gpu",
         "batch-1 decode and 64-request throughput of a gpt-oss-20b-shaped model (MXFP4 experts)",
         "the bandwidth limit of the bytes a step reads"),
+    "moe-offload": Benchmark(
+        "moe_offload.py", "engine", "gpu",
+        "decode tok/s of a Qwen3-30B-A3B-shaped model with no, half and all experts in host "
+        "memory, computed on the CPU or streamed to the GPU",
+        "PCIe host->device and host-memory bandwidth measured in the same run (each offload "
+        "row's limit), the all-on-GPU engine with and without CUDA graphs"),
     "quant": Benchmark(
         "quant_bench.py", "quantization", "gpu",
         "decode with GPTQ / AWQ / fp8 / GGUF / in-situ quantized weights", "bf16 in the same run "
         "and the weight-bytes bandwidth limit"),
+    "w4batch": Benchmark(
+        "w4a16_batched.py", "quantization", "gpu",
+        "4-bit GEMMs at batched-decode rows (M = 2..64) per Llama-3-8B projection "
+        "(--sweep: a grid of pinned tiles)", "cuBLAS bf16 on the same shapes and the copy "
+        "bandwidth, in the same run"),
     "suite": Benchmark(
         "suite_bench.py", "suite", "gpu",
         "gateway -> NATS -> tokenizer -> engine: a burst of streams, time to first token and "
