@@ -12,6 +12,8 @@ Rules:
   `max_window_layers`) says which layers slide; `layer_sliding_window(i)` answers per layer.
   "chunked_attention" layers (llama4: the rope layers when `layer_types` is absent) attend
   within chunks of `attention_chunk_size` (`layer_attention_chunk(i)`).
+- Hybrid linear-attention configs (Qwen3-Next, Qwen3.5) mark their layers "linear_attention" /
+  "full_attention" in `layer_types`, or (older Qwen3-Next configs) by `full_attention_interval`.
 - NoPE layers (smollm3, llama4): `no_rope_layers[i]` is 1 where layer i applies the rotary and 0
   where it does not (transformers' naming); absent or empty, every `no_rope_layer_interval`-th
   layer skips it when the config names an interval, else every layer rotates.
@@ -334,6 +336,12 @@ def _pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
 def _layer_types(cfg: dict[str, Any], num_layers: int, sliding_window: Any) -> list[str] | None:
     if cfg.get("layer_types"):
         return [str(t) for t in cfg["layer_types"]]
+    if cfg.get("full_attention_interval") and cfg.get("linear_num_value_heads"):
+        # hybrid linear attention (Qwen3-Next configs written before layer_types): every
+        # interval-th layer is full attention, as transformers' config derives it
+        interval = int(cfg["full_attention_interval"])
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(num_layers)]
     if sliding_window and cfg.get("sliding_window_pattern"):  # legacy gemma3 configs
         return _pattern_layer_types(num_layers, int(cfg["sliding_window_pattern"]))
     rope_layers = _no_rope_layers(cfg, num_layers)

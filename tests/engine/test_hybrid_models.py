@@ -369,3 +369,17 @@ def test_cuda_graph_decode_matches_eager_and_transformers(tmp_path: Path, name: 
     with torch.no_grad():
         ref = hf(torch.tensor([prompts[0]])).logits[0]
     assert rel_error(engine.prompt_logits(prompts[0]), ref) < 1e-2
+
+
+def test_layer_types_follow_full_attention_interval_without_layer_types() -> None:
+    """Qwen3-Next configs written before `layer_types` give only the interval; transformers
+    makes every interval-th layer full attention, and so do we."""
+    from transformers import AutoConfig
+
+    from services.engine.model_config import ModelConfig
+
+    hf = AutoConfig.for_model("qwen3_next", num_hidden_layers=8, full_attention_interval=4)
+    cfg = {k: v for k, v in hf.to_dict().items() if k != "layer_types"}
+    cfg["architectures"] = ["Qwen3NextForCausalLM"]
+    assert ModelConfig.from_hf_dict(cfg).layer_types == hf.layer_types
+    assert hf.layer_types[3] == "full_attention" and hf.layer_types.count("full_attention") == 2
