@@ -379,7 +379,8 @@ def test_layer_types_follow_full_attention_interval_without_layer_types() -> Non
     from services.engine.model_config import ModelConfig
 
     hf = AutoConfig.for_model("qwen3_next", num_hidden_layers=8, full_attention_interval=4)
+    # transformers 5 keeps only the derived layer_types: write the old form
     cfg = {k: v for k, v in hf.to_dict().items() if k != "layer_types"}
-    cfg["architectures"] = ["Qwen3NextForCausalLM"]
+    cfg.update(architectures=["Qwen3NextForCausalLM"], full_attention_interval=4)
     assert ModelConfig.from_hf_dict(cfg).layer_types == hf.layer_types
     assert hf.layer_types[3] == "full_attention" and hf.layer_types.count("full_attention") == 2
