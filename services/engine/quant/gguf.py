@@ -4,9 +4,12 @@ Rules:
 - The loader decides per tensor, through `GGUFConfig.keeps_quantized`, whether it hands a layer
   raw blocks (a `QuantBytes`: uint8 [rows, row_bytes] that remembers its ggml type through the
   layer's narrowing) or float weights (dequantized by gguf.quants as before).
-- A layer keeps blocks when every checkpoint tensor fused into it has the same quantized type that
-  the kernels decode (kernels/gguf_dequant.py). A fused layer mixing types (Q4_K_M stores some
-  v projections as Q6_K) falls back to float weights; so do norms, embeddings and the LM head.
+- A layer keeps blocks when every checkpoint tensor fused into it has a quantized type that the
+  kernels decode (kernels/gguf_dequant.py). One type: `GGUFLinearMethod`; a fused layer mixing
+  types (Q4_K_M stores some v projections as Q6_K) keeps one block matrix per type
+  (quant/gguf_parts.py). Norms, embeddings and the LM head stay float.
+- MoE expert stacks of the kernels' types stay quantized too (quant/gguf_moe.py); MXFP4 stacks
+  (gpt-oss) go through quant/mxfp4.py.
 - `GGUFLinearMethod` owns `weight` = uint8 [N, K / qk * type_size] (this rank's shard, rows of
   whole blocks) and runs kernels/gguf_matmul.py on CUDA; off CUDA it dequantizes once after
   loading and serves float weights (quant/base.py: use_kernels).
@@ -32,6 +35,7 @@ from services.engine.quant.base import (
     linear_2d,
     use_kernels,
 )
+from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
 from services.engine.quant.mxfp4 import Mxfp4ExpertMethod
 
 
@@ -142,9 +146,11 @@ class GGUFConfig(QuantConfig):
     def get_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
         types = self.param_types.get(f"{prefix}.weight", set())
         is_linear = hasattr(layer, "input_size")  # LinearBase; the LM head is an embedding
-        if is_linear and len(types) == 1 and next(iter(types)) in GGUF_TYPES:
+        if is_linear and types and types <= GGUF_TYPES.keys():
             self.quantized_prefixes.add(prefix)
-            return GGUFLinearMethod(next(iter(types)))
+            if len(types) == 1:
+                return GGUFLinearMethod(next(iter(types)))
+            return GGUFPartsLinearMethod(types)
         return UnquantizedLinearMethod()
 
     def get_expert_method(self, prefix: str) -> ExpertQuantMethod | None:
