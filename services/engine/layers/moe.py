@@ -18,8 +18,9 @@ Rules:
   down_proj` (mixtral: w1/w3/w2) reach them through `expert_weights_mapping`, which a model puts
   first in its `packed_modules_mapping` (before a plain "gate_proj" key could match them).
 - Expert weights are float unless the quantization config has an expert method
-  (`QuantConfig.get_expert_method`: MXFP4 for gpt-oss, quant/mxfp4.py), which then registers
-  each stack's parameters and runs the experts; other configs apply to the shared experts only.
+  (`QuantConfig.get_expert_method`: MXFP4 for gpt-oss, quant/mxfp4.py; GGUF blocks,
+  quant/gguf_moe.py), which then registers each stack's parameters (and loads a quantized
+  `weight` itself) and runs the experts; other configs apply to the shared experts only.
 - gpt-oss: the router has a bias (`router_bias`), the experts biases (`experts.w13.bias`
   [E_local, 2I], `experts.w2.bias` [E_local, H], loaded like the weights' rows) and the clamped
   SwiGLU (`swiglu`, kernels/activation.py) instead of silu_and_mul. llama4: the routing weight
@@ -135,6 +136,7 @@ class ExpertStack(nn.Module):
         super().__init__()
         self.first_expert, self.num_local = first_expert, num_local
         self.part_rows = out_size // parts
+        self.expert_method = quant_method  # loads its own `weight` (GGUF blocks: quant/gguf_moe.py)
         if quant_method is None:
             self.weight = nn.Parameter(torch.empty(num_local, out_size, in_size),
                                        requires_grad=False)
@@ -152,6 +154,9 @@ class ExpertStack(nn.Module):
         if not 0 <= local < self.num_local:
             return
         dst = param.data[local].narrow(0, part * self.part_rows, self.part_rows)
+        if self.expert_method is not None and param is getattr(self, "weight", None):
+            self.expert_method.load(self, dst, loaded, part)
+            return
         if dst.shape != loaded.shape:
             raise ValueError(f"expert {expert} tensor shape {tuple(loaded.shape)} does not match "
                              f"{tuple(dst.shape)}")

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from kernels.gguf_dequant import Q4_1
 from services.engine.loader.gguf_loader import (
     GGUFCheckpoint,
+    expert_types,
     iter_gguf,
     mxfp4_experts,
     read_gguf,
@@ -101,7 +102,8 @@ def _gguf_quant_config(checkpoint: GGUFCheckpoint, packed: dict[str, tuple[str, 
     """Blocks stay quantized on CUDA by default, anywhere with "gguf"; else they are dequantized
     and `quantization` (int8 on CPU, an --isq type) applies to the floats."""
     if quantization == "gguf" or (quantization is None and torch.device(device).type == "cuda"):
-        return GGUFConfig(tensor_types(checkpoint), packed, mxfp4_experts(checkpoint))
+        return GGUFConfig(tensor_types(checkpoint), packed, mxfp4_experts(checkpoint),
+                          expert_types(checkpoint))
     if quantization == CPU_DEFAULT:
         layer_types = {t for name, t in tensor_types(checkpoint).items()
                        if ".layers." in name and name.endswith("proj.weight")}

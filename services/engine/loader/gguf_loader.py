@@ -9,9 +9,11 @@ Rules:
   converter permutes the rows of q/k projections for llama-family models (interleaved rotary
   pairs), which is undone here so the HF-layout (neox) rotary applies. Architectures without a
   verified name map are refused.
-- Stacked expert tensors [E, out, in] (MoE) are dequantized and yielded one expert at a time
-  under the per-expert HF names the MoE models load; MXFP4 stacks (gpt-oss) the config keeps
-  quantized are yielded per expert as `.blocks` / `.scales` (quant/mxfp4.py's layout) instead.
+- Stacked expert tensors [E, out, in] (MoE) are yielded one expert at a time under the
+  per-expert HF names the MoE models load: as raw blocks (QuantBytes [out, row_bytes]) when the
+  config keeps them quantized (quant/gguf_moe.py), else dequantized; MXFP4 stacks (gpt-oss) the
+  config keeps quantized are yielded per expert as `.blocks` / `.scales` (quant/mxfp4.py's
+  layout) instead.
 - deepseek2 (DeepSeek-V2 / V3, gguf_deepseek2.py): the config gets its MLA / routing keys, and
   the attn_k_b / attn_v_b halves of each layer's kv_b_proj are dequantized (kv_b_proj stays
   float in the model) and joined into one tensor once both have been read.
@@ -42,6 +44,7 @@ from services.engine.loader.gguf_names import (
 )
 from services.engine.model_config import ModelConfig
 from services.engine.quant.gguf import QuantBytes
+from services.engine.quant.gguf_moe import expert_stack
 from services.engine.quant.mxfp4 import from_ggml_mxfp4
 
 GGML_MXFP4 = 39  # ggml's type id of MXFP4 blocks
@@ -120,6 +123,19 @@ def tensor_types(checkpoint: GGUFCheckpoint) -> dict[str, int]:
             if (name := hf_name(t.name, arch)) is not None and len(t.shape) == 2}
 
 
+def expert_types(checkpoint: GGUFCheckpoint) -> dict[str, dict[str, int]]:
+    """MoE experts prefix (`model.layers.N.mlp.experts`) -> role (gate / up / down) -> ggml
+    type of its stacked tensor."""
+    arch = _arch(checkpoint.reader)
+    out: dict[str, dict[str, int]] = {}
+    for t in checkpoint.reader.tensors:
+        name = hf_name(t.name, arch)
+        stack = None if name is None or EXPERT not in name else expert_stack(name)
+        if stack is not None:
+            out.setdefault(stack[0], {})[stack[1]] = int(t.tensor_type)
+    return out
+
+
 def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = None
               ) -> Iterator[tuple[str, torch.Tensor]]:
     config, reader = checkpoint
@@ -144,6 +160,12 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
             for e in range(blocks.shape[0]):
                 yield f"{stem.replace(EXPERT, str(e))}.blocks", blocks[e]
                 yield f"{stem.replace(EXPERT, str(e))}.scales", scales[e]
+            continue
+        if EXPERT in name and keep is not None and keep(name):  # blocks (quant/gguf_moe.py)
+            stacked = np.asarray(tensor.data)  # [E, rows, row_bytes]
+            for e in range(stacked.shape[0]):
+                yield name.replace(EXPERT, str(e)), QuantBytes.wrap(
+                    torch.from_numpy(stacked[e].copy()), int(tensor.tensor_type))
             continue
         if EXPERT in name:
             for e, weight in enumerate(_dequantized(tensor)):

@@ -163,6 +163,13 @@ class ExpertQuantMethod(ABC):
     def create_weights(self, stack: nn.Module, num_local: int, out_size: int,
                        in_size: int) -> None: ...
 
+    def load(self, stack: nn.Module, dst: torch.Tensor, loaded: torch.Tensor, part: int) -> None:
+        """Copy one expert's row block `part` of a stack's `weight` (dst: its rows there)."""
+        if dst.shape != loaded.shape:
+            raise ValueError(f"expert tensor shape {tuple(loaded.shape)} does not match "
+                             f"{tuple(dst.shape)}")
+        dst.copy_(loaded)
+
     def process_after_loading(self, experts: nn.Module) -> None:
         return None
 

@@ -35,6 +35,7 @@ from services.engine.quant.base import (
     linear_2d,
     use_kernels,
 )
+from services.engine.quant.gguf_moe import EXPERT_ROLES, GGUFExpertMethod, expert_stack
 from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
 from services.engine.quant.mxfp4 import Mxfp4ExpertMethod
 
@@ -129,9 +130,13 @@ class GGUFConfig(QuantConfig):
 
     def __init__(self, tensor_types: Mapping[str, int],
                  packed: Mapping[str, tuple[str, str | int]],
-                 mxfp4_experts: Collection[str] = ()) -> None:
+                 mxfp4_experts: Collection[str] = (),
+                 expert_types: Mapping[str, Mapping[str, int]] | None = None) -> None:
         self.packed = dict(packed)
         self.mxfp4_experts = frozenset(mxfp4_experts)  # MoE expert prefixes stored as MXFP4
+        # MoE experts prefix -> role (gate / up / down) -> ggml type of its stack
+        self.expert_types = {k: dict(v) for k, v in (expert_types or {}).items()}
+        self.quantized_experts: set[str] = set()
         self.param_types: dict[str, set[int]] = {}
         for name, qtype in tensor_types.items():
             self.param_types.setdefault(self.param_name(name), set()).add(int(qtype))
@@ -154,15 +159,24 @@ class GGUFConfig(QuantConfig):
         return UnquantizedLinearMethod()
 
     def get_expert_method(self, prefix: str) -> ExpertQuantMethod | None:
-        """gpt-oss's MXFP4 experts stay MXFP4 (quant/mxfp4.py); other expert stacks are
-        dequantized by the loader."""
-        return Mxfp4ExpertMethod() if prefix in self.mxfp4_experts else None
+        """gpt-oss's MXFP4 experts stay MXFP4 (quant/mxfp4.py); stacks of the kernels' types
+        stay in their blocks (quant/gguf_moe.py); others are dequantized by the loader."""
+        if prefix in self.mxfp4_experts:
+            return Mxfp4ExpertMethod()
+        types = self.expert_types.get(prefix, {})
+        if set(types) == set(EXPERT_ROLES) and set(types.values()) <= GGUF_TYPES.keys():
+            self.quantized_experts.add(prefix)
+            return GGUFExpertMethod([types[role] for role in EXPERT_ROLES])
+        return None
 
     def keeps_quantized(self, ckpt_name: str) -> bool:
         """Whether the loader should pass this tensor's blocks as they are (for MXFP4 expert
         stacks: repacked as quant/mxfp4.py's blocks and scales)."""
         if any(ckpt_name.startswith(f"{p}.") for p in self.mxfp4_experts):
             return True
+        stack = expert_stack(ckpt_name)
+        if stack is not None:
+            return stack[0] in self.quantized_experts
         pname = self.param_name(ckpt_name)
         return pname.endswith(".weight") and pname[: -len(".weight")] in self.quantized_prefixes
 
