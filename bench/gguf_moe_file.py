@@ -57,8 +57,8 @@ def _matrix(gen: torch.Generator, rows: int, cols: int, device: str) -> torch.Te
 
 
 class _Writer:
-    def __init__(self, path: Path, device: str, seed: int) -> None:
-        self.w = GGUFWriter(str(path), "qwen3moe")
+    def __init__(self, path: Path, device: str, seed: int, split_max_tensors: int) -> None:
+        self.w = GGUFWriter(str(path), "qwen3moe", split_max_tensors=split_max_tensors)
         self.device = device
         self.gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -75,9 +75,11 @@ class _Writer:
 
 
 def write_qwen3_moe_gguf(path: Path | str, shape: MoEShape = QWEN3_30B_A3B, seed: int = 0,
-                         device: str = "cpu") -> Path:
+                         device: str = "cpu", split_max_tensors: int = 0) -> Path:
+    """Writes the file (split_max_tensors > 0: a split set, gguf-py's own split writer) and
+    returns its path (a split set: its first part)."""
     path = Path(path)
-    out = _Writer(path, device, seed)
+    out = _Writer(path, device, seed, split_max_tensors)
     w, s = out.w, shape
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
@@ -120,7 +122,8 @@ def write_qwen3_moe_gguf(path: Path | str, shape: MoEShape = QWEN3_30B_A3B, seed
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    parts = sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
+    return parts[0] if split_max_tensors and parts else path
 
 
 def file_types(path: Path | str) -> dict[str, int]:

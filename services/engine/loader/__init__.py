@@ -2,7 +2,8 @@
 
 Rules:
 - The file type decides the reader: a *.gguf file (or a directory holding exactly one, as a hub
-  snapshot of a GGUF repo does) goes through gguf_loader, a directory with config.json and
+  snapshot of a GGUF repo does; a split set `-0000i-of-0000N.gguf`, libs/common/gguf_files.py,
+  counts as one) goes through gguf_loader, a directory with config.json and
   *.safetensors through safetensors_loader.
 - The architecture is checked against the registry before any weight is read.
 - Parameters are created directly in `dtype` on `device`; quantization is chosen by name, or by
@@ -25,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from kernels.gguf_dequant import Q4_1
+from libs.common.gguf_files import find_gguf
 from services.engine.loader.gguf_loader import (
     GGUFCheckpoint,
     expert_types,
@@ -66,16 +68,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def _find_gguf(path: Path) -> Path | None:
-    if path.is_file():
-        return path if path.suffix == ".gguf" else None
-    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if len(found) > 1:
-        raise ValueError(f"{path} holds several GGUF files ({', '.join(p.name for p in found)}); "
-                         "pass the file itself")
-    return found[0] if found else None
 
 
 def _hf_quant_config(path: Path, files: list[Path], quantization: str | None
@@ -142,7 +134,7 @@ def load_model(
         config = ModelConfig.from_hf_dir(path)
         weights = iter_safetensors(files)
         model_cls = get_model_class(config.architecture)
-    elif (gguf_path := _find_gguf(path)) is not None:
+    elif (gguf_path := find_gguf(path)) is not None:
         checkpoint = read_gguf(gguf_path)
         config = checkpoint.config
         model_cls = get_model_class(config.architecture)

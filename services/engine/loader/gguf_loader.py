@@ -20,6 +20,7 @@ Rules:
 - Other archs whose metadata holds more than the generic fields (glm4moe, ...) get their config
   from gguf_configs.py.
 - Tied embeddings are inferred from the absence of an `output.weight` tensor.
+- A split GGUF (`-00001-of-0000N.gguf`) is read as one file (gguf_split.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from services.engine.loader.gguf_names import (
     PERMUTED_ARCHS,
     hf_name,
 )
+from services.engine.loader.gguf_split import GGUFSet, open_gguf
 from services.engine.model_config import ModelConfig
 from services.engine.quant.gguf import QuantBytes
 from services.engine.quant.gguf_moe import expert_stack
@@ -55,7 +57,7 @@ _SKIPPED_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.
 
 class GGUFCheckpoint(NamedTuple):
     config: ModelConfig
-    reader: GGUFReader
+    reader: GGUFReader | GGUFSet
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -64,7 +66,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _metadata(reader: GGUFReader) -> dict[str, Any]:
+def _metadata(reader: GGUFReader | GGUFSet) -> dict[str, Any]:
     meta = {key: field.contents() for key, field in reader.fields.items()
             if key not in _SKIPPED_FIELDS}
     arch = meta["general.architecture"]
@@ -78,13 +80,13 @@ def _dequantized(tensor: Any) -> np.ndarray:
     return np.asarray(array, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
 
 
-def _vector(reader: GGUFReader, name: str) -> list[float] | None:
+def _vector(reader: GGUFReader | GGUFSet, name: str) -> list[float] | None:
     tensor = next((t for t in reader.tensors if t.name == name), None)
     return None if tensor is None else _dequantized(tensor).reshape(-1).tolist()
 
 
 def read_gguf(path: Path) -> GGUFCheckpoint:
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     arch = str(reader.fields["general.architecture"].contents())
     if arch not in MAPPED_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported GGUF "
@@ -104,7 +106,7 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     return GGUFCheckpoint(config, reader)
 
 
-def _arch(reader: GGUFReader) -> str:
+def _arch(reader: GGUFReader | GGUFSet) -> str:
     return str(reader.fields["general.architecture"].contents())
 
 
