@@ -36,6 +36,7 @@ from gguf.quants import dequantize
 
 from services.engine.loader.gguf_configs import GGUF_ARCH_CONFIGS
 from services.engine.loader.gguf_deepseek2 import deepseek2_config, join_kv_b
+from services.engine.loader.gguf_gemma import NORM_PLUS_ONE
 from services.engine.loader.gguf_names import (
     EXPERT,
     KV_B_PARTS,
@@ -143,6 +144,7 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
     config, reader = checkpoint
     arch = _arch(reader)
     permuted = arch in PERMUTED_ARCHS
+    plus_one = arch in NORM_PLUS_ONE
     kv_b_parts: dict[str, dict[str, np.ndarray]] = {}  # kv_b_proj name -> part -> array
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch)
@@ -175,6 +177,8 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
             continue
         raw = keep is not None and keep(name)
         array = np.asarray(tensor.data) if raw else _dequantized(tensor)
+        if plus_one and name.endswith("norm.weight"):  # gguf_gemma.py
+            array = array - np.float32(1.0)
         if permuted and ".q_proj." in name:
             array = unpermute_qk(array, config.num_heads)
         elif permuted and ".k_proj." in name:
