@@ -19,6 +19,7 @@ follow the `gguf` package's reference `dequantize` (gguf.quants), which the test
             (32-weight groups; sub-block j: qs[16j..16j+15], sc6 = nibble j of scales_l |
             bits 2j..2j+1 of scales_h << 4)
 
+The grid types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: kernels/gguf_iq.py.
 The IQ4 grid K (llama.cpp's kvalues_iq4nl) is read from gguf.quants at import, not copied; the
 Triton decoder looks it up in two 64-bit constants of eight biased bytes each.
 
@@ -35,6 +36,17 @@ import torch
 import triton
 import triton.language as tl
 from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
+
+from kernels.gguf_iq import (
+    IQ2_S,
+    IQ2_XS,
+    IQ2_XXS,
+    IQ3_S,
+    IQ3_XXS,
+    IQ_GRID_TYPES,
+    dequant_iq_group,
+    dequantize_iq_ref,
+)
 
 
 class GGUFType(NamedTuple):
@@ -53,6 +65,9 @@ GGUF_TYPES: dict[int, GGUFType] = {
     Q3_K: GGUFType("Q3_K", 256, 110), Q4_K: GGUFType("Q4_K", 256, 144),
     Q5_K: GGUFType("Q5_K", 256, 176), Q6_K: GGUFType("Q6_K", 256, 210),
     IQ4_NL: GGUFType("IQ4_NL", 32, 18), IQ4_XS: GGUFType("IQ4_XS", 256, 136),
+    IQ2_XXS: GGUFType("IQ2_XXS", 256, 66), IQ2_XS: GGUFType("IQ2_XS", 256, 74),
+    IQ2_S: GGUFType("IQ2_S", 256, 82), IQ3_XXS: GGUFType("IQ3_XXS", 256, 98),
+    IQ3_S: GGUFType("IQ3_S", 256, 110),
 }
 IQ4_GRID: tuple[int, ...] = tuple(int(v) for v in _GGUF_IQ4_NL.kvalues)  # 16 int8 values
 
@@ -156,6 +171,8 @@ def _dequant_blocks(b: torch.Tensor, qtype: int) -> torch.Tensor:
             qh = _shifted(b[:, None, 16:48], list(range(8)), 1).reshape(nb, 8, 32)
             q = q | (qh << 4)
         return ((d * sc)[:, :, None] * q.float() - (dmin * mn)[:, :, None]).reshape(nb, 256)
+    if qtype in IQ_GRID_TYPES:
+        return dequantize_iq_ref(b, qtype)
     if qtype == IQ4_NL:
         grid = torch.tensor(IQ4_GRID, dtype=torch.float32, device=b.device)
         return _half(b[:, :2]) * grid[_nibbles(b[:, 2:]).long()]
@@ -242,6 +259,7 @@ def _iq4_value(q):
 def dequant_group(
     u8_ptr,  # the block bytes
     f16_ptr,  # the same bytes viewed as f16 (all block sizes and f16 fields are 2-aligned)
+    grid_ptr,  # float32 grid of the IQ2_* / IQ3_* types (kernels/gguf_iq.py iq_grid)
     blk,  # int64 [A, B]: byte offset of the block each (a, b) reads
     mask,  # bool [A, B]: False -> the group decodes to zeros
     g: tl.constexpr,  # which 32-weight group of the block (0 for the 32-weight types)
@@ -297,6 +315,8 @@ def dequant_group(
         scale = _f16(f16_ptr, blk, mask) * _kscale(u8_ptr, blk, mask, g, False)
         mn = _f16(f16_ptr, blk + 2, mask) * _kscale(u8_ptr, blk, mask, g, True)
         w = tl.expand_dims(scale, 2) * q.to(tl.float32) - tl.expand_dims(mn, 2)
+    elif QTYPE == 16 or QTYPE == 17 or QTYPE == 18 or QTYPE == 21 or QTYPE == 22:
+        w = dequant_iq_group(u8_ptr, f16_ptr, grid_ptr, blk, mask, g, QTYPE)
     elif QTYPE == 20:  # IQ4_NL
         q = (_u8(u8_ptr, b + 2 + l % 16, m) >> (4 * (l // 16))) & 15
         w = tl.expand_dims(_f16(f16_ptr, blk, mask), 2) * _iq4_value(q)

@@ -28,6 +28,7 @@ import triton.language as tl
 from kernels.activation import silu_and_mul_triton
 from kernels.fused_moe import fused_moe_ref, moe_align_block_size
 from kernels.gguf_dequant import Q2_K, Q3_K, Q6_K, dequant_group, dequantize_ref, gguf_type
+from kernels.gguf_iq import iq_grid
 
 
 class QuantPart(NamedTuple):
@@ -58,6 +59,7 @@ def _gguf_moe_kernel(
     a_ptr,  # [rows, K] input rows, unit stride along K; pair p reads row p // A_ROW_DIV
     w_ptr,  # uint8 [E, N, row_bytes] blocks
     w16_ptr,  # the same bytes viewed as f16
+    grid_ptr,  # float32 IQ grid (kernels/gguf_iq.py iq_grid)
     c_ptr,  # [num_pairs, >= N] output columns of this part, one row per (token, expert) pair
     weights_ptr,  # float32 [num_pairs] top-k weight of each pair (read when MUL_WEIGHT)
     sorted_ids_ptr,  # int32 [capacity] pair of each tile row; >= num_pairs marks padding
@@ -103,7 +105,7 @@ def _gguf_moe_kernel(
         xk = tl.reshape((bidx * QK)[:, None] + l[None, :], [NSB * 32])
         xk_ok = tl.reshape(b_ok[:, None] & (l < 32)[None, :], [NSB * 32])
         for g in tl.static_range(QK // 32):
-            w = dequant_group(w_ptr, w16_ptr, blk, ok, g, QTYPE)
+            w = dequant_group(w_ptr, w16_ptr, grid_ptr, blk, ok, g, QTYPE)
             w = tl.reshape(w, [BLOCK_N, NSB * 32]).to(a_ptr.dtype.element_ty)
             a = tl.load(a_rows + (xk + g * 32)[None, :], mask=row_ok[:, None] & xk_ok[None, :],
                         other=0.0)
@@ -140,7 +142,8 @@ def _grouped_gemm(a: torch.Tensor, parts: Sequence[QuantPart], c: torch.Tensor,
         bn, nsb, warps = _tiles(a, qtype, n, k // t.qk, block_n)
         out = c[:, col:col + n]
         _gguf_moe_kernel[(expert_ids.shape[0], triton.cdiv(n, bn))](
-            a, blocks, blocks.view(torch.float16), out, weights, sorted_ids, expert_ids,
+            a, blocks, blocks.view(torch.float16), iq_grid(qtype, a.device), out, weights,
+            sorted_ids, expert_ids,
             c.shape[0], n, k, a.stride(0), blocks.stride(0), blocks.stride(1), out.stride(0),
             QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, A_ROW_DIV=a_row_div,
             MUL_WEIGHT=mul_weight, BLOCK_M=block_m, BLOCK_N=bn, NSB=nsb,

@@ -9,7 +9,21 @@ import torch
 from gguf.quants import dequantize
 
 from kernels.fused_moe import fused_moe_ref
-from kernels.gguf_dequant import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
+from kernels.gguf_dequant import (
+    GGUF_TYPES,
+    IQ2_S,
+    IQ2_XS,
+    IQ2_XXS,
+    IQ3_S,
+    IQ3_XXS,
+    IQ4_NL,
+    IQ4_XS,
+    Q4_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+)
 from kernels.gguf_moe import QuantPart, fused_moe_gguf_ref, fused_moe_gguf_triton
 from services.engine.quant.gguf_quantize import quantize_gguf
 from tests.kernels.conftest import DEVICE
@@ -90,3 +104,27 @@ def test_shapes_are_checked() -> None:
     with pytest.raises(ValueError, match="do not fit hidden size"):
         fused_moe_gguf_triton(x, [w13], [QuantPart(down.blocks[:, :128].contiguous(), Q4_K)],
                               weights, ids)
+
+
+def _random_stack(rows: int, cols: int, qtype: int, seed: int) -> tuple[QuantPart, torch.Tensor]:
+    """Random block bytes (every code / scale / sign pattern) with small finite f16 scales."""
+    from tests.quant.test_gguf_kernels import gguf_reference, random_blocks
+
+    t = GGUF_TYPES[qtype]
+    raw = random_blocks(qtype, E * rows, cols // t.qk, seed)
+    ref = gguf_reference(raw, qtype).reshape(E, rows, cols)
+    return (QuantPart(torch.from_numpy(raw).reshape(E, rows, -1).contiguous().to(DEVICE), qtype),
+            ref.to(DEVICE))
+
+
+@pytest.mark.parametrize(("w13_t", "down_t"), [(IQ2_XXS, IQ4_XS), (IQ3_S, IQ2_S),
+                                               (IQ4_NL, IQ3_XXS), (IQ2_XS, Q5_K)])
+def test_i_quant_experts_match_gguf_dequantize(w13_t: int, down_t: int) -> None:
+    w13, w13_ref = _random_stack(2 * INTER, H, w13_t, 17)
+    down, down_ref = _random_stack(H, INTER, down_t, 18)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(19)).to(DEVICE)
+    weights, ids = _routing(3, 20)
+    ref = fused_moe_ref(x.double(), w13_ref.double(), down_ref.double(), weights.double(), ids)
+    ours = fused_moe_gguf_triton(x, [w13], [down], weights, ids)
+    err = float((ours.double() - ref).norm() / ref.norm())
+    assert err < 1e-5, err
