@@ -36,20 +36,20 @@ IQ_GRID_TYPES = frozenset({IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S})
 _tables: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def iq_grid(qtype: int, device: torch.device) -> torch.Tensor:
-    """The grid of `qtype` as float32 [rows * run] on `device` (a placeholder of one element for
-    types without a grid: the kernels take the pointer either way)."""
+def iq_grid(qtype: int, device: torch.device, placeholder: torch.Tensor) -> torch.Tensor:
+    """The grid of `qtype` as float32 [rows * run] on `device`, made once per device (the first
+    call, a warm-up before any CUDA-graph capture); for types without a grid `placeholder` (the
+    kernels take the pointer either way and never read it)."""
+    if int(qtype) not in IQ_GRID_TYPES:
+        return placeholder
     key = (int(qtype), str(device))
     if key not in _tables:
-        if int(qtype) in IQ_GRID_TYPES:
-            import gguf.quants as q
+        import gguf.quants as q
 
-            cls = getattr(q, GGMLQuantizationType(int(qtype)).name)
-            cls.init_grid()
-            grid = torch.from_numpy(np.ascontiguousarray(cls.grid, dtype=np.float32).reshape(-1))
-        else:
-            grid = torch.zeros(1)
-        _tables[key] = grid.to(device)
+        cls = getattr(q, GGMLQuantizationType(int(qtype)).name)
+        cls.init_grid()
+        grid = np.ascontiguousarray(cls.grid, dtype=np.float32).reshape(-1)
+        _tables[key] = torch.from_numpy(grid).to(device)
     return _tables[key]
 
 

@@ -229,7 +229,7 @@ def gguf_matmul_triton(
         bn = block_n or 8
         nsb = 8 if t.qk == 256 else 32
         _gemv_kernel[(triton.cdiv(n, bn), m)](
-            x2, qweight, w16, iq_grid(qtype, x.device), out, n, k, x2.stride(0),
+            x2, qweight, w16, iq_grid(qtype, x.device, w16), out, n, k, x2.stride(0),
             qweight.stride(0), out.stride(0),
             QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_N=bn, NSB=nsb, num_warps=4,
         )
@@ -258,8 +258,8 @@ def gguf_matmul_triton(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)
     _gemm_kernel[grid](
-        x2, qweight, w16, iq_grid(qtype, x.device), out, m, n, k, x2.stride(0), qweight.stride(0),
-        out.stride(0), split_k,
+        x2, qweight, w16, iq_grid(qtype, x.device, w16), out, m, n, k, x2.stride(0),
+        qweight.stride(0), out.stride(0), split_k,
         QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_M=bm, BLOCK_N=bn, NSB=nsb,
         ATOMIC=split_k > 1, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=2,

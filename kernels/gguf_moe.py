@@ -141,8 +141,9 @@ def _grouped_gemm(a: torch.Tensor, parts: Sequence[QuantPart], c: torch.Tensor,
                              f"{a.shape[1]}")
         bn, nsb, warps = _tiles(a, qtype, n, k // t.qk, block_n)
         out = c[:, col:col + n]
+        w16 = blocks.view(torch.float16)
         _gguf_moe_kernel[(expert_ids.shape[0], triton.cdiv(n, bn))](
-            a, blocks, blocks.view(torch.float16), iq_grid(qtype, a.device), out, weights,
+            a, blocks, w16, iq_grid(qtype, a.device, w16), out, weights,
             sorted_ids, expert_ids,
             c.shape[0], n, k, a.stride(0), blocks.stride(0), blocks.stride(1), out.stride(0),
             QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, A_ROW_DIV=a_row_div,
