@@ -110,7 +110,7 @@ def check_moe(device: str, e: int, h: int, inter: int, top_k: int, tokens: list[
             err = rel(fused_moe_gguf_triton(x, w13, w2, weights, ids), ref)
             sec = timed(lambda x=x, w13=w13, w2=w2, weights=weights, ids=ids:
                         fused_moe_gguf_triton(x, w13, w2, weights, ids), iters)
-            sec_bf16 = timed(lambda x=x, weights=weights, ids=ids:
+            sec_bf16 = timed(lambda x=x, d13=d13, d2=d2, weights=weights, ids=ids:
                              fused_moe_triton(x, d13, d2, weights, ids), iters)
             name = f"{GGUF_TYPES[gate_up_t].name}/{GGUF_TYPES[down_t].name}"
             out.append({"types": name, "tokens": t, "rel_err": err, "us": sec * 1e6,
