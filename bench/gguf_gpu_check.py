@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,7 @@ def check_matmuls(device: str, n: int, k: int, rows: list[int], iters: int) -> l
             x = torch.randn(m, k, device=device, dtype=dtype)
             ref = F.linear(x.double(), dense.double())
             err = rel(gguf_matmul_triton(x, w, qtype), ref)
-            sec = timed(lambda x=x, w=w, qtype=qtype: gguf_matmul_triton(x, w, qtype), iters)
+            sec = timed(partial(gguf_matmul_triton, x, w, qtype), iters)
             out.append({"type": t.name, "M": m, "N": n, "K": k, "rel_err": err, "us": sec * 1e6,
                         "weight_GBps": w.numel() / sec / 1e9})
             print(f"{t.name:<8} M={m:<4} err {err:.1e}  {sec * 1e6:9.1f} us  "
@@ -108,10 +109,8 @@ def check_moe(device: str, e: int, h: int, inter: int, top_k: int, tokens: list[
             weights = weights / weights.sum(-1, keepdim=True)
             ref = fused_moe_ref(x.double(), d13.double(), d2.double(), weights.double(), ids)
             err = rel(fused_moe_gguf_triton(x, w13, w2, weights, ids), ref)
-            sec = timed(lambda x=x, w13=w13, w2=w2, weights=weights, ids=ids:
-                        fused_moe_gguf_triton(x, w13, w2, weights, ids), iters)
-            sec_bf16 = timed(lambda x=x, d13=d13, d2=d2, weights=weights, ids=ids:
-                             fused_moe_triton(x, d13, d2, weights, ids), iters)
+            sec = timed(partial(fused_moe_gguf_triton, x, w13, w2, weights, ids), iters)
+            sec_bf16 = timed(partial(fused_moe_triton, x, d13, d2, weights, ids), iters)
             name = f"{GGUF_TYPES[gate_up_t].name}/{GGUF_TYPES[down_t].name}"
             out.append({"types": name, "tokens": t, "rel_err": err, "us": sec * 1e6,
                         "float_us": sec_bf16 * 1e6})
@@ -125,6 +124,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny sizes")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/gguf_gpu_check.json")
     args = ap.parse_args()
+    res: dict[str, Any]
     if args.smoke:
         res = {"matmul": check_matmuls("cpu", 32, 256, [1, 3], 1),
                "moe": check_moe("cpu", 4, 256, 256, 2, [1, 3], 1)}
@@ -133,7 +133,7 @@ def main() -> None:
                "matmul": check_matmuls("cuda", 4096, 4096, [1, 16, 512], 50),
                "moe": check_moe("cuda", 128, 2048, 768, 8, [1, 16, 512], 20)}
     Path(args.out).write_text(json.dumps(res, indent=2))
-    worst = max(r["rel_err"] for part in ("matmul", "moe") for r in res[part])  # type: ignore[union-attr]
+    worst = max(r["rel_err"] for part in ("matmul", "moe") for r in res[part])
     print(f"worst rel. error {worst:.2e} (limit {LIMIT})")
     sys.exit(0 if worst < LIMIT else 1)
 
