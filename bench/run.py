@@ -42,6 +42,16 @@ SUITE: dict[str, Benchmark] = {
         "quant_bench.py", "quantization", "gpu",
         "decode with GPTQ / AWQ / fp8 / GGUF / in-situ quantized weights", "bf16 in the same run "
         "and the weight-bytes bandwidth limit"),
+    "gguf-moe": Benchmark(
+        "gguf_moe_bench.py", "quantization", "gpu",
+        "GPU memory of a Qwen3-30B-A3B-shaped Q4_K_M GGUF (few layers, every matrix kept "
+        "quantized) and its B1 / B16 decode", "the file's size (+ KV cache) and the bf16 "
+        "model's bytes"),
+    "gguf-check": Benchmark(
+        "gguf_gpu_check.py", "kernels", "gpu",
+        "every GGUF type's GEMV / GEMM and the GGUF fused MoE (Qwen3-30B-A3B shape) at real "
+        "sizes: error and time", "dequantize-then-matmul / the torch MoE over dequantized "
+        "experts; the float-expert fused MoE's time"),
     "suite": Benchmark(
         "suite_bench.py", "suite", "gpu",
         "gateway -> NATS -> tokenizer -> engine: a burst of streams, time to first token and "
@@ -106,7 +116,8 @@ SUITE: dict[str, Benchmark] = {
 RUNNERS = frozenset({"run.py", "gpu_run.sh"})
 # imported by the benchmarks above or by tests, never run alone
 HELPERS = frozenset({"__init__.py", "family_shapes.py", "moe_pass_rule.py",
-                     "routing_flips.py", "gateway_pieces.py", "sse_client.py", "step_log.py"})
+                     "routing_flips.py", "gateway_pieces.py", "sse_client.py", "step_log.py",
+                     "gguf_moe_file.py"})
 
 
 def table() -> str:
