@@ -1,8 +1,10 @@
 """A Qwen3-MoE-shaped GGUF in llama.cpp's Q4_K_M type mix (random weights, our quantizer;
 bench/gguf_moe_file.py) is served with every matrix still quantized: the q/k/v layers whose
 v_proj is Q6_K as two block matrices (quant/gguf_parts.py), the experts as their stacks' blocks
-(quant/gguf_moe.py, kernels/gguf_moe.py under the interpreter). Its logits equal those of the
-same file loaded the reference way (every tensor dequantized by gguf.quants at load time)."""
+(quant/gguf_moe.py, kernels/gguf_moe.py under the interpreter), the LM head as its Q6_K
+blocks. Its logits equal those of the same file loaded the reference way (every tensor
+dequantized by gguf.quants at load time); so do those of the dequantizing CPU path
+(quantization "gguf" without the kernels)."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from tests.engine.conftest import SingleSequenceRunner
 
 SHAPE = MoEShape(vocab=256, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, experts=4,
                  top_k=2, moe_inter=256, context=256)
-# float tensors a GGUF-served model keeps: norms, the embedding / LM head, the routers
-FLOAT_OK = ("norm.weight", "embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")
+# float tensors a GGUF-served model keeps: norms, the token embedding, the routers
+FLOAT_OK = ("norm.weight", "embed_tokens.weight", "mlp.gate.weight")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,8 @@ def test_every_matrix_stays_quantized_and_logits_match_dequantized(
     methods = {type(m.quant_method) for m in model.modules() if hasattr(m, "quant_method")
                and m.quant_method is not None}
     assert {GGUFLinearMethod, GGUFPartsLinearMethod, GGUFExpertMethod} <= methods
+    assert model.lm_head.qweight.dtype == torch.uint8  # output.weight's Q6_K blocks
+    assert model.lm_head.qweight.shape == (SHAPE.vocab, SHAPE.hidden // 256 * 210)
     layer3 = model.model.layers[3]
     assert [p[2] for p in layer3.self_attn.qkv_proj.quant_method.parts] == [Q4_K, Q6_K]
     assert layer3.mlp.experts.quant_method.quant_types == {2: [Q4_K], 1: [Q6_K]}
@@ -60,3 +64,15 @@ def test_every_matrix_stays_quantized_and_logits_match_dequantized(
     err = float((ours - ref).norm() / ref.norm())
     assert err < 1e-4, err
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_gguf_without_kernels_dequantizes_after_loading(gguf_file: Path, select_kernels: Any
+                                                       ) -> None:
+    reference = load_model(gguf_file).model
+    select_kernels(quant_kernels="torch")
+    model = load_model(gguf_file, quantization="gguf").model
+    assert model.model.layers[0].mlp.experts.w13.weight.dtype == torch.float32
+    ids = [1, 2, 3, 200]
+    ours = SingleSequenceRunner(model, max_tokens=16).forward(ids)
+    ref = SingleSequenceRunner(reference, max_tokens=16).forward(ids)
+    assert float((ours - ref).norm() / ref.norm()) < 1e-5

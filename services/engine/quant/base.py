@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 class QuantMethod(ABC):
     """Storage and matmul strategy of one linear-like layer (see the module rules)."""
 
+    # The LM head (layers/embedding.py) calls create_weights / load for its weight (GGUF blocks)
+    # instead of keeping the float embedding-layout weight.
+    owns_lm_head_weight: bool = False
+
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
     ) -> None:

@@ -7,7 +7,8 @@ Rules:
 - A layer keeps blocks when every checkpoint tensor fused into it has a quantized type that the
   kernels decode (kernels/gguf_dequant.py). One type: `GGUFLinearMethod`; a fused layer mixing
   types (Q4_K_M stores some v projections as Q6_K) keeps one block matrix per type
-  (quant/gguf_parts.py). Norms, embeddings and the LM head stay float.
+  (quant/gguf_parts.py). An untied LM head (`output.weight`) keeps its blocks too
+  (`owns_lm_head_weight`, layers/embedding.py). Norms and the token embedding stay float.
 - MoE expert stacks of the kernels' types stay quantized too (quant/gguf_moe.py); MXFP4 stacks
   (gpt-oss) go through quant/mxfp4.py.
 - `GGUFLinearMethod` owns `weight` = uint8 [N, K / qk * type_size] (this rank's shard, rows of
@@ -65,10 +66,11 @@ class QuantBytes(torch.Tensor):
 class GGUFLinearMethod(QuantMethod):
     """Weights are GGUF blocks of one ggml type (see the module rules)."""
 
-    def __init__(self, qtype: int) -> None:
+    def __init__(self, qtype: int, lm_head: bool = False) -> None:
         self.qtype = int(qtype)
         self.type = gguf_type(qtype)
         self.kernels = True
+        self.owns_lm_head_weight = lm_head
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
@@ -151,6 +153,10 @@ class GGUFConfig(QuantConfig):
     def get_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
         types = self.param_types.get(f"{prefix}.weight", set())
         is_linear = hasattr(layer, "input_size")  # LinearBase; the LM head is an embedding
+        lm_head = not is_linear and prefix.split(".")[-1] == "lm_head"  # layers/embedding.py
+        if lm_head and len(types) == 1 and types <= GGUF_TYPES.keys():
+            self.quantized_prefixes.add(prefix)  # an untied output.weight: its blocks
+            return GGUFLinearMethod(next(iter(types)), lm_head=True)
         if is_linear and types and types <= GGUF_TYPES.keys():
             self.quantized_prefixes.add(prefix)
             if len(types) == 1:
