@@ -16,6 +16,7 @@ import torch
 
 from bench.gguf_moe_file import MoEShape, file_types, write_qwen3_moe_gguf
 from kernels.gguf_dequant import Q4_K, Q6_K
+from services.engine.layers.moe_offload import ExpertOffload
 from services.engine.loader import load_model
 from services.engine.quant import GGUFLinearMethod
 from services.engine.quant.gguf_moe import GGUFExpertMethod
@@ -76,3 +77,20 @@ def test_gguf_without_kernels_dequantizes_after_loading(gguf_file: Path, select_
     ours = SingleSequenceRunner(model, max_tokens=16).forward(ids)
     ref = SingleSequenceRunner(reference, max_tokens=16).forward(ids)
     assert float((ours - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["cpu", "stream"])
+def test_offloaded_gguf_experts_match_dequantized(gguf_file: Path, select_kernels: Any,
+                                                 mode: str) -> None:
+    """Half of each layer's experts in host memory (layers/moe_offload.py): the host set is a
+    second GGUFExpertMethod (CPU: dequantized there; stream: the blocks, staged per step)."""
+    reference = load_model(gguf_file).model
+    select_kernels(quant_kernels="triton")
+    model = load_model(gguf_file, quantization="gguf",
+                       expert_offload=ExpertOffload(experts_per_rank=2, mode=mode)).model
+    experts = model.model.layers[0].mlp.experts
+    assert experts.host is not None and experts.w13.qweight_0.shape[0] == 2
+    ids = [3, 17, 250, 9]
+    ours = SingleSequenceRunner(model, max_tokens=16).forward(ids)
+    ref = SingleSequenceRunner(reference, max_tokens=16).forward(ids)
+    assert float((ours - ref).norm() / ref.norm()) < 1e-4
