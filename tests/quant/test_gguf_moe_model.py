@@ -22,6 +22,7 @@ from services.engine.quant import GGUFLinearMethod
 from services.engine.quant.gguf_moe import GGUFExpertMethod
 from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
 from tests.engine.conftest import SingleSequenceRunner
+from tests.quant.conftest import DEVICE
 
 SHAPE = MoEShape(vocab=256, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, experts=4,
                  top_k=2, moe_inter=256, context=256)
@@ -45,7 +46,7 @@ def test_every_matrix_stays_quantized_and_logits_match_dequantized(
         gguf_file: Path, select_kernels: Any) -> None:
     reference = load_model(gguf_file).model  # gguf.quants-dequantized float32
     select_kernels(quant_kernels="triton")
-    model = load_model(gguf_file, quantization="gguf").model
+    model = load_model(gguf_file, quantization="gguf", device=DEVICE).model
     floats = [name for name, t in (*model.named_parameters(), *model.named_buffers())
               if t.is_floating_point() and t.dim() >= 2 and not name.endswith(FLOAT_OK)
               and "rotary" not in name and "cos_sin" not in name]
@@ -60,7 +61,7 @@ def test_every_matrix_stays_quantized_and_logits_match_dequantized(
     assert layer3.mlp.experts.quant_method.quant_types == {2: [Q4_K], 1: [Q6_K]}
     assert layer3.mlp.experts.w2.qweight_0.shape == (SHAPE.experts, SHAPE.hidden, 210)
     ids = [3, 17, 250, 9, 64, 128, 7]
-    ours = SingleSequenceRunner(model, max_tokens=32).forward(ids)
+    ours = SingleSequenceRunner(model, max_tokens=32).forward(ids).cpu()
     ref = SingleSequenceRunner(reference, max_tokens=32).forward(ids)
     err = float((ours - ref).norm() / ref.norm())
     assert err < 1e-4, err
@@ -85,12 +86,13 @@ def test_offloaded_gguf_experts_match_dequantized(gguf_file: Path, select_kernel
     """Half of each layer's experts in host memory (layers/moe_offload.py): the host set is a
     second GGUFExpertMethod (CPU: dequantized there; stream: the blocks, staged per step)."""
     reference = load_model(gguf_file).model
-    select_kernels(quant_kernels="triton")
-    model = load_model(gguf_file, quantization="gguf",
+    # on a GPU the host set runs its CPU path (the kernels' auto choice); on CPU the interpreter
+    select_kernels(quant_kernels="triton" if DEVICE == "cpu" else "auto")
+    model = load_model(gguf_file, quantization="gguf", device=DEVICE,
                        expert_offload=ExpertOffload(experts_per_rank=2, mode=mode)).model
     experts = model.model.layers[0].mlp.experts
     assert experts.host is not None and experts.w13.qweight_0.shape[0] == 2
     ids = [3, 17, 250, 9]
-    ours = SingleSequenceRunner(model, max_tokens=16).forward(ids)
+    ours = SingleSequenceRunner(model, max_tokens=16).forward(ids).cpu()
     ref = SingleSequenceRunner(reference, max_tokens=16).forward(ids)
     assert float((ours - ref).norm() / ref.norm()) < 1e-4

@@ -19,7 +19,7 @@ from services.engine.layers.linear import MergedColumnParallelLinear, QKVParalle
 from services.engine.quant import GGUFConfig, QuantBytes
 from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
 from services.engine.quant.gguf_quantize import quantize_gguf
-from tests.quant.conftest import rel_err
+from tests.quant.conftest import DEVICE, rel_err
 
 PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
           "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
@@ -43,8 +43,9 @@ def test_qkv_with_a_q6_k_v_proj_keeps_each_part_quantized(mode: str, select_kern
     types = {f"{prefix}.q_proj.weight": Q4_K, f"{prefix}.k_proj.weight": Q4_K,
              f"{prefix}.v_proj.weight": Q6_K}
     config = GGUFConfig(types, PACKED)
-    layer = QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=False,
-                              quant_config=config, prefix=f"{prefix}.qkv_proj")
+    with torch.device(DEVICE):
+        layer = QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=False,
+                                  quant_config=config, prefix=f"{prefix}.qkv_proj")
     assert isinstance(layer.quant_method, GGUFPartsLinearMethod)
     assert config.keeps_quantized(f"{prefix}.v_proj.weight")
     refs = []
@@ -58,7 +59,7 @@ def test_qkv_with_a_q6_k_v_proj_keeps_each_part_quantized(mode: str, select_kern
     order = {"q": 0, "k": 1, "v": 2}
     dense = torch.cat([r for _, r in sorted(refs, key=lambda p: order[p[0]])])
     x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(9))
-    ours = layer(x)
+    ours = layer(x.to(DEVICE)).cpu()
     assert not hasattr(layer, "weight")
     if mode == "kernels":
         assert [p[2] for p in layer.quant_method.parts] == [Q4_K, Q6_K]
@@ -72,16 +73,17 @@ def test_gate_up_of_two_types_runs_gated(select_kernels: Any) -> None:
     select_kernels(quant_kernels="triton")
     prefix = "model.layers.0.mlp"
     types = {f"{prefix}.gate_proj.weight": Q8_0, f"{prefix}.up_proj.weight": Q4_K}
-    layer = MergedColumnParallelLinear(HIDDEN, [64, 64], bias=False,
-                                       quant_config=GGUFConfig(types, PACKED),
-                                       prefix=f"{prefix}.gate_up_proj")
+    with torch.device(DEVICE):
+        layer = MergedColumnParallelLinear(HIDDEN, [64, 64], bias=False,
+                                           quant_config=GGUFConfig(types, PACKED),
+                                           prefix=f"{prefix}.gate_up_proj")
     gate, gate_ref = _blocks(64, Q8_0, 1)
     up, up_ref = _blocks(64, Q4_K, 2)
     layer.weight_loader(layer.weight, gate, 0)
     layer.weight_loader(layer.weight, up, 1)
     layer.quant_method.process_after_loading(layer)
     x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(3))
-    ours = layer.quant_method.apply_gated(layer, x)
+    ours = layer.quant_method.apply_gated(layer, x.to(DEVICE)).cpu()
     ref = F.silu(F.linear(x.double(), gate_ref.double())) * F.linear(x.double(), up_ref.double())
     assert rel_err(ours, ref) < 1e-5
 
