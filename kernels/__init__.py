@@ -68,17 +68,20 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and selection.current().kernels != "torch"
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] -> (x * rsqrt(mean(x^2) + eps)) * weight, statistics in fp32."""
-    return (rms_norm_triton if use_triton(x) else rms_norm_ref)(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             round_normed: bool = True) -> torch.Tensor:
+    """x [T, H] -> (x * rsqrt(mean(x^2) + eps)) * weight, statistics in fp32; the normalised
+    row is rounded to x's dtype before the scale unless `round_normed` is False (gpt-oss)."""
+    return (rms_norm_triton if use_triton(x) else rms_norm_ref)(x, weight, eps, round_normed)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    round_normed: bool = True,
 ) -> AddNormOutput:
     """new_residual = x + residual; returns (rms_norm(new_residual), new_residual)."""
     fn = fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_ref
-    return fn(x, residual, weight, eps)
+    return fn(x, residual, weight, eps, round_normed)
 
 
 def fused_moe(

@@ -2,7 +2,8 @@
 
 Rules:
 - Routing (`Router`, `RoutingConfig`) follows the HF reference of each family. Router logits are
-  computed in the model dtype (fp32 with `router_fp32`, as deepseek does); scores are the softmax
+  computed in the model dtype (fp32 with `router_fp32`, as deepseek does, its weight then stored
+  in fp32); scores are the softmax
   (fp32) or sigmoid of the logits. Plain top-k picks the k best scores. Grouped top-k (deepseek:
   `n_group` / `topk_group`) first keeps the `topk_group` best groups of experts - a group scores
   its best expert (softmax) or the sum of its best two (sigmoid) - and picks the k best inside
@@ -73,7 +74,10 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, routing: RoutingConfig) -> None:
         super().__init__()
         self.routing = routing
-        self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size),
+        # An fp32 router keeps its weight fp32 (transformers' _keep_in_fp32_modules_strict for
+        # GLM-4.5's gate.weight): a checkpoint that stores it in fp32 loses nothing.
+        dtype = torch.float32 if routing.router_fp32 else None
+        self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None

@@ -6,9 +6,10 @@ served text-only). Dense checkpoints (E2B / E4B / 31B); the MoE block (26B-A4B,
   Full layers may have their own head size and KV head count (`per_layer_config`, or the
   published `global_head_dim` / `num_global_key_value_heads`) and, with `attention_k_eq_v`, no
   v_proj: their values are the raw key projection (so k_proj loads into both halves).
-- Attention: per-head RMSNorm (plain weight) on q and k, a weightless RMSNorm on v, scale 1
-  (the norms set the magnitude); rope in halves, default on sliding layers and "proportional"
-  on full ones (rope_scaling.py).
+- Norms scale the fp32 normalised row and round once (`RMSNormFp32Scale`, transformers'
+  Gemma4RMSNorm). Attention: per-head RMSNorm (plain weight) on q and k, a weightless RMSNorm
+  on v, scale 1 (the norms set the magnitude); rope in halves, default on sliding layers and
+  "proportional" on full ones (rope_scaling.py).
 - KV sharing: the last `num_kv_shared_layers` layers have no k / v of their own and attend over
   the cache of the last earlier layer of their type (`SharedKVAttention`, not an `Attention`, so
   the runner gives it no cache).
@@ -38,7 +39,7 @@ from services.engine.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     ReplicatedLinear,
-    RMSNorm,
+    RMSNormFp32Scale,
     RowParallelLinear,
     VocabParallelEmbedding,
     get_rope,
@@ -102,7 +103,7 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Gemma4Attention(LlamaAttention):
-    qk_norm_cls: ClassVar[type[nn.Module] | None] = RMSNorm
+    qk_norm_cls: ClassVar[type[nn.Module] | None] = RMSNormFp32Scale
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
                  layer: int) -> None:
@@ -133,7 +134,7 @@ class SharedKVAttention(nn.Module):
                                                config.attention_bias, quant_config,
                                                f"{prefix}.query_proj")
         self.num_heads = self.query_proj.output_size // d
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_norm = RMSNormFp32Scale(d, config.rms_norm_eps)
         theta, scaling = cfg.layer_rope(layer)
         self.rotary_emb = get_rope(d, cfg.rotary_dim, cfg.max_position_embeddings, theta, scaling)
         self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size,
@@ -173,16 +174,17 @@ class Gemma4DecoderLayer(nn.Module):
             config, intermediate_size=config.intermediate_size * (2 if wide else 1)),
             quant_config, f"{prefix}.mlp")
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm, self.post_attention_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps)
-        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.input_layernorm = RMSNormFp32Scale(h, eps)
+        self.post_attention_layernorm = RMSNormFp32Scale(h, eps)
+        self.pre_feedforward_layernorm = RMSNormFp32Scale(h, eps)
+        self.post_feedforward_layernorm = RMSNormFp32Scale(h, eps)
         self.ple_size = int(hf_value(config, "hidden_size_per_layer_input", default=0) or 0)
         if self.ple_size:
             self.per_layer_input_gate = ReplicatedLinear(h, self.ple_size, False, quant_config,
                                                          f"{prefix}.per_layer_input_gate")
             self.per_layer_projection = ReplicatedLinear(self.ple_size, h, False, quant_config,
                                                          f"{prefix}.per_layer_projection")
-            self.post_per_layer_input_norm = RMSNorm(h, eps)
+            self.post_per_layer_input_norm = RMSNormFp32Scale(h, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
@@ -212,7 +214,7 @@ class Gemma4Model(nn.Module):
             if producer is not None:
                 source = cast(Gemma4Attention, self.layers[producer].self_attn)
                 cast(SharedKVAttention, layer.self_attn).read_from(source.attn)
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNormFp32Scale(h, config.rms_norm_eps)
         self.ple_size = p = int(hf_value(config, "hidden_size_per_layer_input", default=0) or 0)
         if p:
             vocab = int(hf_value(config, "vocab_size_per_layer_input",
@@ -220,7 +222,7 @@ class Gemma4Model(nn.Module):
             self.embed_tokens_per_layer = VocabParallelEmbedding(vocab, n * p)
             self.per_layer_model_projection = ReplicatedLinear(
                 h, n * p, False, quant_config, "model.per_layer_model_projection")
-            self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
+            self.per_layer_projection_norm = RMSNormFp32Scale(p, config.rms_norm_eps)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T, layers, P]: token-identity and context parts of the per-layer embeddings."""
