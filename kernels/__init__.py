@@ -94,14 +94,16 @@ def fused_moe(
     b2: torch.Tensor | None = None,
     swiglu: SwigluOAI | None = None,
     weight_on_input: bool = False,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """Mixture of experts, x [T, H] -> [T, H]: sum over k of topk_weights[t, k] *
     W2[e] @ silu_and_mul(W13[e] @ x[t]) with e = topk_ids[t, k]; w13 [E, 2I, H] (gate rows, then
     up rows), w2 [E, H, I]. Ids outside [0, E) (other ranks' experts) contribute nothing.
     Optional biases b13 [E, 2I] / b2 [E, H]; `swiglu`: gpt-oss's clamped SwiGLU instead;
-    `weight_on_input`: the weight scales x[t] instead (llama4)."""
+    `activation="gelu_tanh"`: gelu_tanh(gate) * up (Gemma 4); `weight_on_input`: the weight
+    scales x[t] instead (llama4)."""
     fn = fused_moe_triton if use_triton(x) else fused_moe_ref
-    return fn(x, w13, w2, topk_weights, topk_ids, b13, b2, swiglu, weight_on_input)
+    return fn(x, w13, w2, topk_weights, topk_ids, b13, b2, swiglu, weight_on_input, activation)
 
 
 def rotary_embedding(

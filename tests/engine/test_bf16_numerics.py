@@ -20,10 +20,11 @@ import torch
 
 from services.engine.layers.moe import Router
 from services.engine.loader import load_model
+from services.engine.models.gemma4_moe import Gemma4Router
 from tests.engine.test_recent_families import FAMILIES, save_tiny
 
-NAMES = ["smollm3", "glm4_moe", "gpt_oss", "llama4_text", "gemma4_text"]
-MOE = ["glm4_moe", "gpt_oss", "llama4_text"]
+NAMES = ["smollm3", "glm4_moe", "gpt_oss", "llama4_text", "gemma4_text", "gemma4_moe"]
+MOE = ["glm4_moe", "gpt_oss", "llama4_text", "gemma4_moe"]
 
 
 def _models(tmp_path: Path, name: str) -> tuple[Any, torch.nn.Module]:
@@ -51,7 +52,7 @@ def test_rms_norms_round_as_transformers_bf16(tmp_path: Path, name: str) -> None
         with torch.no_grad():
             want = module(x)
             got = modules[mod_name](x)
-        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{mod_name}: {m}")
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, n=mod_name: f"{n}: {m}")
         checked += 1
     assert checked >= 3, f"{name}: only {checked} norms compared"
 
@@ -72,11 +73,12 @@ def _hf_choice(module: torch.nn.Module, out: Any) -> tuple[torch.Tensor, torch.T
 def test_routers_choose_as_transformers_bf16(tmp_path: Path, name: str) -> None:
     hf, ours = _models(tmp_path, name)
     hf_routers = [m for m in hf.modules() if type(m).__name__.lower().endswith("router")]
-    our_routers = [m for m in ours.modules() if isinstance(m, Router)]
+    our_routers = [m for m in ours.modules() if isinstance(m, (Router, Gemma4Router))]
     assert len(hf_routers) == len(our_routers) > 0
     gen = torch.Generator().manual_seed(0)
     for hf_router, router in zip(hf_routers, our_routers, strict=True):
-        x = torch.randn(64, router.weight.shape[1], generator=gen).bfloat16()
+        width = (router.weight if isinstance(router, Router) else router.scale).shape[-1]
+        x = torch.randn(64, width, generator=gen).bfloat16()
         with torch.no_grad():
             want_ids, want_w = _hf_choice(hf_router, hf_router(x))
             got_w, got_ids = router(x)

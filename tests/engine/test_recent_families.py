@@ -80,6 +80,14 @@ FAMILIES: dict[str, Family] = {
         vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, use_double_wide_mlp=True,
         final_logit_softcapping=3.0, tie_word_embeddings=True,
         layer_types=["sliding_attention", "full_attention"] * 3)),
+    # Gemma 4 MoE (26B-A4B-like): a routed gelu-tanh expert branch beside every layer's MLP
+    # (router norm, scale and per-expert scales perturbed), values from keys on full layers.
+    "gemma4_moe": Family("gemma4_text", dict(
+        num_hidden_layers=4, sliding_window=WINDOW, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        final_logit_softcapping=3.0, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"] * 2)),
 }
 
 

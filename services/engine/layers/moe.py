@@ -168,10 +168,13 @@ class MoEExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  bias: bool = False, swiglu: SwigluOAI | None = None,
                  quant_method: ExpertQuantMethod | None = None,
-                 weight_on_input: bool = False) -> None:
+                 weight_on_input: bool = False, activation: str = "silu") -> None:
         super().__init__()
         if weight_on_input and quant_method is not None:
             raise ValueError("quantized experts take the routing weight on their output only")
+        if activation != "silu" and quant_method is not None:
+            raise ValueError(f"quantized experts run silu (or gpt-oss's SwiGLU), not {activation}")
+        self.activation = activation
         self.weight_on_input = weight_on_input
         self.tp_size = get_tp_size()
         self.num_local = divide(num_experts, self.tp_size, "expert count")
@@ -191,7 +194,8 @@ class MoEExperts(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return kernels.fused_moe(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids,
-                                 self.w13.bias, self.w2.bias, self.swiglu, self.weight_on_input)
+                                 self.w13.bias, self.w2.bias, self.swiglu, self.weight_on_input,
+                                 self.activation)
 
 
 class FusedMoE(nn.Module):

@@ -1,6 +1,6 @@
 """Gemma 4 text (`Gemma4ForCausalLM`; the language model of `Gemma4ForConditionalGeneration`,
-served text-only). Dense checkpoints (E2B / E4B / 31B); the MoE block (26B-A4B,
-`enable_moe_block`) is refused.
+served text-only). Dense checkpoints (E2B / E4B / 31B) and the MoE one (26B-A4B,
+`enable_moe_block`: a routed expert branch beside each layer's MLP, models/gemma4_moe.py).
 
 - Layers follow `layer_types` (five sliding per full one by default, the last always full).
   Full layers may have their own head size and KV head count (`per_layer_config`, or the
@@ -44,8 +44,10 @@ from services.engine.layers import (
     VocabParallelEmbedding,
     get_rope,
 )
+from services.engine.layers.moe import expert_weights_mapping
 from services.engine.model_config import ModelConfig
 from services.engine.models.base import CausalLM
+from services.engine.models.gemma4_moe import Gemma4MoE, split_experts
 from services.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from services.engine.models.moe_base import hf_value
 from services.engine.models.text_only import TextOnlyMixin
@@ -186,12 +188,21 @@ class Gemma4DecoderLayer(nn.Module):
                                                          f"{prefix}.per_layer_projection")
             self.post_per_layer_input_norm = RMSNormFp32Scale(h, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        # a list: its parts are registered on the layer under transformers' names instead
+        self._moe: list[Gemma4MoE] = []
+        if hf_value(config, "enable_moe_block", default=False):
+            moe = Gemma4MoE(config)
+            for name, child in moe.named_children():
+                self.add_module(name, child)
+            self._moe = [moe]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 per_layer_input: torch.Tensor | None) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden))
         hidden = hidden + self.post_attention_layernorm(attn_out)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self._moe:
+            mlp_out = self._moe[0](hidden, mlp_out)
         hidden = hidden + self.post_feedforward_layernorm(mlp_out)
         if self.ple_size:
             assert per_layer_input is not None
@@ -250,9 +261,11 @@ class Gemma4ForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None) -> None:
         super().__init__(config, quant_config)
+        num_experts = int(hf_value(config, "num_experts", default=0) or 0)
         if hf_value(config, "enable_moe_block", default=False):
-            raise ValueError("Gemma 4's MoE block (gemma-4-26B-A4B) is not supported yet; the "
-                             "dense Gemma 4 models are")
+            # per instance: the keys depend on the expert count
+            self.packed_modules_mapping = {  # type: ignore[misc]
+                **expert_weights_mapping(num_experts), **type(self).packed_modules_mapping}
         if config.layer_types and config.layer_types[-1] != "full_attention":
             config.layer_types[-1] = "full_attention"  # as transformers forces it
         self.model = Gemma4Model(config, quant_config)
@@ -281,6 +294,10 @@ class Gemma4ForCausalLM(CausalLM):
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor
                            ) -> Iterable[tuple[str, torch.Tensor]]:
+        experts = split_experts(name, tensor)
+        if experts is not None:
+            yield from experts
+            return
         yield name, tensor
         if self._layer(name) in self.k_eq_v and ".self_attn.k_proj." in name:
             yield name.replace(".k_proj.", ".v_proj."), tensor  # values = raw keys
