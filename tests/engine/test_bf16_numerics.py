@@ -23,8 +23,9 @@ from services.engine.loader import load_model
 from services.engine.models.gemma4_moe import Gemma4Router
 from tests.engine.test_recent_families import FAMILIES, save_tiny
 
-NAMES = ["smollm3", "glm4_moe", "gpt_oss", "llama4_text", "gemma4_text", "gemma4_moe"]
-MOE = ["glm4_moe", "gpt_oss", "llama4_text", "gemma4_moe"]
+NAMES = ["smollm3", "glm4_moe", "gpt_oss", "llama4_text", "gemma4_text", "gemma4_moe",
+         "minimax_m2"]
+MOE = ["glm4_moe", "gpt_oss", "llama4_text", "gemma4_moe", "minimax_m2"]
 
 
 def _models(tmp_path: Path, name: str) -> tuple[Any, torch.nn.Module]:
@@ -73,14 +74,17 @@ def _hf_choice(module: torch.nn.Module, out: Any) -> tuple[torch.Tensor, torch.T
 def test_routers_choose_as_transformers_bf16(tmp_path: Path, name: str) -> None:
     hf, ours = _models(tmp_path, name)
     hf_routers = [m for m in hf.modules() if type(m).__name__.lower().endswith("router")]
+    biases = [m.e_score_correction_bias for m in hf.modules()  # MiniMax-M2's, on its MoE block
+              if type(m).__name__ == "MiniMaxM2SparseMoeBlock"]
     our_routers = [m for m in ours.modules() if isinstance(m, (Router, Gemma4Router))]
     assert len(hf_routers) == len(our_routers) > 0
     gen = torch.Generator().manual_seed(0)
-    for hf_router, router in zip(hf_routers, our_routers, strict=True):
+    for i, (hf_router, router) in enumerate(zip(hf_routers, our_routers, strict=True)):
         width = (router.weight if isinstance(router, Router) else router.scale).shape[-1]
         x = torch.randn(64, width, generator=gen).bfloat16()
         with torch.no_grad():
-            want_ids, want_w = _hf_choice(hf_router, hf_router(x))
+            out = hf_router(x, biases[i]) if biases else hf_router(x)
+            want_ids, want_w = _hf_choice(hf_router, out)
             got_w, got_ids = router(x)
         order = got_ids.argsort(-1)
         assert torch.equal(got_ids.gather(1, order), want_ids)

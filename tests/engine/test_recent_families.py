@@ -88,6 +88,10 @@ FAMILIES: dict[str, Family] = {
         enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
         final_logit_softcapping=3.0, tie_word_embeddings=True,
         layer_types=["sliding_attention", "full_attention"] * 2)),
+    # MiniMax-M2: q/k RMSNorm over all heads, half-rotary (legacy `rotary_dim`), sigmoid top-2
+    # of 4 experts with a correction bias, renormalised.
+    "minimax_m2": Family("minimax_m2", dict(
+        intermediate_size=32, rotary_dim=8, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 
