@@ -40,6 +40,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("services.engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("services.engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("services.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("services.engine.models.deepseek_v3", "DeepseekV32ForCausalLM"),
 }
 
 
