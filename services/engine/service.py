@@ -155,7 +155,9 @@ class EngineService:
         model_dir = Path(engine.config.model).expanduser()
         if not model_dir.exists():  # the default or a hub id: resolved (and cached) already
             model_dir = await asyncio.to_thread(resolve_model, engine.config.model)
-        self.capabilities = capabilities(model_kind(model_dir, [self.model_name, str(model_dir)]))
+        self.capabilities = capabilities(model_kind(
+            model_dir, [self.model_name, str(model_dir)],
+            engine.model_config.hf_config.get("gguf_pooling_type")))
         self.pool = PoolService(engine, self.loop, self.limits, lambda: self.crashed)
         self.structured = StructuredOutputs(
             engine.config.model, engine.vocab_size, sorted(engine.eos_token_ids),
