@@ -20,20 +20,41 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from libs.common.errors import FlotillaError, invalid_request
 from libs.common.messages import ErrorInfo
 from libs.common.pooling_messages import PoolReply, PoolRequest
 from services.engine.admission import QueueLimits, check_deadline
+from services.engine.engine import RequestOutput
+from services.engine.executor import Executor
 from services.engine.loop import EngineLoop
 from services.engine.pooling import PoolingParams
+from services.engine.pooling_config import ModelPooling
 from services.engine.request_error import RequestError
 
 
-def encode_vector(vector: Any) -> str:
+class PoolingEngine(Protocol):
+    """What pooling admission reads from an engine (`Engine`, engine.py, is one): whether its
+    executor can pool, the checkpoint's pooling, the vocabulary and the context length."""
+
+    @property
+    def executor(self) -> Executor: ...
+
+    @property
+    def model_pooling(self) -> ModelPooling: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+
+def encode_vector(vector: torch.Tensor) -> str:
     """A float32 vector as OpenAI's base64 embedding (little-endian float32 bytes)."""
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
@@ -54,13 +75,13 @@ class PoolService:
 
     def __init__(
         self,
-        engine: Any,
+        engine: PoolingEngine,
         loop: EngineLoop,
         limits: QueueLimits,
         crashed: Callable[[], BaseException | None],
     ) -> None:
         self.engine, self.loop, self.limits, self._crashed = engine, loop, limits, crashed
-        self._jobs: dict[str, asyncio.Future[Any]] = {}  # job id -> its output
+        self._jobs: dict[str, asyncio.Future[RequestOutput]] = {}  # job id -> its output
         self._groups: dict[str, list[str]] = {}  # request id -> its job ids
         self._tokens: dict[str, int] = {}  # request id -> its tokens (the queue bound)
 
@@ -151,6 +172,7 @@ class PoolService:
         for out in outputs:
             if isinstance(out, BaseException):
                 return PoolReply(error=_error_info(RequestError.of(out, "pooling")))
+            assert out.pooled is not None  # on_output delivers only pooled outputs
             vectors.append(encode_vector(out.pooled))
         return PoolReply(embeddings=vectors, prompt_tokens=sum(len(p) for p in req.prompts))
 
@@ -159,7 +181,7 @@ class PoolService:
         """Pooling requests admitted and not answered yet (a drain waits for them)."""
         return len(self._groups)
 
-    def on_output(self, out: Any) -> bool:
+    def on_output(self, out: RequestOutput) -> bool:
         """Deliver a pooling job's output; False if `out` is not one (generation's)."""
         future = self._jobs.get(out.request_id)
         if future is None:

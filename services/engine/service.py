@@ -51,11 +51,11 @@ from libs.common.settings import EngineSettings
 from services.engine.admission import QueueLimits, check_deadline, to_sampling_params
 from services.engine.config import EngineConfig
 from services.engine.engine import RequestOutput
-from services.engine.executor import Executor
 from services.engine.factory import build_engine
 from services.engine.loop import EngineLoop, SteppedEngine
 from services.engine.metrics import EngineMetrics
-from services.engine.pool_service import PoolService
+from services.engine.model_config import ModelConfig
+from services.engine.pool_service import PoolingEngine, PoolService
 from services.engine.request import TokenLogprobs
 from services.engine.request_error import InvalidParameter, RequestError
 from services.engine.sampling_params import SamplingParams
@@ -75,26 +75,21 @@ class _Live:
     generated: int = 0
 
 
-class ServedEngine(SteppedEngine, Protocol):
-    """What the engine service needs from an engine beyond the step loop's part: `Engine`
-    (engine.py) is one. Its `executor` reports a failed tensor-parallel rank; `shutdown` stops
-    the workers."""
+class ServedEngine(SteppedEngine, PoolingEngine, Protocol):
+    """What the engine service needs from an engine beyond the step loop's part and pooling
+    admission's (pool_service.py): `Engine` (engine.py) is one. Its `executor` reports a failed
+    tensor-parallel rank; `shutdown` stops the workers; `max_model_len` is published in its
+    announcements."""
 
     @property
     def config(self) -> EngineConfig: ...
 
     @property
-    def vocab_size(self) -> int: ...
+    def model_config(self) -> ModelConfig:
+        """The checkpoint's config (a GGUF's pooling type says what the model is for)."""
 
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
-
-    @property
-    def max_model_len(self) -> int:
-        """The engine's context length, published in its announcements."""
-
-    @property
-    def executor(self) -> Executor: ...
 
     def shutdown(self) -> None: ...
 
