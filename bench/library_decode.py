@@ -2,6 +2,7 @@
 the engine as the engine service runs it, on the same machine (issue 21: within 10%).
 
     python bench/library_decode.py [--model default] [--tokens 128] [--rounds 3] [--device cpu]
+                                   [--threads N]
 
 library: `LLM(model)` with its defaults (services/engine/llm.py: the server's EngineConfig),
 warmed up with `generate`, timed through `stream` (steps on the event loop's thread, the one
@@ -13,7 +14,8 @@ service's event loop receives them.
 Each side runs in a fresh process (two engines in one process would share cores with two
 OpenMP pools), alternating for `--rounds` rounds; a round prints tokens/s of the decode steps
 (the prefill left out). The summary is each side's best round and the library's ratio to the
-server (1.00 = as fast; a shared machine is noisy, so read the best rounds).
+server (1.00 = as fast; a shared machine is noisy, so read the best rounds). `--threads` sets
+`num_threads` on both sides (default: unset, the server's default).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ def _rate(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-async def _library(model: str, tokens: int, device: str) -> float:
+async def _library(model: str, tokens: int, device: str, threads: int | None) -> float:
     from services.engine.llm import LLM
     from services.engine.sampling_params import SamplingParams
 
-    llm = LLM(model, device=device)
+    llm = LLM(model, device=device, num_threads=threads)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     stamps = []
@@ -51,14 +53,14 @@ async def _library(model: str, tokens: int, device: str) -> float:
     return _rate(stamps)
 
 
-async def _server(model: str, tokens: int, device: str) -> float:
+async def _server(model: str, tokens: int, device: str, threads: int | None) -> float:
     from libs.common.model_cache import resolve_model
     from libs.common.settings import EngineSettings
     from services.engine.factory import build_engine
     from services.engine.loop import EngineLoop
     from services.engine.sampling_params import SamplingParams
 
-    settings = EngineSettings.model_construct(model=model, device=device)
+    settings = EngineSettings.model_construct(model=model, device=device, num_threads=threads)
     path = resolve_model(model)
     thread = ThreadPoolExecutor(1, thread_name_prefix="engine-loop")
     loop = asyncio.get_running_loop()
@@ -95,18 +97,20 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--side", choices=["library", "server"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side is not None:  # one measurement in this (fresh) process
         run = _library if args.side == "library" else _server
-        print(json.dumps(asyncio.run(run(args.model, args.tokens, args.device))))
+        print(json.dumps(asyncio.run(run(args.model, args.tokens, args.device, args.threads))))
         return
     best = {"library": 0.0, "server": 0.0}
     for r in range(args.rounds):
         for side in ("server", "library"):
             out = subprocess.run(
                 [sys.executable, __file__, "--side", side, "--model", args.model,
-                 "--tokens", str(args.tokens), "--device", args.device],
+                 "--tokens", str(args.tokens), "--device", args.device,
+                 *(["--threads", str(args.threads)] if args.threads else [])],
                 capture_output=True, text=True, check=True)
             rate = float(out.stdout.strip().splitlines()[-1])
             best[side] = max(best[side], rate)
