@@ -38,10 +38,21 @@ SUITE: dict[str, Benchmark] = {
         "moe_bench.py", "engine", "gpu",
         "batch-1 decode and 64-request throughput of a gpt-oss-20b-shaped model (MXFP4 experts)",
         "the bandwidth limit of the bytes a step reads"),
+    "moe-offload": Benchmark(
+        "moe_offload.py", "engine", "gpu",
+        "decode tok/s of a Qwen3-30B-A3B-shaped model with no, half and all experts in host "
+        "memory, computed on the CPU or streamed to the GPU",
+        "PCIe host->device and host-memory bandwidth measured in the same run (each offload "
+        "row's limit), the all-on-GPU engine with and without CUDA graphs"),
     "quant": Benchmark(
         "quant_bench.py", "quantization", "gpu",
         "decode with GPTQ / AWQ / fp8 / GGUF / in-situ quantized weights", "bf16 in the same run "
         "and the weight-bytes bandwidth limit"),
+    "w4batch": Benchmark(
+        "w4a16_batched.py", "quantization", "gpu",
+        "4-bit GEMMs at batched-decode rows (M = 2..64) per Llama-3-8B projection "
+        "(--sweep: a grid of pinned tiles)", "cuBLAS bf16 on the same shapes and the copy "
+        "bandwidth, in the same run"),
     "suite": Benchmark(
         "suite_bench.py", "suite", "gpu",
         "gateway -> NATS -> tokenizer -> engine: a burst of streams, time to first token and "
@@ -88,6 +99,10 @@ SUITE: dict[str, Benchmark] = {
     "fp8-kv": Benchmark(
         "fp8_kv_cache.py", "kernels", "gpu",
         "fp8 vs bf16 KV cache: attention and cache-write kernel times", "the bf16 cache"),
+    "gated-delta": Benchmark(
+        "gated_delta.py", "kernels", "gpu (or --cpu)",
+        "Gated DeltaNet prefill / decode and its causal conv at Qwen3-Next-80B sizes: time, "
+        "GB/s and error against the fp32 torch path", "the device copy bandwidth measured first"),
     "profile": Benchmark(
         "profile_decode.py", "engine", "gpu",
         "where a decode step (graph replay vs host work) or one prefill goes, kernel by kernel",

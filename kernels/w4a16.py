@@ -33,6 +33,7 @@ from kernels.gemm_tile import store_tile
 from kernels.gemv_rows import check_gated
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
 from kernels.w4a16_gemv import gemv_ok, w4a16_gemv
+from kernels.w4a16_mma import mma_ok, w4a16_mma
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -164,9 +165,10 @@ def w4a16_matmul_triton(
     gated: bool = False,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype (see the module docstring for the layout). kernel:
-    None (CUDA: the GEMV for one row, the GEMM for more; the interpreter: the GEMM), or
-    "gemv" / "gemm" to force one. gated: the weight is [gate; up] and the result silu(gate) *
-    up [..., N / 2], fused into the GEMV (kernels/gemv_rows.py) when it runs."""
+    None (CUDA: the GEMV for one row, kernels/w4a16_mma.py for 2-64, the GEMM for more;
+    the interpreter: the GEMM), or "gemv" / "mma" / "gemm" to force one. gated: the weight is
+    [gate; up] and the result silu(gate) * up [..., N / 2], fused into the GEMV
+    (kernels/gemv_rows.py) when it runs."""
     k = _check(x, qweight, scales, zeros, group_size, perm)
     n = qweight.shape[0]
     check_gated(n, gated)
@@ -177,6 +179,14 @@ def w4a16_matmul_triton(
     if m == 0:
         return x.new_empty(*x.shape[:-1], n // 2 if gated else n)
     perm_arg = perm if perm is not None else qweight  # never read without HAS_PERM
+    # 2..64 rows (batched decode) on a GPU: the nibble-plane tensor-core GEMM
+    if (kernel == "mma" or (kernel is None and x.is_cuda and not INTERPRET)) and mma_ok(
+            x2, k, group_size):
+        out = w4a16_mma(x2, qweight, scales, zeros, group_size, perm)
+        out = out.reshape(*x.shape[:-1], n)
+        return silu_and_mul_triton(out) if gated else out
+    if kernel == "mma":
+        raise ValueError(f"the 4-bit MMA GEMM does not take {m} rows, K={k}, group {group_size}")
     # one x row: the GEMV; 2+ rows share each dequantized tile in the GEMM (tensor cores)
     if use_gemv(x, m, kernel) and (m == 1 or kernel == "gemv") and gemv_ok(
             x2, qweight, scales, group_size, perm):

@@ -339,6 +339,20 @@ class EngineSettings(CommonSettings):
     device_ids: str | None = Field(
         None, pattern=r"^\d+(,\d+)*$",
         description="GPU of each rank, comma-separated (e.g. 0,1); unset = GPUs 0..tp-1")
+    num_experts_offload_per_rank: int = Field(
+        0, ge=0, description="MoE expert offload: keep the last N experts of each tensor-"
+        "parallel rank in every MoE layer in host memory (e.g. DeepSeek-R1 on 8 GPUs with 15 "
+        "a rank); the rest of the model stays on the GPU; any offload runs the engine eagerly")
+    cpu_moe: bool = Field(
+        False, description="MoE expert offload as llama.cpp's --cpu-moe: every expert of every "
+        "MoE layer in host memory")
+    n_cpu_moe: int = Field(
+        0, ge=0, description="MoE expert offload as llama.cpp's --n-cpu-moe N: every expert of "
+        "decoder layers 0..N-1 in host memory")
+    moe_offload_mode: Literal["cpu", "stream"] = Field(
+        "cpu", description="How offloaded experts run: cpu (on CPU threads from their host "
+        "copy, kept quantized where the format has a CPU kernel; the routed rows go to the host "
+        "and back) | stream (copied to the GPU each step they are used)")
     # ---- kernel selection (kernels/selection.py: one object the engine builds from these)
     gemv: Literal["auto", "cublas", "triton"] = Field(
         "auto", description="Unquantized decode GEMVs on CUDA: auto (our Triton GEMV for batch-1 "

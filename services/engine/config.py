@@ -9,6 +9,7 @@ import torch
 
 from kernels.paged_attention import SHORT_SPLIT_KEYS
 from kernels.selection import KernelSelection
+from services.engine.layers.moe_offload import ExpertOffload, OffloadMode
 from services.engine.loader import CPU_DEFAULT
 
 # Steps up to here are host-bound on an H100 host with a Llama-3-8B (bench/shape_probe.py, a probe
@@ -84,8 +85,18 @@ class EngineConfig:
     # how embeddings pool hidden states: auto (the checkpoint's sentence-transformers config,
     # else last token) | last | mean | cls (services/engine/pooling_config.py)
     pooling: str = "auto"
+    # MoE experts in host memory (services/engine/layers/moe_offload.py): the last N experts of
+    # each rank in every MoE layer; all experts of every layer (llama.cpp's --cpu-moe); all
+    # experts of decoder layers 0..n_cpu_moe-1 (--n-cpu-moe); how they run: cpu | stream.
+    # Any offload makes the engine eager (the routing goes to the host each step).
+    num_experts_offload_per_rank: int = 0
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
+    moe_offload_mode: OffloadMode = "cpu"
 
     def __post_init__(self) -> None:
+        if self.expert_offload.active:
+            self.enforce_eager = True
         if self.max_num_batched_tokens == 0:
             cpu = self.resolved_device == "cpu" and self.prefill_chunk_size > 0
             self.max_num_batched_tokens = DEFAULT_CPU_TOKEN_BUDGET if cpu else DEFAULT_TOKEN_BUDGET
@@ -111,6 +122,11 @@ class EngineConfig:
             raise ValueError(f"pooling must be auto, last, mean or cls, got {self.pooling!r}")
         if self.tp is not None and self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+
+    @property
+    def expert_offload(self) -> ExpertOffload:
+        return ExpertOffload(self.num_experts_offload_per_rank, self.cpu_moe, self.n_cpu_moe,
+                             self.moe_offload_mode)
 
     @property
     def resolved_device(self) -> str:

@@ -36,6 +36,7 @@ from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from services.engine.distributed import tp_min
 from services.engine.forward_context import forward_context
 from services.engine.layers.attention import Attention
+from services.engine.layers.moe_offload import summary as offload_summary
 from services.engine.loader import load_model
 from services.engine.prompt_logprobs import PromptLogprobsPart
 from services.engine.request_error import RequestError
@@ -78,7 +79,10 @@ class ModelRunner:
         selection.install(config.kernel_selection)  # before the model's layers are built
         self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device,
                                                    quantization=config.resolved_quantization,
-                                                   load_format=config.load_format)
+                                                   load_format=config.load_format,
+                                                   expert_offload=config.expert_offload)
+        if config.expert_offload.active:
+            log.info(offload_summary(self.model))
         self.vocab_size = self.model_config.vocab_size
         self.attention = self.model.attention_layers()
         self.kv_fp8 = config.kv_cache_dtype == "fp8"

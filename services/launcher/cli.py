@@ -3,6 +3,7 @@
     flotilla up [--port N] [--host H] [--model PATH_OR_ID] [--mcp-config FILE] [--nats-url URL]
                 [--served-model-name NAME] [--state-file FILE] [--log-level LEVEL]
                 [--tp N] [--device-ids 0,1] [--isq TYPE] [--fp8-kvcache] [--ui]
+                [--cpu-moe] [--n-cpu-moe N] [--num-experts-offload-per-rank N]
                 [--api-key KEY] [--no-nats-auth]
     flotilla status [--state-file FILE]
     flotilla keys create|list|revoke ...   (services/launcher/keys.py)
@@ -96,6 +97,18 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
                     choices=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k",
                              "q6k", "fp8"],
                     help="quantize float weights while loading (in-situ), e.g. q4k or fp8")
+    up.add_argument("--cpu-moe", action="store_true",
+                    help="keep every MoE expert in host memory, run on the CPU (llama.cpp's "
+                         "--cpu-moe; FLOTILLA_CPU_MOE)")
+    up.add_argument("--n-cpu-moe", type=int, default=None, metavar="N",
+                    help="keep the MoE experts of decoder layers 0..N-1 in host memory "
+                         "(llama.cpp's --n-cpu-moe; FLOTILLA_N_CPU_MOE)")
+    up.add_argument("--num-experts-offload-per-rank", type=int, default=None, metavar="N",
+                    help="keep the last N experts of each GPU rank in every MoE layer in host "
+                         "memory (FLOTILLA_NUM_EXPERTS_OFFLOAD_PER_RANK)")
+    up.add_argument("--moe-offload-mode", choices=["cpu", "stream"], default=None,
+                    help="offloaded experts run on the CPU (default) or are streamed to the "
+                         "GPU each step (FLOTILLA_MOE_OFFLOAD_MODE)")
     up.add_argument("--fp8-kvcache", action="store_true",
                     help="store the KV cache in fp8 (e4m3, a scale per token and head): ~1.94x "
                          "the tokens of bf16; not for MLA models (DeepSeek-V2/V3)")
@@ -128,6 +141,15 @@ def build_parser(settings: LauncherSettings) -> argparse.ArgumentParser:
     return parser
 
 
+def moe_offload_env(args: argparse.Namespace) -> dict[str, str]:
+    """The engine settings of the MoE offload flags that were given."""
+    env = {"FLOTILLA_CPU_MOE": "1"} if args.cpu_moe else {}
+    for flag in ("n_cpu_moe", "num_experts_offload_per_rank", "moe_offload_mode"):
+        if getattr(args, flag) is not None:
+            env[f"FLOTILLA_{flag.upper()}"] = str(getattr(args, flag))
+    return env
+
+
 def _device_ids(text: str) -> str:
     ids = text.replace(" ", "").split(",")
     if not all(i.isdigit() for i in ids):
@@ -148,6 +170,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         mcp_config=args.mcp_config, served_model_name=args.served_model_name,
         log_level=args.log_level, state_file=args.state_file, start_timeout_s=args.start_timeout,
         tp=args.tp, device_ids=args.device_ids, isq=args.isq, fp8_kvcache=args.fp8_kvcache,
+        moe_offload=moe_offload_env(args),
         ui=args.ui, api_keys=",".join(args.api_keys) if args.api_keys else None,
         nats_auth=args.nats_auth, nats_security=nats_security, run_dir=args.run_dir))
 

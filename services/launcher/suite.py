@@ -83,6 +83,8 @@ class SuiteOptions:
     device_ids: str | None = None  # "0,1": GPU of each engine rank (FLOTILLA_DEVICE_IDS)
     isq: str | None = None  # in-situ weight quantization of the engine (FLOTILLA_ISQ)
     fp8_kvcache: bool = False  # fp8 KV cache of the engine (FLOTILLA_KV_CACHE_DTYPE=fp8)
+    # MoE expert offload settings of the engine (FLOTILLA_CPU_MOE, FLOTILLA_N_CPU_MOE, ...)
+    moe_offload: dict[str, str] = field(default_factory=dict)
     ui: bool = False  # the gateway serves the chat web UI at / (FLOTILLA_UI)
     api_keys: str | None = None  # keys the gateway accepts, comma-separated (FLOTILLA_API_KEYS)
     nats_auth: bool = True  # a private nats-server requires a token generated for this start
@@ -227,7 +229,8 @@ class Suite:
                        **({"FLOTILLA_TP": str(opts.tp)} if opts.tp else {}),
                        **({"FLOTILLA_DEVICE_IDS": opts.device_ids} if opts.device_ids else {}),
                        **({"FLOTILLA_ISQ": opts.isq} if opts.isq else {}),
-                       **({"FLOTILLA_KV_CACHE_DTYPE": "fp8"} if opts.fp8_kvcache else {})},
+                       **({"FLOTILLA_KV_CACHE_DTYPE": "fp8"} if opts.fp8_kvcache else {}),
+                       **opts.moe_offload},
             "tools": ({"FLOTILLA_MCP_CONFIG": str(Path(opts.mcp_config).resolve())}
                       if opts.mcp_config else {}),
         }

@@ -24,6 +24,8 @@ Rules:
   [E_local, 2I], `experts.w2.bias` [E_local, H], loaded like the weights' rows) and the clamped
   SwiGLU (`swiglu`, kernels/activation.py) instead of silu_and_mul. llama4: the routing weight
   scales each expert's input instead of its output (`weight_on_input`).
+- Expert offload (layers/moe_offload.py): the last experts of a rank may live in host memory
+  (`MoEExperts.host`); the device stacks then hold the others and the layer's forward splits.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import kernels
 from kernels.activation import SwigluOAI
 from services.engine.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from services.engine.layers.linear import ReplicatedLinear
+from services.engine.layers.moe_offload import HostExperts, placement
 from services.engine.quant.base import ExpertQuantMethod, QuantConfig
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
@@ -159,14 +162,16 @@ class ExpertStack(nn.Module):
 
 
 class MoEExperts(nn.Module):
-    """This rank's experts, stacked: w13 (gate + up) and w2 (down)."""
+    """This rank's experts, stacked: w13 (gate + up) and w2 (down); with offload, the device
+    stacks hold local experts [0, D) and `host` the rest."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  bias: bool = False, swiglu: SwigluOAI | None = None,
                  quant_method: ExpertQuantMethod | None = None,
-                 weight_on_input: bool = False) -> None:
+                 weight_on_input: bool = False, prefix: str = "",
+                 host_method: ExpertQuantMethod | None = None) -> None:
         super().__init__()
-        if weight_on_input and quant_method is not None:
+        if weight_on_input and quant_method is not None and not quant_method.takes_input_weight:
             raise ValueError("quantized experts take the routing weight on their output only")
         self.weight_on_input = weight_on_input
         self.tp_size = get_tp_size()
@@ -174,16 +179,26 @@ class MoEExperts(nn.Module):
         self.first_expert = get_tp_rank() * self.num_local
         self.swiglu = swiglu
         self.quant_method = quant_method  # the loader runs its process_after_loading
-        self.w13 = ExpertStack(self.num_local, self.first_expert, 2 * intermediate_size,
+        on_device, on_host = placement(prefix, self.num_local)
+        self.w13 = ExpertStack(on_device, self.first_expert, 2 * intermediate_size,
                                hidden_size, parts=2, bias=bias, quant_method=quant_method)
-        self.w2 = ExpertStack(self.num_local, self.first_expert, hidden_size, intermediate_size,
+        self.w2 = ExpertStack(on_device, self.first_expert, hidden_size, intermediate_size,
                               parts=1, bias=bias, quant_method=quant_method)
+        self.host = (HostExperts(self, on_host, hidden_size, intermediate_size, bias,
+                                 host_method, ExpertStack) if on_host else None)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             local = topk_ids - self.first_expert
             topk_ids = torch.where((local >= 0) & (local < self.num_local), local, -1)
+        if self.host is not None:
+            return self.host.split_forward(self, hidden, topk_weights, topk_ids)
+        return self.run_device(hidden, topk_weights, topk_ids)
+
+    def run_device(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+        """The device stacks' experts for local ids (-1: none; split_forward masks the host's)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return kernels.fused_moe(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids,
@@ -209,10 +224,14 @@ class FusedMoE(nn.Module):
             raise ValueError(f"fused MoE experts support the silu gated activation only, got "
                              f"{hidden_act!r}")
         self.gate = Router(hidden_size, routing)
-        method = (quant_config.get_expert_method(f"{prefix}.experts")
-                  if quant_config is not None else None)
+
+        def method() -> ExpertQuantMethod | None:
+            return (quant_config.get_expert_method(f"{prefix}.experts")
+                    if quant_config is not None else None)
+
         self.experts = MoEExperts(routing.num_experts, hidden_size, intermediate_size,
-                                  expert_bias, swiglu, method, weight_on_input)
+                                  expert_bias, swiglu, method(), weight_on_input, prefix,
+                                  method())
         self.shared_name = shared_name if shared_experts is not None else None
         if shared_experts is not None:
             self.add_module(shared_name, shared_experts)

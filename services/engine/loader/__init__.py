@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from kernels.gguf_dequant import Q4_1
+from services.engine.layers.moe_offload import NO_OFFLOAD, ExpertOffload, building
 from services.engine.loader.gguf_loader import (
     GGUFCheckpoint,
     iter_gguf,
@@ -115,9 +116,11 @@ def load_model(
     device: torch.device | str = "cpu",
     quantization: str | None = None,
     load_format: str = "auto",
+    expert_offload: ExpertOffload = NO_OFFLOAD,
 ) -> LoadedModel:
     """load_format "dummy": only config.json is read and weights are random (benchmarks), in
-    the layout its `quantization_config` names if it has one."""
+    the layout its `quantization_config` names if it has one. `expert_offload`: which MoE
+    experts are built in host memory (layers/moe_offload.py)."""
     path = Path(path)
     if dtype not in SUPPORTED_MODEL_DTYPES:
         raise ValueError(f"model dtype {dtype} not supported; use one of {SUPPORTED_MODEL_DTYPES}")
@@ -130,7 +133,7 @@ def load_model(
         qcfg = config.hf_config.get("quantization_config")  # a pre-quantized layout (MXFP4)
         dummy_quant = (quant_config_from_hf(qcfg, ()) if qcfg else
                        get_quant_config(quantization))
-        with torch.device(device), _default_dtype(dtype):
+        with torch.device(device), _default_dtype(dtype), building(expert_offload):
             dummy = get_model_class(config.architecture)(config, dummy_quant)
         init_dummy_weights(dummy)
         return LoadedModel(dummy.eval(), config)
@@ -151,7 +154,7 @@ def load_model(
     else:
         raise FileNotFoundError(f"{path} is neither a GGUF file nor a directory with config.json "
                                 "and *.safetensors")
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype), building(expert_offload):
         model = model_cls(config, quant_config)
     load_weights(model, weights)
     return LoadedModel(model.eval(), config)

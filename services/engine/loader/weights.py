@@ -13,6 +13,8 @@ Rules:
   tied to the input embeddings (logged: such a model is for pooling; its generations mean
   nothing).
 - After loading, each module's `quant_method.process_after_loading` runs exactly once.
+- A parameter with `loaded_through` (the host twin of an offloaded expert stack) is filled by
+  its device twin's weight loader and is not missing on its own.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
                                                      ckpt_tensor):
             if not model.skip_weight(name):
                 loaded.add(_load_one(model, params, name, tensor))
-    missing = sorted(set(params) - loaded)
+    # host twins of offloaded experts load through their device parameter (layers/moe_offload)
+    missing = sorted(name for name in set(params) - loaded
+                     if not hasattr(params[name], "loaded_through"))
     if bare and missing == ["lm_head.weight"]:
         log.warning("the checkpoint is a base model without an LM head (an embedding model): "
                     "the head is tied to the input embeddings; use it for embeddings, score "
@@ -86,9 +90,12 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights for benchmarks (speed does not depend on values): small normal matrices,
     norm scales of one, so activations stay finite in bf16 through any depth. Runs where the
     parameters live (fast on a GPU), then the quant post-processing as after a real load."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}  # offloaded experts live on the CPU
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if param.device not in gens:
+                gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            gen = gens[param.device]
             if param.dtype == torch.uint8 and name.endswith(".scales"):  # MXFP4: 2^-3 groups
                 param.fill_(MXFP4_DUMMY_SCALE)
             elif param.dtype == torch.uint8 and name.endswith(".blocks"):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from services.engine.layers.moe import expert_weights_mapping
+from services.engine.layers.moe_offload import in_layer
 from services.engine.model_config import ModelConfig
 from services.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from services.engine.quant.base import QuantConfig
@@ -61,7 +62,8 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
                  layer: int) -> None:
         super().__init__(config, quant_config, prefix, layer)
-        self.mlp = self.make_mlp(config, quant_config, f"{prefix}.mlp", layer)
+        with in_layer(layer):  # expert offload places experts by decoder layer
+            self.mlp = self.make_mlp(config, quant_config, f"{prefix}.mlp", layer)
 
     def make_mlp(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
                  layer: int) -> nn.Module:

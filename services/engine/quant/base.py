@@ -157,7 +157,11 @@ class ExpertQuantMethod(ABC):
     quantized format: `create_weights` registers the parameters of one stack (w13 or w2; the
     stack attaches its per-expert weight_loader to each), `process_after_loading` runs once
     after loading (keep the packed weights for the kernels, or dequantize), `apply` runs the
-    experts for this rank's top-k pairs."""
+    experts for this rank's top-k pairs (on the tensors' device: an offloaded expert set,
+    layers/moe_offload.py, is a second instance whose tensors live on the CPU).
+    `takes_input_weight`: `apply` honours the experts' `weight_on_input` (llama4)."""
+
+    takes_input_weight: bool = False
 
     @abstractmethod
     def create_weights(self, stack: nn.Module, num_local: int, out_size: int,

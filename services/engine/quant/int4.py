@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.quant.base import QuantConfig, QuantMethod, layer_tensor, linear_2d
+from services.engine.quant.base import (
+    ExpertQuantMethod,
+    QuantConfig,
+    QuantMethod,
+    layer_tensor,
+    linear_2d,
+)
 from services.engine.quant.int8 import Int8WeightOnlyMethod
 
 GROUP_SIZE = 32
@@ -71,7 +77,8 @@ class Int4WeightOnlyMethod(QuantMethod):
 
 
 class Int4WeightOnlyConfig(QuantConfig):
-    """int4 groups for the linear layers; int8 per channel for the LM head; embeddings float."""
+    """int4 groups for the linear layers and MoE experts (quant/int4_experts.py); int8 per
+    channel for the LM head; embeddings float."""
 
     name = "int4"
 
@@ -80,6 +87,11 @@ class Int4WeightOnlyConfig(QuantConfig):
         if prefix == "lm_head" or not isinstance(input_size, int) or input_size % GROUP_SIZE:
             return Int8WeightOnlyMethod()
         return Int4WeightOnlyMethod()
+
+    def get_expert_method(self, prefix: str) -> ExpertQuantMethod | None:
+        from services.engine.quant.int4_experts import Int4ExpertMethod  # imports this module
+
+        return Int4ExpertMethod()
 
 
 __all__ = ["GROUP_SIZE", "Int4WeightOnlyConfig", "Int4WeightOnlyMethod", "quantize_groups"]
