@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from libs.common.errors import FlotillaError, invalid_request
-from libs.common.messages import ErrorInfo
 from libs.common.pooling_messages import PoolReply, PoolRequest
 from services.engine.admission import QueueLimits, check_deadline
 from services.engine.engine import RequestOutput
@@ -35,6 +34,7 @@ from services.engine.loop import EngineLoop
 from services.engine.pooling import PoolingParams
 from services.engine.pooling_config import ModelPooling
 from services.engine.request_error import RequestError
+from services.engine.wire import error_info
 
 
 class PoolingEngine(Protocol):
@@ -57,17 +57,6 @@ class PoolingEngine(Protocol):
 def encode_vector(vector: torch.Tensor) -> str:
     """A float32 vector as OpenAI's base64 embedding (little-endian float32 bytes)."""
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-
-
-def _error_info(error: RequestError) -> ErrorInfo:
-    return ErrorInfo(
-        status=error.status,
-        type=error.type,
-        message=error.message,
-        param=error.param,
-        code=error.code,
-        retry_after_s=error.retry_after_s,
-    )
 
 
 class PoolService:
@@ -131,7 +120,7 @@ class PoolService:
         crashed = self._crashed()
         if crashed is not None:
             return PoolReply(
-                error=_error_info(
+                error=error_info(
                     RequestError(
                         f"the engine failed: {crashed}", 503, "service_unavailable", "engine_failed"
                     )
@@ -151,7 +140,7 @@ class PoolService:
                 self.loop.queue_state().tokens_per_s,
             )
         if refusal is not None:
-            return PoolReply(error=_error_info(refusal))
+            return PoolReply(error=error_info(refusal))
         running = asyncio.get_running_loop()
         ids = [f"{req.request_id}.{i}" for i in range(len(req.prompts))]
         self._groups[req.request_id] = ids
@@ -171,7 +160,7 @@ class PoolService:
         vectors = []
         for out in outputs:
             if isinstance(out, BaseException):
-                return PoolReply(error=_error_info(RequestError.of(out, "pooling")))
+                return PoolReply(error=error_info(RequestError.of(out, "pooling")))
             assert out.pooled is not None  # on_output delivers only pooled outputs
             vectors.append(encode_vector(out.pooled))
         return PoolReply(embeddings=vectors, prompt_tokens=sum(len(p) for p in req.prompts))
