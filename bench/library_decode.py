@@ -79,13 +79,15 @@ async def _server(model: str, tokens: int, device: str, threads: int | None) -> 
     def on_crash(exc: BaseException) -> None:
         raise SystemExit(f"engine crashed: {exc!r}")
 
-    engine_loop = EngineLoop.for_service(engine, loop, on_outputs, on_crash, settings,
-                                         executor=thread)
+    engine_loop = EngineLoop.for_service(
+        engine, loop, on_outputs, on_crash, settings, executor=thread
+    )
     engine_loop.start()
     engine_loop.add("warm-up", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
     await done["warm-up"].wait()
-    engine_loop.add("decode", PROMPT,
-                    SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    engine_loop.add(
+        "decode", PROMPT, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    )
     await done["decode"].wait()
     engine_loop.stop()
     return _rate(stamps["decode"])
@@ -108,15 +110,30 @@ def main() -> None:
     for r in range(args.rounds):
         for side in ("server", "library"):
             out = subprocess.run(
-                [sys.executable, __file__, "--side", side, "--model", args.model,
-                 "--tokens", str(args.tokens), "--device", args.device,
-                 *(["--threads", str(args.threads)] if args.threads else [])],
-                capture_output=True, text=True, check=True)
+                [
+                    sys.executable,
+                    __file__,
+                    "--side",
+                    side,
+                    "--model",
+                    args.model,
+                    "--tokens",
+                    str(args.tokens),
+                    "--device",
+                    args.device,
+                    *(["--threads", str(args.threads)] if args.threads else []),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rate = float(out.stdout.strip().splitlines()[-1])
             best[side] = max(best[side], rate)
             print(f"round {r + 1}: {side:7s} {rate:7.1f} tok/s", flush=True)
-    print(f"best: library {best['library']:.1f} tok/s, server {best['server']:.1f} tok/s; "
-          f"library / server = {best['library'] / best['server']:.2f}")
+    print(
+        f"best: library {best['library']:.1f} tok/s, server {best['server']:.1f} tok/s; "
+        f"library / server = {best['library'] / best['server']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,7 @@ def defined_series() -> dict[str, set[str]]:
     timer.admitted(0.0)
     timer.data(0)
     timer.data(0)
-    timer.final(TextFinal(finish_reason="stop", usage=Usage(prompt_tokens=1,
-                                                            completion_tokens=1)))
+    timer.final(TextFinal(finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=1)))
     gateway.rate_limit_hit("key", "requests")
     gateway.http_requests.labels("/v1/models", "GET", "200").inc()
     gateway.rejections.labels("gateway", "too_large").inc()
@@ -108,8 +107,11 @@ def test_dashboard_queries_only_metrics_and_labels_the_services_define() -> None
         for metric in metrics:
             assert metric in series, f"the dashboard queries {metric}, which no service defines"
         labels = set().union(*(series[m] for m in metrics)) | PROMQL_BUILTIN_LABELS
-        used = {label for group in re.findall(r"\bby \(([^)]*)\)", expr)
-                for label in re.split(r",\s*", group)}
+        used = {
+            label
+            for group in re.findall(r"\bby \(([^)]*)\)", expr)
+            for label in re.split(r",\s*", group)
+        }
         used |= set(re.findall(r"\{\{(\w+)\}\}", json.dumps(expr)))
         used |= set(re.findall(r"[{,]\s*(\w+)\s*=~?", expr))
         assert used <= labels, f"{expr}: labels {used - labels} are not on {metrics}"
@@ -123,9 +125,17 @@ def test_dashboard_queries_only_metrics_and_labels_the_services_define() -> None
 
 def test_dashboard_shows_what_operators_look_at() -> None:
     titles = " | ".join(p["title"].lower() for p in dashboard()["panels"])
-    for view in ("throughput", "time to first token", "inter-token", "end-to-end",
-                 "queue depth", "kv-cache", "prefix-cache hit rate", "errors by cause",
-                 "per-service cpu"):
+    for view in (
+        "throughput",
+        "time to first token",
+        "inter-token",
+        "end-to-end",
+        "queue depth",
+        "kv-cache",
+        "prefix-cache hit rate",
+        "errors by cause",
+        "per-service cpu",
+    ):
         assert view in titles, view
     assert "histogram_quantile(0.99" in " ".join(dashboard_queries())
 
@@ -140,8 +150,13 @@ def test_prometheus_scrapes_every_service_where_it_serves_metrics() -> None:
     assert set(FLOTILLA_SERVICES) <= set(scraped), set(FLOTILLA_SERVICES) - set(scraped)
     for name in FLOTILLA_SERVICES:
         cls = settings_of(name)
-        settings = cls(**{k.removeprefix(ENV_PREFIX).lower(): v for k, v in env_of(name).items()
-                          if k.startswith(ENV_PREFIX)})
+        settings = cls(
+            **{
+                k.removeprefix(ENV_PREFIX).lower(): v
+                for k, v in env_of(name).items()
+                if k.startswith(ENV_PREFIX)
+            }
+        )
         if cls is GatewaySettings:  # /metrics on its API port
             assert scraped[name] == settings.port
         else:

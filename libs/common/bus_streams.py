@@ -31,8 +31,14 @@ F = TypeVar("F", bound=BaseModel)
 class StreamWriter(Generic[D, F]):
     """Sends one request's frames in order; heartbeats keep the reader patient while idle."""
 
-    def __init__(self, bus: Bus, subject: str, request_id: str,
-                 frame_cls: type[StreamFrame[D, F]], heartbeat_interval: float):
+    def __init__(
+        self,
+        bus: Bus,
+        subject: str,
+        request_id: str,
+        frame_cls: type[StreamFrame[D, F]],
+        heartbeat_interval: float,
+    ):
         self.bus, self.subject, self.request_id = bus, subject, request_id
         self.frame_cls = frame_cls
         self.interval = heartbeat_interval
@@ -46,8 +52,9 @@ class StreamWriter(Generic[D, F]):
     def closed(self) -> bool:
         return self._closed
 
-    async def _send(self, kind: Literal["data", "final", "error", "heartbeat"],
-                    **fields: Any) -> None:
+    async def _send(
+        self, kind: Literal["data", "final", "error", "heartbeat"], **fields: Any
+    ) -> None:
         async with self._lock:
             if self._closed:
                 return
@@ -63,8 +70,9 @@ class StreamWriter(Generic[D, F]):
                 return
             parts = split(data, self.bus.part_bytes)  # pushed in order; the reader joins them
             for index, part in enumerate(parts):
-                await self.bus.nc.publish(self.subject, part,
-                                          headers=push_headers(index, len(parts), None))
+                await self.bus.nc.publish(
+                    self.subject, part, headers=push_headers(index, len(parts), None)
+                )
 
     async def _beat(self) -> None:
         while not self._closed:
@@ -97,8 +105,13 @@ class StreamReader(Generic[D, F]):
 
     sub: Subscription | None = None
 
-    def __init__(self, frame_cls: type[StreamFrame[D, F]], timeout: float,
-                 deadline: Deadline | None = None, max_bytes: int = 64 * 1024 * 1024):
+    def __init__(
+        self,
+        frame_cls: type[StreamFrame[D, F]],
+        timeout: float,
+        deadline: Deadline | None = None,
+        max_bytes: int = 64 * 1024 * 1024,
+    ):
         self.frame_cls, self.timeout, self.deadline = frame_cls, timeout, deadline
         self._expected = 0
         self._done = False
@@ -165,8 +178,9 @@ class StreamReader(Generic[D, F]):
         while True:
             frame = decode(await self._receive(), self.frame_cls)
             if frame.seq != self._expected:
-                raise internal(f"stream {frame.request_id}: frame {self._expected} was lost "
-                               f"(got {frame.seq})")
+                raise internal(
+                    f"stream {frame.request_id}: frame {self._expected} was lost (got {frame.seq})"
+                )
             self._expected += 1
             if frame.kind == "heartbeat":
                 continue

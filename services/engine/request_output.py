@@ -31,8 +31,10 @@ class RequestOutput:
 
 
 def request_output(
-    request: Request, new_token_ids: list[int],
-    logprobs: list[TokenLogprobs] | None = None, num_output_tokens: int | None = None,
+    request: Request,
+    new_token_ids: list[int],
+    logprobs: list[TokenLogprobs] | None = None,
+    num_output_tokens: int | None = None,
 ) -> RequestOutput:
     """`request`'s output for this step: `new_token_ids`, and its finish state (a stopped
     request's stop id is its last token)."""
@@ -46,8 +48,9 @@ def request_output(
         finish_reason=request.finish_reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
-        num_output_tokens=(request.num_output_tokens if num_output_tokens is None
-                           else num_output_tokens),
+        num_output_tokens=(
+            request.num_output_tokens if num_output_tokens is None else num_output_tokens
+        ),
         logprobs=logprobs,
         stop_token_id=stop_id,
         error=request.error,

@@ -10,13 +10,21 @@ from services.engine.request_output import RequestOutput
 
 
 def error_info(error: RequestError) -> ErrorInfo:
-    return ErrorInfo(status=error.status, type=error.type, message=error.message,
-                     param=error.param, code=error.code, retry_after_s=error.retry_after_s)
+    return ErrorInfo(
+        status=error.status,
+        type=error.type,
+        message=error.message,
+        param=error.param,
+        code=error.code,
+        retry_after_s=error.retry_after_s,
+    )
 
 
 def prompt_logprobs(entries: list[TokenLogprobs | None]) -> list[TokenLogprob | None]:
-    return [None if e is None else TokenLogprob(token_id=e.token_id, logprob=e.logprob,
-                                                top=list(e.top)) for e in entries]
+    return [
+        None if e is None else TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=list(e.top))
+        for e in entries
+    ]
 
 
 def logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
