@@ -33,27 +33,19 @@ ONE_SPLIT_PROGRAMS = 128
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr,  # [T, Hq, D] one query row per sequence (row = query_start_loc[seq])
-    k_cache_ptr,
-    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
-    k_scale_ptr,
-    v_scale_ptr,  # KV_FP8: fp32 [num_blocks * BLOCK_SIZE, Hk] (else unused)
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
+    k_scale_ptr, v_scale_ptr,  # KV_FP8: fp32 [num_blocks * BLOCK_SIZE, Hk] (else unused)
     out_ptr,  # NUM_SPLITS == 1: final output [T, Hq, D]; else partial fp32 [B, Hq, NUM_SPLITS, D]
     lse_ptr,  # fp32 [B, Hq, NUM_SPLITS] log2-sum-exp of each split (unused if NUM_SPLITS == 1)
     sinks_ptr,  # USE_SINKS: [Hq] attention-sink logits, folded here when NUM_SPLITS == 1
     block_tables_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]
-    sm_scale,
-    softcap,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_ct,
-    stride_ch,  # cache strides (block, token, head), same for K and V
+    sm_scale, softcap, window,
+    stride_qt, stride_qh,
+    stride_cb, stride_ct, stride_ch,  # cache strides (block, token, head), same for K and V
     stride_bt,
-    stride_ot,
-    stride_oh,  # of the final output (NUM_SPLITS == 1)
+    stride_ot, stride_oh,  # of the final output (NUM_SPLITS == 1)
     num_q_heads,
     num_kv_heads,  # Hk: the scales' stride per slot
     HEAD_DIM: tl.constexpr,
@@ -107,8 +99,7 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
+        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
     )
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
@@ -121,112 +112,29 @@ def _decode_split_kernel(
     full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
     for start_n in range(lo, full_hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            seq_len,
-            start_n,
-            hi,
-            window,
-            k_base,
-            v_base,
-            table_ptr,
-            ks_base,
-            vs_base,
-            offs_d,
-            d_mask,
-            stride_cb,
-            stride_ct,
-            num_kv_heads,
-            sm_scale,
+            acc, m_i, l_i, q, seq_len, start_n, hi, window, k_base, v_base, table_ptr,
+            ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
             softcap,
-            BLOCK_SIZE,
-            BLOCK_N,
-            False,
-            False,
-            USE_SOFTCAP,
-            False,
-            DOT_PRECISION,
-            KV_FP8,
-            False,
+            BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8, False,
         )
     if full_hi < hi:
         acc, m_i, l_i = attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            seq_len,
-            full_hi,
-            hi,
-            window,
-            k_base,
-            v_base,
-            table_ptr,
-            ks_base,
-            vs_base,
-            offs_d,
-            d_mask,
-            stride_cb,
-            stride_ct,
-            num_kv_heads,
-            sm_scale,
+            acc, m_i, l_i, q, seq_len, full_hi, hi, window, k_base, v_base, table_ptr,
+            ks_base, vs_base, offs_d, d_mask, stride_cb, stride_ct, num_kv_heads, sm_scale,
             softcap,
-            BLOCK_SIZE,
-            BLOCK_N,
-            True,
-            False,
-            USE_SOFTCAP,
-            False,
-            DOT_PRECISION,
-            KV_FP8,
-            False,
+            BLOCK_SIZE, BLOCK_N, True, False, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8, False,
         )
     if USE_SINKS and NUM_SPLITS == 1:
         sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32)
         acc, l_i = fold_sink(acc, m_i, l_i, sink)
-    store_split_output(
-        acc,
-        m_i,
-        l_i,
-        out_ptr,
-        lse_ptr,
-        row,
-        seq,
-        split,
-        heads,
-        h_mask,
-        offs_d,
-        d_mask,
-        stride_ot,
-        stride_oh,
-        num_q_heads,
-        HEAD_DIM,
-        NUM_SPLITS,
-    )
+    store_split_output(acc, m_i, l_i, out_ptr, lse_ptr, row, seq, split, heads, h_mask, offs_d,
+                       d_mask, stride_ot, stride_oh, num_q_heads, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
-def store_split_output(
-    acc,
-    m_i,
-    l_i,
-    out_ptr,
-    lse_ptr,
-    row,
-    seq,
-    split,
-    heads,
-    h_mask,
-    offs_d,
-    d_mask,
-    stride_ot,
-    stride_oh,
-    num_heads,
-    WIDTH: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
+def store_split_output(acc, m_i, l_i, out_ptr, lse_ptr, row, seq, split, heads, h_mask, offs_d,
+                       d_mask, stride_ot, stride_oh, num_heads, WIDTH: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr):
     """A decode program's rows (heads x WIDTH) normalised: straight into out [T, H, WIDTH] with
     one split, else into the fp32 partials [B, H, NUM_SPLITS, WIDTH] with their log2-sum-exp
     (-inf for an empty split) for `_decode_reduce_kernel`."""
@@ -249,10 +157,8 @@ def _decode_reduce_kernel(
     out_ptr,  # [T, Hq, D]
     query_start_loc_ptr,  # int32 [B + 1]
     sinks_ptr,  # USE_SINKS: [Hq] attention-sink logits
-    stride_ot,
-    stride_oh,
-    num_q_heads,
-    head_dim,
+    stride_ot, stride_oh,
+    num_q_heads, head_dim,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
@@ -273,11 +179,8 @@ def _decode_reduce_kernel(
     has_token = tl.load(query_start_loc_ptr + seq + 1) > row
     pdl_wait(USE_PDL)
     lse = tl.load(lse_ptr + base + offs_s)
-    part = tl.load(
-        partial_ptr + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
-        mask=d_mask[None, :],
-        other=0.0,
-    )
+    part = tl.load(partial_ptr + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
+                   mask=d_mask[None, :], other=0.0)
     m = tl.max(lse, 0)
     if USE_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
@@ -288,11 +191,8 @@ def _decode_reduce_kernel(
     if USE_SINKS:
         total += tl.exp2(sink - m)
     out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_mask & has_token,
-    )
+    tl.store(out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask & has_token)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
@@ -363,69 +263,33 @@ def decode_attention_triton(
     if num_splits == 1:
         partial = lse = out
     else:
-        partial = torch.empty(
-            num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
-        )
-        lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial = torch.empty(num_seqs, num_q_heads, num_splits, head_dim,
+                              dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32,
+                          device=q.device)
     k_scale, v_scale = kv_scales if kv_scales is not None else (k_cache, v_cache)
     sinks_arg = q if sinks is None else sinks
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        k_scale,
-        v_scale,
-        partial,
-        lse,
-        sinks_arg,
-        meta.block_tables,
+        q, k_cache, v_cache, k_scale, v_scale, partial, lse, sinks_arg, meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
-        scale,
-        logit_softcap or 1.0,
-        window or 0,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        meta.block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        num_q_heads,
-        num_kv_heads,
-        HEAD_DIM=head_dim,
-        GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
+        scale, logit_softcap or 1.0, window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        num_q_heads, num_kv_heads, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         USE_SOFTCAP=logit_softcap is not None,
         USE_WINDOW=window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        KV_FP8=kv_scales is not None,
-        USE_SINKS=sinks is not None,
-        CHUNKED=chunked,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl_args(q),
+        KV_FP8=kv_scales is not None, USE_SINKS=sinks is not None, CHUNKED=chunked,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            partial,
-            lse,
-            out,
-            meta.query_start_loc,
-            sinks_arg,
-            out.stride(0),
-            out.stride(1),
-            num_q_heads,
-            head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_D=block_d,
-            num_warps=4,
-            USE_SINKS=sinks is not None,
-            **pdl_args(q),
+            partial, lse, out, meta.query_start_loc, sinks_arg, out.stride(0), out.stride(1),
+            num_q_heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4,
+            USE_SINKS=sinks is not None, **pdl_args(q),
         )
     return out
