@@ -78,6 +78,10 @@ SUITE: dict[str, Benchmark] = {
         "cpu_engine.py", "CPU", "cpu",
         "batch-1 CPU decode through Engine.step and a long prefill's stall of a running stream",
         "fairness: the 8192-token budget (the whole prompt in one step) in the same run"),
+    "library": Benchmark(
+        "library_decode.py", "engine", "cpu or gpu",
+        "batch-1 decode of the library API (`LLM()` with its defaults)",
+        "the engine as the engine service builds and steps it, in the same run"),
     "host": Benchmark(
         "host_overhead.py", "engine", "cpu or gpu",
         "the engine's host work per step (forward made negligible), per phase",

@@ -2,7 +2,8 @@
 
 Rules:
 - Routing (`Router`, `RoutingConfig`) follows the HF reference of each family. Router logits are
-  computed in the model dtype (fp32 with `router_fp32`, as deepseek does); scores are the softmax
+  computed in the model dtype (fp32 with `router_fp32`, as deepseek does, its weight then stored
+  in fp32); scores are the softmax
   (fp32) or sigmoid of the logits. Plain top-k picks the k best scores. Grouped top-k (deepseek:
   `n_group` / `topk_group`) first keeps the `topk_group` best groups of experts - a group scores
   its best expert (softmax) or the sum of its best two (sigmoid) - and picks the k best inside
@@ -77,7 +78,10 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, routing: RoutingConfig) -> None:
         super().__init__()
         self.routing = routing
-        self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size),
+        # An fp32 router keeps its weight fp32 (transformers' _keep_in_fp32_modules_strict for
+        # GLM-4.5's gate.weight): a checkpoint that stores it in fp32 loses nothing.
+        dtype = torch.float32 if routing.router_fp32 else None
+        self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
@@ -174,10 +178,14 @@ class MoEExperts(nn.Module):
                  bias: bool = False, swiglu: SwigluOAI | None = None,
                  quant_method: ExpertQuantMethod | None = None,
                  weight_on_input: bool = False, prefix: str = "",
-                 host_method: ExpertQuantMethod | None = None) -> None:
+                 host_method: ExpertQuantMethod | None = None,
+                 activation: str = "silu") -> None:
         super().__init__()
         if weight_on_input and quant_method is not None and not quant_method.takes_input_weight:
             raise ValueError("quantized experts take the routing weight on their output only")
+        if activation != "silu" and quant_method is not None:
+            raise ValueError(f"quantized experts run silu (or gpt-oss's SwiGLU), not {activation}")
+        self.activation = activation
         self.weight_on_input = weight_on_input
         self.tp_size = get_tp_size()
         self.num_local = divide(num_experts, self.tp_size, "expert count")
@@ -207,7 +215,8 @@ class MoEExperts(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return kernels.fused_moe(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids,
-                                 self.w13.bias, self.w2.bias, self.swiglu, self.weight_on_input)
+                                 self.w13.bias, self.w2.bias, self.swiglu, self.weight_on_input,
+                                 self.activation)
 
 
 class FusedMoE(nn.Module):

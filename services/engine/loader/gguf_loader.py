@@ -21,6 +21,10 @@ Rules:
   from gguf_configs.py.
 - Tied embeddings are inferred from the absence of an `output.weight` tensor.
 - A split GGUF (`-00001-of-0000N.gguf`) is read as one file (gguf_split.py).
+- A reranker (llama.cpp's pooling type RANK, Qwen3-Reranker) keeps only the LM head's rows of
+  its labels ("yes", "no") as `cls.output`: the head is rebuilt as the input embeddings (what
+  a tied head is; an untied one's other rows are lost, so its generations mean nothing) with
+  the labels' rows from `cls.output`, so the scorer's yes / no logits are the checkpoint's.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ GGML_MXFP4 = 39  # ggml's type id of MXFP4 blocks
 # Arrays too large to turn into Python lists just to build a config.
 _SKIPPED_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                    "tokenizer.ggml.merges"}
+
+
+_CLS_OUT = "cls.output.weight"
 
 
 class GGUFCheckpoint(NamedTuple):
@@ -96,8 +103,9 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     long, short = _vector(reader, "rope_factors_long.weight"), _vector(reader,
                                                                        "rope_factors_short.weight")
     meta = _metadata(reader)
+    tied = "output.weight" not in names and _CLS_OUT not in names
     config = ModelConfig.from_gguf_metadata(
-        meta, "output.weight" not in names, _vector(reader, "rope_freqs.weight"),
+        meta, tied, _vector(reader, "rope_freqs.weight"),
         longrope_factors=(long, short) if long is not None and short is not None else None)
     if arch == "deepseek2":
         config = deepseek2_config(config, meta, any(n.endswith(".exp_probs_b.bias")
@@ -187,5 +195,21 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
             array = array.copy()
         out = torch.from_numpy(array)
         yield name, (QuantBytes.wrap(out, int(tensor.tensor_type)) if raw else out)
+    if any(t.name == _CLS_OUT for t in reader.tensors):
+        yield "lm_head.weight", _reranker_head(reader)
     if kv_b_parts:
         raise ValueError(f"GGUF has only one half (attn_k_b / attn_v_b) of {sorted(kv_b_parts)}")
+
+
+def _reranker_head(reader: GGUFReader | GGUFSet) -> torch.Tensor:
+    """The LM head of a RANK-pooling GGUF: the input embeddings with the rows of the
+    classifier's labels (`{arch}.classifier.output_labels`, tokens of the vocabulary) taken
+    from `cls.output` (see the module rules)."""
+    tensors = {t.name: t for t in reader.tensors}
+    head = torch.from_numpy(_dequantized(tensors["token_embd.weight"]).copy())
+    labels = reader.fields[f"{_arch(reader)}.classifier.output_labels"].contents()
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    rows = _dequantized(tensors[_CLS_OUT])
+    for label, row in zip(labels, rows, strict=True):
+        head[tokens.index(label)] = torch.from_numpy(row.copy())
+    return head
