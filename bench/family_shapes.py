@@ -186,6 +186,23 @@ FAMILIES: dict[str, Family] = {
         _HYBRID, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         num_experts=32, num_experts_per_tok=8)),
         "Qwen3.5-35B-A3B text, 256->32 experts top-8, 1 linear + 1 full layer"),
+    "minimax_m2": Family(Case("minimax_m2", dict(
+        hidden_size=3072, intermediate_size=1536, num_attention_heads=48, num_key_value_heads=8,
+        head_dim=128, num_local_experts=32, num_experts_per_tok=8, rms_norm_eps=1e-6,
+        max_position_embeddings=196608,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                         "partial_rotary_factor": 0.5})),
+        "MiniMax-M2, 256->32 experts top-8"),
+    # 64-token prompts are far below index_topk (2048): the indexer keeps every key, so
+    # transformers' sparse attention is the dense one the engine runs
+    "deepseek_v32": Family(Case("deepseek_v32", dict(
+        _MLA, hidden_size=7168, intermediate_size=18432, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, moe_intermediate_size=2048,
+        n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        index_topk=2048, index_n_heads=64, index_head_dim=128,
+        rope_parameters=dict(_DEEPSEEK_YARN, mscale=1.0, mscale_all_dim=1.0))),
+        "DeepSeek-V3.2 (dense fallback), 256->32 experts top-8, 1 dense + 1 MoE layer"),
 }
 
 # --smoke: each size onto the CPU tests' tiny value; routing, rope kinds and flags stay.

@@ -7,8 +7,8 @@ every router call (one [T, K] tensor per MoE layer, in call order) so two runs o
 prompt can be compared token by token with `routing_flips`.
 
 Routers are found by type, not by name: transformers' `*TopKRouter` / `*TopkRouter` modules
-(output (logits, weights, indices)) and the engine's `services.engine.layers.moe.Router`
-(output (weights, ids)).
+(output (logits, weights, indices)) and the engine's `services.engine.layers.moe.Router` and
+`Gemma4Router` (output (weights, ids)).
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ import torch
 from torch import nn
 
 from services.engine.layers.moe import Router
+from services.engine.models.gemma4_moe import Gemma4Router
+
+ENGINE_ROUTERS = (Router, Gemma4Router)  # output (weights, ids)
 
 
 def _indices(module: nn.Module, output: Any) -> torch.Tensor | None:
-    if isinstance(module, Router):
+    if isinstance(module, ENGINE_ROUTERS):
         return output[1]
     if type(module).__name__ == "Llama4Router":  # (scores, logits): unchosen experts score 0
         return output[0].topk(module.top_k, dim=-1).indices
@@ -44,7 +47,7 @@ def capture_routing(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             calls.append(ids.detach().reshape(-1, ids.shape[-1]).to("cpu", torch.int64))
 
     handles = [m.register_forward_hook(hook) for m in model.modules()
-               if isinstance(m, Router) or type(m).__name__.lower().endswith("router")]
+               if isinstance(m, ENGINE_ROUTERS) or type(m).__name__.lower().endswith("router")]
     try:
         yield calls
     finally:

@@ -48,6 +48,16 @@ SUITE: dict[str, Benchmark] = {
         "quant_bench.py", "quantization", "gpu",
         "decode with GPTQ / AWQ / fp8 / GGUF / in-situ quantized weights", "bf16 in the same run "
         "and the weight-bytes bandwidth limit"),
+    "gguf-moe": Benchmark(
+        "gguf_moe_bench.py", "quantization", "gpu",
+        "GPU memory of a Qwen3-30B-A3B-shaped Q4_K_M GGUF (few layers, every matrix kept "
+        "quantized) and its B1 / B16 decode", "the file's size (+ KV cache) and the bf16 "
+        "model's bytes"),
+    "gguf-check": Benchmark(
+        "gguf_gpu_check.py", "kernels", "gpu",
+        "every GGUF type's GEMV / GEMM and the GGUF fused MoE (Qwen3-30B-A3B shape) at real "
+        "sizes: error and time", "dequantize-then-matmul / the torch MoE over dequantized "
+        "experts; the float-expert fused MoE's time"),
     "w4batch": Benchmark(
         "w4a16_batched.py", "quantization", "gpu",
         "4-bit GEMMs at batched-decode rows (M = 2..64) per Llama-3-8B projection "
@@ -68,6 +78,10 @@ SUITE: dict[str, Benchmark] = {
         "cpu_engine.py", "CPU", "cpu",
         "batch-1 CPU decode through Engine.step and a long prefill's stall of a running stream",
         "fairness: the 8192-token budget (the whole prompt in one step) in the same run"),
+    "library": Benchmark(
+        "library_decode.py", "engine", "cpu or gpu",
+        "batch-1 decode of the library API (`LLM()` with its defaults)",
+        "the engine as the engine service builds and steps it, in the same run"),
     "host": Benchmark(
         "host_overhead.py", "engine", "cpu or gpu",
         "the engine's host work per step (forward made negligible), per phase",
@@ -121,7 +135,8 @@ SUITE: dict[str, Benchmark] = {
 RUNNERS = frozenset({"run.py", "gpu_run.sh"})
 # imported by the benchmarks above or by tests, never run alone
 HELPERS = frozenset({"__init__.py", "family_shapes.py", "moe_pass_rule.py",
-                     "routing_flips.py", "gateway_pieces.py", "sse_client.py", "step_log.py"})
+                     "routing_flips.py", "gateway_pieces.py", "sse_client.py", "step_log.py",
+                     "gguf_moe_file.py"})
 
 
 def table() -> str:

@@ -68,17 +68,20 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and selection.current().kernels != "torch"
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] -> (x * rsqrt(mean(x^2) + eps)) * weight, statistics in fp32."""
-    return (rms_norm_triton if use_triton(x) else rms_norm_ref)(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             round_normed: bool = True) -> torch.Tensor:
+    """x [T, H] -> (x * rsqrt(mean(x^2) + eps)) * weight, statistics in fp32; the normalised
+    row is rounded to x's dtype before the scale unless `round_normed` is False (gpt-oss)."""
+    return (rms_norm_triton if use_triton(x) else rms_norm_ref)(x, weight, eps, round_normed)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    round_normed: bool = True,
 ) -> AddNormOutput:
     """new_residual = x + residual; returns (rms_norm(new_residual), new_residual)."""
     fn = fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_ref
-    return fn(x, residual, weight, eps)
+    return fn(x, residual, weight, eps, round_normed)
 
 
 def fused_moe(
@@ -91,14 +94,16 @@ def fused_moe(
     b2: torch.Tensor | None = None,
     swiglu: SwigluOAI | None = None,
     weight_on_input: bool = False,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """Mixture of experts, x [T, H] -> [T, H]: sum over k of topk_weights[t, k] *
     W2[e] @ silu_and_mul(W13[e] @ x[t]) with e = topk_ids[t, k]; w13 [E, 2I, H] (gate rows, then
     up rows), w2 [E, H, I]. Ids outside [0, E) (other ranks' experts) contribute nothing.
     Optional biases b13 [E, 2I] / b2 [E, H]; `swiglu`: gpt-oss's clamped SwiGLU instead;
-    `weight_on_input`: the weight scales x[t] instead (llama4)."""
+    `activation="gelu_tanh"`: gelu_tanh(gate) * up (Gemma 4); `weight_on_input`: the weight
+    scales x[t] instead (llama4)."""
     fn = fused_moe_triton if use_triton(x) else fused_moe_ref
-    return fn(x, w13, w2, topk_weights, topk_ids, b13, b2, swiglu, weight_on_input)
+    return fn(x, w13, w2, topk_weights, topk_ids, b13, b2, swiglu, weight_on_input, activation)
 
 
 def rotary_embedding(

@@ -6,8 +6,11 @@ W13 [E, 2I, H] stacks each expert's gate rows then up rows, W2 [E, H, I] its dow
 (nn.Linear layout: out x in). Pairs whose expert id is outside [0, E) contribute nothing: that is
 how a rank skips the experts other tensor-parallel ranks own. Optional per-expert biases b13
 [E, 2I] / b2 [E, H] are added to the projections (b2 before the top-k weight), and `swiglu`
-(kernels/activation.py SwigluOAI, gpt-oss) replaces silu_and_mul. With `weight_on_input`
-(llama4) the top-k weight scales the token's input to the expert instead of its output.
+(kernels/activation.py SwigluOAI, gpt-oss) replaces silu_and_mul; `activation="gelu_tanh"`
+(Gemma 4's experts) takes gelu_tanh(gate) * up instead, as torch ops rounded as transformers
+rounds them (no kernel of its own: elementwise between the two grouped GEMMs). With
+`weight_on_input` (llama4) the top-k weight scales the token's input to the expert instead of
+its output.
 
 Triton path (the vLLM / SGLang scheme):
 1. `moe_align_block_size` sorts the T*K (token, expert) pairs by expert and pads each expert's
@@ -45,8 +48,10 @@ def fused_moe_ref(
     b2: torch.Tensor | None = None,
     swiglu: SwigluOAI | None = None,
     weight_on_input: bool = False,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """Loop over the experts that received tokens: gather, gated MLP, weight, scatter-add."""
+    _check_activation(activation, swiglu)
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
@@ -60,15 +65,35 @@ def fused_moe_ref(
         if weight_on_input:
             rows = rows * flat_weights[pairs, None].to(rows.dtype)
         gate_up = F.linear(rows, w13[expert], None if b13 is None else b13[expert])
-        if swiglu is None:
-            hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        else:
+        if swiglu is not None:
             hidden = swiglu_oai_ref(gate_up, swiglu)
+        elif activation == "gelu_tanh":
+            hidden = gelu_tanh_and_mul(gate_up)
+        else:
+            hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = F.linear(hidden, w2[expert], None if b2 is None else b2[expert]).float()
         if not weight_on_input:
             y = y * flat_weights[pairs, None].float()
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _check_activation(activation: str, swiglu: SwigluOAI | None) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unsupported expert activation {activation!r}; supported: "
+                         f"{', '.join(ACTIVATIONS)}")
+    if swiglu is not None and activation != "silu":
+        raise ValueError("the clamped SwiGLU replaces the activation; pass one or the other")
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate, up halves) -> gelu_tanh(gate) * up, each op rounded to the input dtype
+    (transformers' `act_fn(gate) * up`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def moe_align_block_size(
@@ -221,11 +246,13 @@ def fused_moe_triton(
     b2: torch.Tensor | None = None,
     swiglu: SwigluOAI | None = None,
     weight_on_input: bool = False,
+    activation: str = "silu",
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
 ) -> torch.Tensor:
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    _check_activation(activation, swiglu)
     if weight_on_input and b13 is not None:
         raise ValueError("weight_on_input with a gate_up bias is not a linear scaling")
     num_tokens, top_k = topk_ids.shape
@@ -242,7 +269,12 @@ def fused_moe_triton(
     _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, top_k, weight_on_input,
                   block_m, block_n, block_k, b13)
     # rows of dropped pairs are garbage, never read
-    hidden = silu_and_mul_triton(gate_up) if swiglu is None else swiglu_oai_triton(gate_up, swiglu)
+    if swiglu is not None:
+        hidden = swiglu_oai_triton(gate_up, swiglu)
+    elif activation == "gelu_tanh":
+        hidden = gelu_tanh_and_mul(gate_up)
+    else:
+        hidden = silu_and_mul_triton(gate_up)
     # Zero-filled: pairs routed to other ranks' experts are never written and must add nothing.
     down = torch.zeros(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(hidden, w2, down, weights, sorted_ids, expert_ids, 1, not weight_on_input,

@@ -14,6 +14,14 @@ follow the `gguf` package's reference `dequantize` (gguf.quants), which the test
     Q4_K  d | dmin | scales[12] | qs[128]     w = d * sc6 * q4 - dmin * m6        (32-weight groups)
     Q5_K  d | dmin | scales[12] | qh[32] | qs[128]   as Q4_K with a fifth bit
     Q6_K  ql[128] | qh[64] | scales int8[16] | d     w = d * sc8 * (q6 - 32)      (16-weight groups)
+    IQ4_NL  d f16 | qs[16]                           w = d * K[q4]     (K: a 16-value int8 grid)
+    IQ4_XS  d f16 | scales_h u16 | scales_l[4] | qs[128]   w = d * (sc6 - 32) * K[q4]
+            (32-weight groups; sub-block j: qs[16j..16j+15], sc6 = nibble j of scales_l |
+            bits 2j..2j+1 of scales_h << 4)
+
+The grid types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: kernels/gguf_iq.py.
+The IQ4 grid K (llama.cpp's kvalues_iq4nl) is read from gguf.quants at import, not copied; the
+Triton decoder looks it up in two 64-bit constants of eight biased bytes each.
 
 The Triton side decodes one 32-weight group `g` of a block at a time (`dequant_group`), which is
 what both matmul kernels (kernels/gguf_matmul.py) iterate over. Every type size is even, so the f16
@@ -27,6 +35,18 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
+
+from kernels.gguf_iq import (
+    IQ2_S,
+    IQ2_XS,
+    IQ2_XXS,
+    IQ3_S,
+    IQ3_XXS,
+    IQ_GRID_TYPES,
+    dequant_iq_group,
+    dequantize_iq_ref,
+)
 
 
 class GGUFType(NamedTuple):
@@ -37,13 +57,29 @@ class GGUFType(NamedTuple):
 
 # ggml type ids (gguf.GGMLQuantizationType values) of the types the kernels decode.
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
+IQ4_NL, IQ4_XS = 20, 23
 GGUF_TYPES: dict[int, GGUFType] = {
     Q4_0: GGUFType("Q4_0", 32, 18), Q4_1: GGUFType("Q4_1", 32, 20),
     Q5_0: GGUFType("Q5_0", 32, 22), Q5_1: GGUFType("Q5_1", 32, 24),
     Q8_0: GGUFType("Q8_0", 32, 34), Q2_K: GGUFType("Q2_K", 256, 84),
     Q3_K: GGUFType("Q3_K", 256, 110), Q4_K: GGUFType("Q4_K", 256, 144),
     Q5_K: GGUFType("Q5_K", 256, 176), Q6_K: GGUFType("Q6_K", 256, 210),
+    IQ4_NL: GGUFType("IQ4_NL", 32, 18), IQ4_XS: GGUFType("IQ4_XS", 256, 136),
+    IQ2_XXS: GGUFType("IQ2_XXS", 256, 66), IQ2_XS: GGUFType("IQ2_XS", 256, 74),
+    IQ2_S: GGUFType("IQ2_S", 256, 82), IQ3_XXS: GGUFType("IQ3_XXS", 256, 98),
+    IQ3_S: GGUFType("IQ3_S", 256, 110),
 }
+IQ4_GRID: tuple[int, ...] = tuple(int(v) for v in _GGUF_IQ4_NL.kvalues)  # 16 int8 values
+
+
+def _packed_grid(values: tuple[int, ...]) -> int:
+    """Eight int8 values as the bytes (value + 128) of a signed 64-bit integer."""
+    word = sum((v + 128) << (8 * i) for i, v in enumerate(values))
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+_IQ4_LO = tl.constexpr(_packed_grid(IQ4_GRID[:8]))
+_IQ4_HI = tl.constexpr(_packed_grid(IQ4_GRID[8:]))
 
 
 def gguf_type(qtype: int) -> GGUFType:
@@ -135,6 +171,18 @@ def _dequant_blocks(b: torch.Tensor, qtype: int) -> torch.Tensor:
             qh = _shifted(b[:, None, 16:48], list(range(8)), 1).reshape(nb, 8, 32)
             q = q | (qh << 4)
         return ((d * sc)[:, :, None] * q.float() - (dmin * mn)[:, :, None]).reshape(nb, 256)
+    if qtype in IQ_GRID_TYPES:
+        return dequantize_iq_ref(b, qtype)
+    if qtype == IQ4_NL:
+        grid = torch.tensor(IQ4_GRID, dtype=torch.float32, device=b.device)
+        return _half(b[:, :2]) * grid[_nibbles(b[:, 2:]).long()]
+    if qtype == IQ4_XS:
+        grid = torch.tensor(IQ4_GRID, dtype=torch.float32, device=b.device)
+        low = _shifted(b[:, None, 4:8], [0, 4], 15).permute(0, 3, 2, 1).reshape(nb, 8)
+        high = _shifted(b[:, None, 2:4], [0, 2, 4, 6], 3).permute(0, 3, 2, 1).reshape(nb, 8)
+        sc = (low | (high << 4)).float() - 32
+        q = _nibbles(b[:, 8:].reshape(nb * 8, 16)).reshape(nb, 8, 32)
+        return (_half(b[:, :2]) * sc)[:, :, None].mul(grid[q.long()]).reshape(nb, 256)
     if qtype == Q6_K:
         ql, qh, d = b[:, :128], b[:, 128:192], _half(b[:, 208:210])
         sc = b[:, 192:208].contiguous().view(torch.int8).float()
@@ -201,9 +249,17 @@ def _i8(ptr, off, mask):
 
 
 @triton.jit
+def _iq4_value(q):
+    """IQ4 codes (int32 in [0, 16)) -> their grid values as float32."""
+    word = tl.where(q < 8, _IQ4_LO, _IQ4_HI)
+    return (((word >> (8 * (q & 7)).to(tl.int64)) & 255) - 128).to(tl.float32)
+
+
+@triton.jit
 def dequant_group(
     u8_ptr,  # the block bytes
     f16_ptr,  # the same bytes viewed as f16 (all block sizes and f16 fields are 2-aligned)
+    grid_ptr,  # float32 grid of the IQ2_* / IQ3_* types (kernels/gguf_iq.py iq_grid)
     blk,  # int64 [A, B]: byte offset of the block each (a, b) reads
     mask,  # bool [A, B]: False -> the group decodes to zeros
     g: tl.constexpr,  # which 32-weight group of the block (0 for the 32-weight types)
@@ -259,6 +315,17 @@ def dequant_group(
         scale = _f16(f16_ptr, blk, mask) * _kscale(u8_ptr, blk, mask, g, False)
         mn = _f16(f16_ptr, blk + 2, mask) * _kscale(u8_ptr, blk, mask, g, True)
         w = tl.expand_dims(scale, 2) * q.to(tl.float32) - tl.expand_dims(mn, 2)
+    elif QTYPE == 16 or QTYPE == 17 or QTYPE == 18 or QTYPE == 21 or QTYPE == 22:
+        w = dequant_iq_group(u8_ptr, f16_ptr, grid_ptr, blk, mask, g, QTYPE)
+    elif QTYPE == 20:  # IQ4_NL
+        q = (_u8(u8_ptr, b + 2 + l % 16, m) >> (4 * (l // 16))) & 15
+        w = tl.expand_dims(_f16(f16_ptr, blk, mask), 2) * _iq4_value(q)
+    elif QTYPE == 23:  # IQ4_XS: group g = sub-block g
+        q = (_u8(u8_ptr, b + 8 + 16 * g + l % 16, m) >> (4 * (l // 16))) & 15
+        low = (_u8(u8_ptr, blk + 4 + g // 2, mask) >> (4 * (g % 2))) & 15
+        high = (_u8(u8_ptr, blk + 2 + g // 4, mask) >> (2 * (g % 4))) & 3
+        dl = _f16(f16_ptr, blk, mask) * ((low | (high << 4)) - 32).to(tl.float32)
+        w = tl.expand_dims(dl, 2) * _iq4_value(q)
     else:  # Q6_K: group g = half g // 4, quarter j = g % 4 of it
         n: tl.constexpr = g // 4
         j: tl.constexpr = g % 4

@@ -35,6 +35,7 @@ from kernels.gguf_dequant import (
     gguf_in_features,
     gguf_type,
 )
+from kernels.gguf_iq import iq_grid
 from kernels.gguf_kquant_gemm import kquant_gemm_config, kquant_gemm_launch, kquant_gemm_ok
 from kernels.gguf_kquant_gemv import kquant_gemv_triton
 
@@ -52,6 +53,7 @@ def _gemv_kernel(
     x_ptr,  # [M, K] activations, unit stride along K
     w_ptr,  # uint8 [N, row_bytes] blocks
     w16_ptr,  # the same bytes viewed as f16
+    grid_ptr,  # float32 IQ grid (kernels/gguf_iq.py iq_grid)
     out_ptr,  # [M, N] in x's dtype
     N,
     K,
@@ -80,7 +82,7 @@ def _gemv_kernel(
         blk = row_off[:, None] + (bidx * TYPE_SIZE)[None, :]
         ok = row_ok[:, None] & b_ok[None, :]
         for g in tl.static_range(QK // 32):
-            w = dequant_group(w_ptr, w16_ptr, blk, ok, g, QTYPE)
+            w = dequant_group(w_ptr, w16_ptr, grid_ptr, blk, ok, g, QTYPE)
             xk = (bidx * QK + g * 32)[:, None] + l[None, :]
             x = tl.load(x_row + xk, mask=b_ok[:, None], other=0.0).to(tl.float32)
             acc += w * x[None, :, :]
@@ -93,6 +95,7 @@ def _gemm_kernel(
     x_ptr,  # [M, K] activations, unit stride along K
     w_ptr,  # uint8 [N, row_bytes] blocks
     w16_ptr,  # the same bytes viewed as f16
+    grid_ptr,  # float32 IQ grid (kernels/gguf_iq.py iq_grid)
     out_ptr,  # [M, N]: x's dtype, or fp32 (zero-filled) when split_k > 1
     M,
     N,
@@ -135,7 +138,7 @@ def _gemm_kernel(
         xk = tl.reshape((bidx * QK)[:, None] + l[None, :], [NSB * 32])
         xk_ok = tl.reshape(b_ok[:, None] & (l < 32)[None, :], [NSB * 32])
         for g in tl.static_range(QK // 32):
-            w = dequant_group(w_ptr, w16_ptr, blk, ok, g, QTYPE)
+            w = dequant_group(w_ptr, w16_ptr, grid_ptr, blk, ok, g, QTYPE)
             w = tl.reshape(w, [BLOCK_N, NSB * 32]).to(x_ptr.dtype.element_ty)
             x = tl.load(x_rows + (xk + g * 32)[None, :], mask=m_ok[:, None] & xk_ok[None, :],
                         other=0.0)
@@ -226,7 +229,8 @@ def gguf_matmul_triton(
         bn = block_n or 8
         nsb = 8 if t.qk == 256 else 32
         _gemv_kernel[(triton.cdiv(n, bn), m)](
-            x2, qweight, w16, out, n, k, x2.stride(0), qweight.stride(0), out.stride(0),
+            x2, qweight, w16, iq_grid(qtype, x.device, w16), out, n, k, x2.stride(0),
+            qweight.stride(0), out.stride(0),
             QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_N=bn, NSB=nsb, num_warps=4,
         )
         return out.reshape(*x.shape[:-1], n)
@@ -254,7 +258,8 @@ def gguf_matmul_triton(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)
     _gemm_kernel[grid](
-        x2, qweight, w16, out, m, n, k, x2.stride(0), qweight.stride(0), out.stride(0), split_k,
+        x2, qweight, w16, iq_grid(qtype, x.device, w16), out, m, n, k, x2.stride(0),
+        qweight.stride(0), out.stride(0), split_k,
         QTYPE=int(qtype), QK=t.qk, TYPE_SIZE=t.type_size, BLOCK_M=bm, BLOCK_N=bn, NSB=nsb,
         ATOMIC=split_k > 1, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=2,

@@ -8,6 +8,9 @@ Rules:
   2. the model card's `pipeline_tag` (README.md front matter, as Hugging Face snapshots ship
      it): `text-ranking` -> reranker; `feature-extraction` / `sentence-similarity` -> embedding;
   3. a sentence-transformers `modules.json` with a `Pooling` module -> embedding;
+     for a GGUF file, the pooling type llama.cpp's converter wrote (`{arch}.pooling_type`,
+     from that same module or a reranker's card): MEAN / CLS / LAST -> embedding, RANK ->
+     reranker (NONE or absent: no evidence);
   4. only then a name (served name or directory) containing "reranker" -> reranker (the
      fallback for a bare Qwen3-Reranker layout: a causal LM with no other mark);
   5. otherwise a generative model.
@@ -40,6 +43,8 @@ _PIPELINE_TAGS: dict[str, ModelKind] = {
     "feature-extraction": "embed",
     "sentence-similarity": "embed",
 }
+# llama.cpp's `enum llama_pooling_type` as GGUF stores it -> the kind it marks
+GGUF_POOLING_KINDS: dict[int, ModelKind] = {1: "embed", 2: "embed", 3: "embed", 4: "rerank"}
 _FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---", re.DOTALL)
 _PIPELINE_TAG = re.compile(r"^pipeline_tag:\s*['\"]?([\w-]+)", re.MULTILINE)
 
@@ -68,8 +73,13 @@ def has_pooling_module(model_dir: Path) -> bool:
     )
 
 
-def model_kind(model_dir: Path | None, names: list[str]) -> ModelKind:
-    """The kind of the checkpoint at `model_dir` (a GGUF file or None: names only)."""
+def model_kind(
+    model_dir: Path | None, names: list[str], gguf_pooling_type: int | None = None
+) -> ModelKind:
+    """The kind of the checkpoint at `model_dir` (a directory; a GGUF file or None: its
+    `gguf_pooling_type`, then names only)."""
+    if gguf_pooling_type in GGUF_POOLING_KINDS:
+        return GGUF_POOLING_KINDS[gguf_pooling_type]
     if model_dir is not None and model_dir.is_dir():
         config = _read_json(model_dir / "config.json")
         architectures = config.get("architectures") if isinstance(config, dict) else None

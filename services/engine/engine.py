@@ -53,8 +53,9 @@ from services.engine.model_config import ModelConfig
 from services.engine.model_runner import LaunchedStep
 from services.engine.pooling import PoolingJob, PoolingParams, PoolingQueue
 from services.engine.pooling_config import model_pooling
-from services.engine.request import Request, RequestStatus, TokenLogprobs
+from services.engine.request import Request, RequestStatus
 from services.engine.request_error import RequestError
+from services.engine.request_output import RequestOutput, request_output
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import (
     PLACEHOLDER_TOKEN,
@@ -66,24 +67,6 @@ from services.engine.scheduler import (
 from services.engine.state_pool import StateSlots
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (new_token_ids is empty for an abort or error)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # 'stop' | 'length' | 'abort' | 'error' once finished
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    logprobs: list[TokenLogprobs] | None = None
-    stop_token_id: int | None = None  # the eos / stop id that ended the request, if any
-    error: RequestError | None = None  # why it finished with 'error'
-    # with prompt_logprobs, on its first output: one entry per prompt token (the first None)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    pooled: torch.Tensor | None = None  # a pooling request's vector, float32 on the host
 
 
 @dataclass
@@ -213,7 +196,7 @@ class Engine:
         if job is None:
             return False
         job.request.status, job.request.error = status, error
-        self._pending.append(self._output(job.request, []))
+        self._pending.append(request_output(job.request, []))
         return True
 
     def abort(self, request_id: str) -> bool:
@@ -227,7 +210,7 @@ class Engine:
         self._counts.aborted += 1
         while request.token_ids[-1] == PLACEHOLDER_TOKEN:  # tokens still on their way
             request.token_ids.pop()
-        self._pending.append(self._output(request, []))
+        self._pending.append(request_output(request, []))
         return True
 
     def fail(self, request_id: str, error: RequestError) -> bool:
@@ -243,7 +226,7 @@ class Engine:
         request.error = error
         while request.token_ids[-1] == PLACEHOLDER_TOKEN:
             request.token_ids.pop()
-        self._pending.append(self._output(request, []))
+        self._pending.append(request_output(request, []))
         log.info("request %s failed: %s", request_id, error.message)
         return True
 
@@ -357,7 +340,7 @@ class Engine:
             del request.token_ids[index + 1:]  # a placeholder of a step launched since
             self.scheduler.finish_request(request.request_id, status)
             self._counts.finished += 1
-            out = self._output(request, [token], lps, num_output)
+            out = request_output(request, [token], lps, num_output)
             out.prompt_logprobs = prompt_lps
             outputs.append(out)
         self._counts.tokens_generated += generated
@@ -370,7 +353,7 @@ class Engine:
                                                   self._lm_head, self.config.max_num_batched_tokens,
                                                   self.config.max_num_seqs):
             job.request.status = RequestStatus.FINISHED_STOPPED
-            out = self._output(job.request, [], num_output_tokens=0)
+            out = request_output(job.request, [], num_output_tokens=0)
             out.stop_token_id, out.pooled = None, vector  # nothing was generated
             outputs.append(out)
         self._counts.pooled += len(outputs)
@@ -380,27 +363,6 @@ class Engine:
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final-normed hidden rows (a reranker's yes / no, pooling.py)."""
         return self.runner.model.compute_logits(hidden.to(self.runner.dtype))
-
-    def _output(
-        self, request: Request, new_token_ids: list[int],
-        logprobs: list[TokenLogprobs] | None = None, num_output_tokens: int | None = None,
-    ) -> RequestOutput:
-        stop_id = None
-        if request.status is RequestStatus.FINISHED_STOPPED:
-            stop_id = request.token_ids[-1]
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_output_tokens=(request.num_output_tokens if num_output_tokens is None
-                               else num_output_tokens),
-            logprobs=logprobs,
-            stop_token_id=stop_id,
-            error=request.error,
-        )
 
     # ------------------------------------------------------------------ extras
 

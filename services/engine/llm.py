@@ -6,8 +6,14 @@
     llm.prompt_logits(token_ids)               # [T, vocab] float32
 
 Rules:
-- The engine options default to the server's (EngineSettings): the same weights on the same
-  device, so the library and `flotilla up` generate alike.
+- The engine options are the server's: the EngineConfig the engine service derives from its
+  settings' defaults (factory.engine_config over EngineSettings' defaults; the FLOTILLA_*
+  environment is not read here), so quantization ("auto": on CPU the int8 / int4 weights the
+  server keeps), threads (torch's default, as the server's `num_threads` unset), the kernels
+  and the step budget are the same, and the library and `flotilla up` generate alike. Keyword
+  arguments override single fields. Like the service, the engine is built on the thread that
+  steps it (the caller's; one OpenMP pool on CPU: loop.py). bench/library_decode.py compares
+  the two decode speeds.
 - Prompts are token-id lists, or strings when the tokenizer service's core
   (`Tokenizer.from_path`) can read the model's tokenizer; outputs then carry decoded text.
 - `generate` drives the engine to completion synchronously; it must not overlap with streams.
@@ -19,6 +25,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from libs.common.model_cache import resolve_model
+from libs.common.settings import EngineSettings
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine, RequestOutput
 from services.engine.request import TokenLogprobs
@@ -59,12 +67,10 @@ class Completion:
 class LLM:
     def __init__(self, model: str = "default", tokenizer: str | None = None,
                  **engine_kwargs: Any) -> None:
-        """`engine_kwargs`: EngineConfig's fields. The defaults are the engine service's:
-        quantization "auto" (on CPU the weight-only int8 / int4 the server keeps; pass
-        quantization=None for the checkpoint's own floats)."""
-        engine_kwargs.setdefault("quantization", "auto")
+        """`engine_kwargs`: EngineConfig's fields, over the engine service's defaults (see the
+        module rules; quantization=None loads the checkpoint's own floats)."""
         path = resolve_model(model)
-        self.engine = Engine(EngineConfig(model=str(path), **engine_kwargs))
+        self.engine = Engine(server_config(path, **engine_kwargs))
         self.tokenizer = load_tokenizer(Path(tokenizer) if tokenizer else path)
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -181,6 +187,14 @@ class LLM:
                 if (target := self._queues.get(out.request_id)) is not None:
                     target.put_nowait(out)
             await asyncio.sleep(0)
+
+
+def server_config(path: Path, **overrides: Any) -> EngineConfig:
+    """The EngineConfig the engine service builds for `path` from its settings' defaults,
+    with `overrides` (EngineConfig's fields) applied."""
+    from services.engine.factory import engine_config  # it imports engine.py, as this does
+
+    return dataclasses.replace(engine_config(EngineSettings.model_construct(), path), **overrides)
 
 
 def load_tokenizer(path: Path) -> TextTokenizer | None:

@@ -38,6 +38,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
@@ -268,7 +269,8 @@ class ModelConfig:
             final_logit_softcapping=_optional_float(get("final_logit_softcapping")),
             no_rope_layers=_no_rope_layers(
                 {"no_rope_layer_interval": GGUF_NO_ROPE_INTERVAL.get(arch)}, num_layers),
-            hf_config=moe,
+            hf_config={**moe, **({} if get("pooling_type") is None
+                                 else {"gguf_pooling_type": int(get("pooling_type"))})},
         )
 
 

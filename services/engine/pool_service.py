@@ -20,33 +20,43 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from libs.common.errors import FlotillaError, invalid_request
-from libs.common.messages import ErrorInfo
 from libs.common.pooling_messages import PoolReply, PoolRequest
 from services.engine.admission import QueueLimits, check_deadline
+from services.engine.engine import RequestOutput
+from services.engine.executor import Executor
 from services.engine.loop import EngineLoop
 from services.engine.pooling import PoolingParams
+from services.engine.pooling_config import ModelPooling
 from services.engine.request_error import RequestError
+from services.engine.wire import error_info
 
 
-def encode_vector(vector: Any) -> str:
+class PoolingEngine(Protocol):
+    """What pooling admission reads from an engine (`Engine`, engine.py, is one): whether its
+    executor can pool, the checkpoint's pooling, the vocabulary and the context length."""
+
+    @property
+    def executor(self) -> Executor: ...
+
+    @property
+    def model_pooling(self) -> ModelPooling: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+
+def encode_vector(vector: torch.Tensor) -> str:
     """A float32 vector as OpenAI's base64 embedding (little-endian float32 bytes)."""
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-
-
-def _error_info(error: RequestError) -> ErrorInfo:
-    return ErrorInfo(
-        status=error.status,
-        type=error.type,
-        message=error.message,
-        param=error.param,
-        code=error.code,
-        retry_after_s=error.retry_after_s,
-    )
 
 
 class PoolService:
@@ -54,13 +64,13 @@ class PoolService:
 
     def __init__(
         self,
-        engine: Any,
+        engine: PoolingEngine,
         loop: EngineLoop,
         limits: QueueLimits,
         crashed: Callable[[], BaseException | None],
     ) -> None:
         self.engine, self.loop, self.limits, self._crashed = engine, loop, limits, crashed
-        self._jobs: dict[str, asyncio.Future[Any]] = {}  # job id -> its output
+        self._jobs: dict[str, asyncio.Future[RequestOutput]] = {}  # job id -> its output
         self._groups: dict[str, list[str]] = {}  # request id -> its job ids
         self._tokens: dict[str, int] = {}  # request id -> its tokens (the queue bound)
 
@@ -110,7 +120,7 @@ class PoolService:
         crashed = self._crashed()
         if crashed is not None:
             return PoolReply(
-                error=_error_info(
+                error=error_info(
                     RequestError(
                         f"the engine failed: {crashed}", 503, "service_unavailable", "engine_failed"
                     )
@@ -130,7 +140,7 @@ class PoolService:
                 self.loop.queue_state().tokens_per_s,
             )
         if refusal is not None:
-            return PoolReply(error=_error_info(refusal))
+            return PoolReply(error=error_info(refusal))
         running = asyncio.get_running_loop()
         ids = [f"{req.request_id}.{i}" for i in range(len(req.prompts))]
         self._groups[req.request_id] = ids
@@ -150,7 +160,8 @@ class PoolService:
         vectors = []
         for out in outputs:
             if isinstance(out, BaseException):
-                return PoolReply(error=_error_info(RequestError.of(out, "pooling")))
+                return PoolReply(error=error_info(RequestError.of(out, "pooling")))
+            assert out.pooled is not None  # on_output delivers only pooled outputs
             vectors.append(encode_vector(out.pooled))
         return PoolReply(embeddings=vectors, prompt_tokens=sum(len(p) for p in req.prompts))
 
@@ -159,7 +170,7 @@ class PoolService:
         """Pooling requests admitted and not answered yet (a drain waits for them)."""
         return len(self._groups)
 
-    def on_output(self, out: Any) -> bool:
+    def on_output(self, out: RequestOutput) -> bool:
         """Deliver a pooling job's output; False if `out` is not one (generation's)."""
         future = self._jobs.get(out.request_id)
         if future is None:

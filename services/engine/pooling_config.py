@@ -5,6 +5,8 @@ Rules:
   holds `config.json` with `pooling_mode_*` flags) decides the method: lasttoken -> "last",
   mean_tokens -> "mean", cls_token -> "cls". Without one, decoder models pool the last token
   (what Qwen3-Embedding, e5-mistral and gte-Qwen2 do, and vLLM's default for decoder LLMs).
+- A GGUF file says it in `gguf_pooling_type` (llama.cpp's pooling type, which its converter
+  writes from the same sentence-transformers config): 1 mean, 2 cls, 3 last.
 - The engine setting (`FLOTILLA_POOLING`, not "auto") overrides the checkpoint.
 - Matryoshka: `dimensions` below the hidden size is honoured only where the checkpoint says it
   was trained for it (config.json `is_matryoshka: true`, or `matryoshka_dimensions: [...]`,
@@ -23,6 +25,7 @@ _MODES = (
     ("pooling_mode_mean_tokens", "mean"),
     ("pooling_mode_cls_token", "cls"),
 )
+_GGUF_METHODS = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum llama_pooling_type
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ def model_pooling(
     method = override if override != "auto" else None
     if method is None and model_dir is not None and model_dir.is_dir():
         method = sentence_transformers_method(model_dir)
+    if method is None:
+        method = _GGUF_METHODS.get(hf_config.get("gguf_pooling_type", 0))
     sizes = hf_config.get("matryoshka_dimensions")
     matryoshka: tuple[int, ...] | None = None
     if isinstance(sizes, list) and sizes:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from opentelemetry import trace
 
@@ -39,7 +39,6 @@ from libs.common.messages import (
     TokenDelta,
     TokenFinal,
     TokenFrame,
-    TokenLogprob,
     TokenRequest,
 )
 from libs.common.metrics import MetricsServer
@@ -48,17 +47,16 @@ from libs.common.model_capabilities import Capability, capabilities, model_kind
 from libs.common.pooling_messages import PoolRequest
 from libs.common.service import Announcer, instance_id, wait_idle
 from libs.common.settings import EngineSettings
+from services.engine import wire
 from services.engine.admission import QueueLimits, check_deadline, to_sampling_params
-from services.engine.config import EngineConfig
 from services.engine.engine import RequestOutput
-from services.engine.executor import Executor
 from services.engine.factory import build_engine
-from services.engine.loop import EngineLoop, SteppedEngine
+from services.engine.loop import EngineLoop
 from services.engine.metrics import EngineMetrics
 from services.engine.pool_service import PoolService
-from services.engine.request import TokenLogprobs
 from services.engine.request_error import InvalidParameter, RequestError
 from services.engine.sampling_params import SamplingParams
+from services.engine.served_engine import ServedEngine
 from services.engine.structured import GrammarCompileTimeout, StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -73,30 +71,6 @@ class _Live:
     t_start: float = field(default_factory=time.monotonic)
     t_first: float | None = None
     generated: int = 0
-
-
-class ServedEngine(SteppedEngine, Protocol):
-    """What the engine service needs from an engine beyond the step loop's part: `Engine`
-    (engine.py) is one. Its `executor` reports a failed tensor-parallel rank; `shutdown` stops
-    the workers."""
-
-    @property
-    def config(self) -> EngineConfig: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]: ...
-
-    @property
-    def max_model_len(self) -> int:
-        """The engine's context length, published in its announcements."""
-
-    @property
-    def executor(self) -> Executor: ...
-
-    def shutdown(self) -> None: ...
 
 
 class EngineService:
@@ -155,7 +129,9 @@ class EngineService:
         model_dir = Path(engine.config.model).expanduser()
         if not model_dir.exists():  # the default or a hub id: resolved (and cached) already
             model_dir = await asyncio.to_thread(resolve_model, engine.config.model)
-        self.capabilities = capabilities(model_kind(model_dir, [self.model_name, str(model_dir)]))
+        self.capabilities = capabilities(model_kind(
+            model_dir, [self.model_name, str(model_dir)],
+            engine.model_config.hf_config.get("gguf_pooling_type")))
         self.pool = PoolService(engine, self.loop, self.limits, lambda: self.crashed)
         self.structured = StructuredOutputs(
             engine.config.model, engine.vocab_size, sorted(engine.eos_token_ids),
@@ -290,7 +266,7 @@ class EngineService:
             self._counts["refused"] += 1
             self._refusals[error.code or error.type] += 1
         return Admission(request_id=req.request_id, accepted=False, instance=self.instance,
-                         error=_error_info(error))
+                         error=wire.error_info(error))
 
     async def _on_cancel(self, msg: Cancel) -> None:
         if self.pool is not None and self.pool.cancel(msg.request_id):
@@ -324,14 +300,14 @@ class EngineService:
                     live.t_first = now
                     live.span.add_event("first_token")
                 live.generated += len(out.new_token_ids)
-                delta = TokenDelta(token_ids=list(out.new_token_ids), logprobs=_logprobs(out))
+                delta = TokenDelta(token_ids=list(out.new_token_ids), logprobs=wire.logprobs(out))
                 if out.prompt_logprobs is not None:
-                    delta.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs)
+                    delta.prompt_logprobs = wire.prompt_logprobs(out.prompt_logprobs)
                 self._outbox.put_nowait(live.writer.data(delta))
             if out.error is not None:
                 self._live.pop(out.request_id, None)
                 self._counts["failed"] += 1
-                info = _error_info(out.error)
+                info = wire.error_info(out.error)
                 self._outbox.put_nowait(live.writer.error(info))
                 live.span.set_status(trace.StatusCode.ERROR, info.message)
                 self._end_span(live, now)
@@ -431,18 +407,3 @@ def _invalid(message: str, param: str | None = None) -> RequestError:
     return RequestError(message, 400, "invalid_request_error", param=param)
 
 
-def _error_info(error: RequestError) -> ErrorInfo:
-    return ErrorInfo(status=error.status, type=error.type, message=error.message,
-                     param=error.param, code=error.code, retry_after_s=error.retry_after_s)
-
-
-def _prompt_logprobs(entries: list[TokenLogprobs | None]) -> list[TokenLogprob | None]:
-    return [None if e is None else TokenLogprob(token_id=e.token_id, logprob=e.logprob,
-                                                top=list(e.top)) for e in entries]
-
-
-def _logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
-    raw = out.logprobs
-    if not raw:
-        return None
-    return [TokenLogprob(token_id=t, logprob=lp, top=list(top)) for t, lp, top in raw]

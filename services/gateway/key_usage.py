@@ -3,7 +3,7 @@
 Rules:
 - `ApiKeyAuth` (auth.py) makes a `KeyUsage` for each authenticated request and makes it the
   request's `CURRENT` for the request's task and the tasks it starts (a stream's body runs in
-  one): `read_json` (routes.py) checks the key's model allowlist and reserves tokens through
+  one): `read_json` (request_body.py) checks the key's model allowlist and reserves tokens through
   it; `ChoiceStreams` (streams.py) reports each choice's admission and final usage to it.
 - Tokens reserved on admission are the body's characters / 4 (OpenAI's rule of thumb for the
   prompt) plus, per choice, `max_tokens` (or its aliases) else `key_reserve_output_tokens`.

@@ -21,13 +21,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from libs.common import subjects
 from libs.common.errors import FlotillaError, invalid_request
-from libs.common.messages import (
-    ErrorInfo,
-    McpToolRoute,
-    ToolCallReply,
-    ToolCallRequest,
-    ToolsListReply,
-)
+from libs.common.messages import ErrorInfo
+from libs.common.tool_messages import McpToolRoute, ToolCallReply, ToolCallRequest, ToolsListReply
 
 if TYPE_CHECKING:
     from services.gateway.app import GatewayState

@@ -40,15 +40,8 @@ from libs.common.pooling_messages import (
     ScoreRequest,
 )
 from services.gateway.plan import new_request_id
-from services.gateway.routes import (
-    CLIENT_CLOSED,
-    ClientGone,
-    gateway,
-    read_json,
-    request_deadline,
-    unless_disconnected,
-)
-from services.gateway.token_routes import served_model
+from services.gateway.request_body import gateway, model_request, request_deadline
+from services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
 
 if TYPE_CHECKING:
     from services.gateway.app import GatewayState
@@ -181,9 +174,7 @@ def _usage(tokens: int) -> dict[str, int]:
 async def create_embedding(request: Request) -> Response:
     gw = gateway(request)
     deadline = request_deadline(request)
-    body = await read_json(request, deadline)
-    gw.spec.validate("createEmbedding", body)
-    info = await gw.require_model(body["model"], "embed")
+    body, info = await model_request(request, "createEmbedding", "embed", deadline)
     inputs = embedding_inputs(body["input"])
     normalize = body.get("normalize")
     pooling = PoolingOptions(
@@ -233,9 +224,7 @@ def _score_pairs(text_1: list[str], text_2: list[str]) -> list[tuple[int, int]]:
 async def create_score(request: Request) -> Response:
     gw = gateway(request)
     deadline = request_deadline(request)
-    body = await read_json(request, deadline)
-    gw.spec.validate("createScore", body)
-    info = await gw.require_model(body["model"], "score")
+    body, info = await model_request(request, "createScore", "score", deadline)
     text_1 = [body["text_1"]] if isinstance(body["text_1"], str) else body["text_1"]
     text_2 = [body["text_2"]] if isinstance(body["text_2"], str) else body["text_2"]
     pairs = _score_pairs(text_1, text_2)
@@ -270,9 +259,7 @@ async def create_score(request: Request) -> Response:
 async def create_rerank(request: Request) -> Response:
     gw = gateway(request)
     deadline = request_deadline(request)
-    body = await read_json(request, deadline)
-    gw.spec.validate("createRerank", body)
-    info = await served_model(gw, body, "score")
+    body, info = await model_request(request, "createRerank", "score", deadline)
     documents = [d if isinstance(d, str) else d["text"] for d in body["documents"]]
     try:
         reply = await score(

@@ -2,7 +2,8 @@
 
 Rules:
 - Every body is read with a cap, parsed with a depth bound (limits.py) and validated against the
-  operation's schema in the spec before anything else; sizes the schema cannot bound come next.
+  operation's schema in the spec before anything else; sizes the schema cannot bound come next
+  (request_body.py: one preamble for every route).
 - Every generation request has a deadline (overload.py): each choice's TextRequest carries it,
   and the gateway's readers end the response when it passes.
 - Errors before the first response byte (bad input, unknown model, refused admission, no
@@ -16,7 +17,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -27,16 +28,11 @@ from services.gateway.chunks import chunk_builder
 from services.gateway.conversations.chat import AfterReply, in_conversation
 from services.gateway.functions import from_legacy
 from services.gateway.key_usage import CURRENT as KEY_USAGE
-from services.gateway.key_usage import check_body
-from services.gateway.limits import check_schema_sizes, parse_json, read_body
-from services.gateway.overload import request_timeout
 from services.gateway.plan import Plan, chat_plan, completion_plan
+from services.gateway.request_body import gateway, model_request, request_deadline
 from services.gateway.results import ChoiceResult, chat_completion, collect, text_completion
 from services.gateway.sse import EventStream, sse_events
 from services.gateway.streams import ChoiceStreams
-
-if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
 
 router = APIRouter()
 T = TypeVar("T")
@@ -53,32 +49,6 @@ class Cancellable(Protocol):
     def cancel(self, reason: str = "client_disconnect") -> None: ...
 
     def close(self) -> None: ...
-
-
-def gateway(request: Request) -> GatewayState:
-    return request.app.state.gateway  # type: ignore[no-any-return]
-
-
-async def read_json(request: Request, deadline: Deadline | None = None) -> Any:
-    """The parsed body, within the size and depth limits; a body still arriving when the
-    request's deadline (by default its own: `request_deadline`) passes is a 504. A keyed
-    request's allowlist and token reservation are checked here (key_usage.py)."""
-    settings = gateway(request).settings
-    deadline = deadline or request_deadline(request)
-    try:
-        async with asyncio.timeout(deadline.remaining()):
-            raw = await read_body(request, settings.max_body_bytes)
-    except TimeoutError:
-        raise deadline.error() from None
-    body = parse_json(raw, settings.max_json_depth)
-    if KEY_USAGE.get() is not None:
-        await check_body(request.url.path, body, len(raw), settings.key_reserve_output_tokens)
-    return body
-
-
-def request_deadline(request: Request) -> Deadline:
-    """When this request must be finished: `X-Request-Timeout`, else the server's default."""
-    return Deadline.after(request_timeout(request.headers, gateway(request).settings))
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -159,10 +129,8 @@ async def _after(after: AfterReply, rid: str, results: list[ChoiceResult]) -> No
 async def create_chat_completion(request: Request) -> Response:
     gw = gateway(request)
     deadline = request_deadline(request)
-    body = await read_json(request, deadline)
-    gw.spec.validate("createChatCompletion", body)
-    check_schema_sizes(body, gw.settings.max_schema_bytes)
-    await gw.require_model(body["model"], "generate")
+    body, _ = await model_request(request, "createChatCompletion", "generate", deadline,
+                                  schema_sizes=True)
     body = from_legacy(body)
     tools = await gw.tools.tools_for(body)
     after = None
@@ -186,10 +154,8 @@ async def create_chat_completion(request: Request) -> Response:
 async def create_completion(request: Request) -> Response:
     gw = gateway(request)
     deadline = request_deadline(request)
-    body = await read_json(request, deadline)
-    gw.spec.validate("createCompletion", body)
-    check_schema_sizes(body, gw.settings.max_schema_bytes)
-    await gw.require_model(body["model"], "generate")
+    body, _ = await model_request(request, "createCompletion", "generate", deadline,
+                                  schema_sizes=True)
     return await generate(request, completion_plan(body, gw.settings.max_n), deadline)
 
 

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from libs.common import subjects
-from libs.common.errors import FlotillaError, invalid_request
+from libs.common.errors import FlotillaError
 from libs.common.messages import (
     DecodeReply,
     DecodeRequest,
@@ -28,28 +28,14 @@ from libs.common.messages import (
     RenderReply,
     TextRequest,
 )
-from libs.common.model_capabilities import Capability
 from services.gateway.history import normalize_messages
-from services.gateway.limits import check_schema_sizes
 from services.gateway.plan import generation_prompt, new_request_id
-from services.gateway.registry import ModelInfo
-from services.gateway.routes import gateway, read_json
+from services.gateway.request_body import gateway, model_request
 
 if TYPE_CHECKING:
     from services.gateway.app import GatewayState
 
 router = APIRouter()
-
-
-async def served_model(gw: GatewayState, body: dict[str, Any],
-                       serves: Capability | None = None) -> ModelInfo:
-    if body.get("model") is not None:
-        return await gw.require_model(body["model"], serves)
-    models = await gw.registry.models()
-    if len(models) != 1:
-        raise invalid_request(f"Missing required parameter: `model` (this server serves "
-                              f"{len(models)} models).", param="model")
-    return await gw.require_model(models[0].id, serves)
 
 
 async def _encode(gw: GatewayState, model: str, text: str, add_special_tokens: bool,
@@ -82,11 +68,8 @@ async def _render(gw: GatewayState, model: str, body: dict[str, Any]) -> RenderR
 @router.post("/tokenize")
 @router.post("/v1/tokenize")
 async def tokenize(request: Request) -> Response:
+    body, info = await model_request(request, "tokenize", schema_sizes=True)
     gw = gateway(request)
-    body = await read_json(request)
-    gw.spec.validate("tokenize", body)
-    check_schema_sizes(body, gw.settings.max_schema_bytes)
-    info = await served_model(gw, body)
     want_strs = bool(body.get("return_token_strs"))
     token_strs = None
     if "messages" in body:
@@ -109,10 +92,8 @@ async def tokenize(request: Request) -> Response:
 @router.post("/detokenize")
 @router.post("/v1/detokenize")
 async def detokenize(request: Request) -> Response:
+    body, info = await model_request(request, "detokenize")
     gw = gateway(request)
-    body = await read_json(request)
-    gw.spec.validate("detokenize", body)
-    info = await served_model(gw, body)
     reply = await gw.bus.request(subjects.tokenizer_decode(info.id),
                                  DecodeRequest(model=info.id, token_ids=body["tokens"]),
                                  DecodeReply, timeout=gw.settings.request_timeout_s)

@@ -20,7 +20,8 @@ from typing import Any
 from libs.common import subjects
 from libs.common.bus import Bus
 from libs.common.errors import FlotillaError
-from libs.common.messages import Announcement, ToolsListReply, ToolsListRequest
+from libs.common.messages import Announcement
+from libs.common.tool_messages import ToolsListReply, ToolsListRequest
 
 log = logging.getLogger(__name__)
 

@@ -85,3 +85,13 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
             key = cur.string()
             meta[key] = cur.value(cur.unpack("<I"))
         return meta
+
+
+def gguf_pooling_type(path: str | Path) -> int | None:
+    """The pooling type llama.cpp's converter wrote (`{arch}.pooling_type`: 0 none, 1 mean,
+    2 cls, 3 last, 4 rank) in a `.gguf` file, or None (not a GGUF file, or none written)."""
+    if Path(path).suffix != ".gguf" or not Path(path).is_file():
+        return None
+    meta = read_gguf_metadata(path)
+    value = meta.get(f"{meta.get('general.architecture')}.pooling_type")
+    return None if value is None else int(value)

@@ -58,6 +58,7 @@ from libs.common.settings import TokenizerSettings
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from services.tokenizer.embed import Embedder, serve_embed
 from services.tokenizer.engine_context import EngineContext
+from services.tokenizer.gguf_metadata import gguf_pooling_type
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.preparation import Preparer, check_deadline
@@ -137,7 +138,7 @@ class TokenizerService:
                                              s.metrics_port)
         self._metrics_server.start()
         embedder = self._embedder = Embedder(self.tokenizer, max_len)
-        kind = model_kind(path, [self.model, str(path)])
+        kind = model_kind(path, [self.model, str(path)], gguf_pooling_type(path))
         mode = score_mode(s.score_mode, self.tokenizer, kind)
         took = await asyncio.to_thread(warm_up, self.builder)
         log.info("tokenizer warm-up (template, xgrammar, grammars) took %.1fs", took)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as Backend
 
+from libs.common.gguf_files import find_gguf
+
 # Token texts llama.cpp treats as end-of-generation when a vocabulary has them (llama-vocab.cpp).
 END_OF_GENERATION_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
@@ -61,19 +63,24 @@ class Tokenizer:
 
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
-        """Load from a `.gguf` file, a HF model directory (tokenizer.json), or a directory with
-        exactly one `.gguf` file. Unsupported kinds raise `UnsupportedTokenizer`."""
+        """Load from a `.gguf` file (any part of a split set), a HF model directory
+        (tokenizer.json), or a directory with exactly one `.gguf` file or split set.
+        Unsupported kinds raise `UnsupportedTokenizer`."""
         p = Path(path)
         if p.is_dir():
             if (p / "tokenizer.json").exists():
                 from services.tokenizer.hf_loader import load_hf_dir
 
                 return load_hf_dir(p)
-            ggufs = sorted(p.glob("*.gguf"))
-            if len(ggufs) != 1:
-                raise UnsupportedTokenizer(
-                    f"{p} has no tokenizer.json and {len(ggufs)} .gguf files (need exactly one)")
-            p = ggufs[0]
+            try:
+                found = find_gguf(p)
+            except ValueError as exc:
+                raise UnsupportedTokenizer(f"{p} has no tokenizer.json and {exc}") from exc
+            if found is None:
+                raise UnsupportedTokenizer(f"{p} has no tokenizer.json and no .gguf file")
+            p = found
+        elif p.suffix == ".gguf" and p.exists():
+            p = find_gguf(p) or p  # a split set's metadata is in its first part
         if not p.exists():
             raise FileNotFoundError(f"no tokenizer at {p}")
         from services.tokenizer.gguf_loader import load_gguf

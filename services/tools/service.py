@@ -14,17 +14,17 @@ from typing import Any
 
 from libs.common import subjects
 from libs.common.bus import Bus
-from libs.common.messages import (
-    Announcement,
+from libs.common.messages import Announcement
+from libs.common.metrics import MetricsServer
+from libs.common.service import Announcer, instance_id, wait_idle
+from libs.common.settings import ToolsSettings
+from libs.common.tool_messages import (
     McpToolRoute,
     ToolCallReply,
     ToolCallRequest,
     ToolsListReply,
     ToolsListRequest,
 )
-from libs.common.metrics import MetricsServer
-from libs.common.service import Announcer, instance_id, wait_idle
-from libs.common.settings import ToolsSettings
 from services.tools.config import load_mcp_config
 from services.tools.metrics import ToolsMetrics
 from services.tools.registry import ToolRegistry

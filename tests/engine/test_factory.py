@@ -3,6 +3,7 @@ its kernel selection, or the service, so a new setting cannot be dropped on the 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -46,11 +47,14 @@ def test_bad_kernel_switches_are_refused_at_start_up(monkeypatch: pytest.MonkeyP
 
 
 def test_the_library_uses_the_servers_defaults(smollm2_path: Path) -> None:
-    """LLM() (the library API) keeps the same weights as the engine service: on CPU the
-    weight-only quantization `auto` picks, not the checkpoint's floats."""
+    """LLM() (the library API) builds the engine service's EngineConfig: every field, not only
+    the weights (on CPU the weight-only quantization `auto` picks, not the checkpoint's floats)
+    and threads, is what the service derives from its settings' defaults."""
     from services.engine.llm import LLM
 
     llm = LLM("default", device="cpu", kvcache_mem_mib=16)
-    server = engine_config(EngineSettings(device="cpu"), smollm2_path)
+    server = engine_config(EngineSettings(device="cpu", kvcache_mem_mib=16), smollm2_path)
     assert server.resolved_quantization is not None
     assert llm.engine.config.resolved_quantization == server.resolved_quantization
+    mine, theirs = dataclasses.asdict(llm.engine.config), dataclasses.asdict(server)
+    assert {k: v for k, v in mine.items() if v != theirs[k]} == {}

@@ -1,5 +1,6 @@
-"""The families of 2026 (SmolLM3, GLM-4.5 MoE, gpt-oss, Llama 4 text, Gemma 4 text) against
-transformers on tiny random checkpoints (fp32, CPU).
+"""The families of 2026 (SmolLM3, GLM-4.5 MoE, gpt-oss, Llama 4 text, Gemma 4 text dense and
+MoE, MiniMax-M2, DeepSeek-V3.2 through its dense fallback) against transformers on tiny random
+checkpoints (fp32, CPU).
 
 Each tiny model is built from transformers' own config class (`AutoConfig.for_model`) with
 `from_config`, its 1-D parameters (norm scales, biases, attention sinks: constant at init) and
@@ -80,6 +81,26 @@ FAMILIES: dict[str, Family] = {
         vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, use_double_wide_mlp=True,
         final_logit_softcapping=3.0, tie_word_embeddings=True,
         layer_types=["sliding_attention", "full_attention"] * 3)),
+    # Gemma 4 MoE (26B-A4B-like): a routed gelu-tanh expert branch beside every layer's MLP
+    # (router norm, scale and per-expert scales perturbed), values from keys on full layers.
+    "gemma4_moe": Family("gemma4_text", dict(
+        num_hidden_layers=4, sliding_window=WINDOW, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        final_logit_softcapping=3.0, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"] * 2)),
+    # MiniMax-M2: q/k RMSNorm over all heads, half-rotary (legacy `rotary_dim`), sigmoid top-2
+    # of 4 experts with a correction bias, renormalised.
+    "minimax_m2": Family("minimax_m2", dict(
+        intermediate_size=32, rotary_dim=8, num_local_experts=4, num_experts_per_tok=2)),
+    # DeepSeek-V3.2 through the dense fallback: its indexer keeps index_topk (64) keys, more
+    # than any sequence here holds, so transformers' sparse attention is dense too.
+    "deepseek_v32": Family("deepseek_v32", dict(
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=24,
+        num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, index_topk=64, index_n_heads=2,
+        index_head_dim=32, num_hidden_layers=3)),
 }
 
 

@@ -53,12 +53,11 @@ from libs.common.messages import (
     TextLogprob,
     TextRequest,
     ToolCallDelta,
-    ToolsListReply,
-    ToolsListRequest,
     Usage,
 )
 from libs.common.pooling_messages import EmbedRequest, PoolReply, ScoreReply, ScoreRequest
 from libs.common.service import Announcer
+from libs.common.tool_messages import ToolsListReply, ToolsListRequest
 
 HEARTBEAT_S = 0.1
 BOS = 1

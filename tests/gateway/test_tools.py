@@ -13,7 +13,8 @@ import pytest
 
 from libs.common import subjects
 from libs.common.bus import Bus
-from libs.common.messages import Announcement, TextRequest, ToolsListReply, ToolsListRequest
+from libs.common.messages import Announcement, TextRequest
+from libs.common.tool_messages import ToolsListReply, ToolsListRequest
 from services.gateway.tools import ToolsCache, tools_for
 from tests.gateway.conftest import chat
 from tests.gateway.fakes import FakeTokenizer, FakeTools

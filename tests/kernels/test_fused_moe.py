@@ -167,3 +167,26 @@ def test_fused_moe_gpu_benchmark() -> None:
     torch.testing.assert_close(fused_moe_triton(x[:64], w13, w2, weights[:64], ids[:64]),
                                fused_moe_ref(x[:64], w13, w2, weights[:64], ids[:64]),
                                **tolerance(torch.bfloat16, 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_experts_match_transformers_formula(dtype: torch.dtype) -> None:
+    """activation="gelu_tanh" (Gemma 4's experts): the kernel against the reference, and the
+    reference against transformers' Gemma4TextExperts on the same weights."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+    x, w13, w2, weights, ids = _case(9, 32, 24, 4, 2, dtype)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, activation="gelu_tanh")
+    got = fused_moe_triton(x, w13, w2, weights, ids, activation="gelu_tanh")
+    torch.testing.assert_close(got, ref, **tolerance(dtype))
+    config = Gemma4TextConfig(hidden_size=32, num_experts=4, moe_intermediate_size=24,
+                              hidden_activation="gelu_pytorch_tanh")
+    experts = Gemma4TextExperts(config).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(w13.cpu())
+        experts.down_proj.copy_(w2.cpu())
+        want = experts(x.cpu(), ids.cpu(), weights.cpu().to(dtype))
+    torch.testing.assert_close(ref.cpu(), want, **tolerance(dtype))
+    silu = fused_moe_ref(x, w13, w2, weights, ids)
+    assert not torch.allclose(silu, ref, **tolerance(dtype))  # the activation really differs

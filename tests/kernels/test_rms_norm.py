@@ -63,3 +63,31 @@ def test_rms_norm_gpu_realistic(dtype: torch.dtype) -> None:
     ref_out, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-6)
     torch.testing.assert_close(new_res, ref_res)
     torch.testing.assert_close(out, ref_out, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rms_norm_one_rounding_matches_reference(dtype: torch.dtype) -> None:
+    """round_normed=False (gpt-oss, Gemma 4): the scale multiplies the fp32 normalised row."""
+    x = torch.randn(7, 96, dtype=dtype, device=DEVICE) * 3
+    res = torch.randn(7, 96, dtype=dtype, device=DEVICE)
+    w = torch.randn(96, dtype=dtype, device=DEVICE)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6, round_normed=False),
+                               rms_norm_ref(x, w, 1e-6, round_normed=False), **tolerance(dtype))
+    out, new_res = fused_add_rms_norm_triton(x, res, w, 1e-6, round_normed=False)
+    ref_out, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-6, round_normed=False)
+    torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, **tolerance(dtype))
+
+
+def test_rms_norm_ref_one_rounding_matches_transformers_gpt_oss() -> None:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    norm = GptOssRMSNorm(256, eps=1e-5).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight)
+    x = (torch.randn(32, 256) * 3).bfloat16()
+    with torch.no_grad():
+        want = norm(x)
+    torch.testing.assert_close(rms_norm_ref(x, norm.weight.data, 1e-5, round_normed=False),
+                               want, rtol=0, atol=0)
+    # the llama order really rounds differently on this input (what the flag is for)
+    assert not torch.equal(rms_norm_ref(x, norm.weight.data, 1e-5), want)

@@ -39,6 +39,10 @@ async def served(path: Path, model: str) -> AsyncIterator[str]:
         port=0,
         log_level="WARNING",
         request_timeout_s=30.0,
+        # every service shares this process's event loop: on a loaded machine an engine step
+        # or a client's thread can hold announcements back past the default 5 s and the model
+        # drops out of the registry mid-test (a 404 seen once); tests/gateway does the same
+        model_ttl_s=15.0,
         max_embedding_inputs=64,
         max_embedding_tokens=2000,
     )

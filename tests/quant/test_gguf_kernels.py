@@ -19,7 +19,9 @@ from tests.quant.conftest import DEVICE, rel_err
 
 # byte offsets of the f16 fields of each block
 _F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+               "IQ4_NL": [0], "IQ4_XS": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0],
+               "IQ3_XXS": [0], "IQ3_S": [0]}
 QTYPES = sorted(GGUF_TYPES)
 TYPE_IDS = [GGUF_TYPES[q].name for q in QTYPES]
 

@@ -17,7 +17,8 @@ import torch
 from kernels.gguf_dequant import Q4_0, Q4_1, Q6_K, Q8_0
 from libs.common.model_cache import ensure_default_model
 from services.engine.loader import load_model
-from services.engine.quant import GGUFConfig, GGUFLinearMethod, UnquantizedLinearMethod
+from services.engine.quant import GGUFConfig, GGUFLinearMethod
+from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
 from services.tokenizer.tokenizer import Tokenizer
 from tests.engine.conftest import SingleSequenceRunner
 from tests.quant.fixed_text import TEXT
@@ -44,7 +45,7 @@ def test_gguf_file_keeps_its_blocks(kernels_mode: None) -> None:
     assert model.model.embed_tokens.weight.dtype == torch.float32
 
 
-def test_mixed_types_in_one_fused_layer_fall_back_to_float() -> None:
+def test_mixed_types_in_one_fused_layer_stay_quantized_in_parts() -> None:
     types = {"model.layers.0.self_attn.q_proj.weight": Q4_0,
              "model.layers.0.self_attn.k_proj.weight": Q4_0,
              "model.layers.0.self_attn.v_proj.weight": Q6_K,
@@ -54,9 +55,9 @@ def test_mixed_types_in_one_fused_layer_fall_back_to_float() -> None:
     linear.input_size = 256  # type: ignore[assignment]  # what GGUFConfig reads off LinearBase
     qkv = config.get_method(linear, "model.layers.0.self_attn.qkv_proj")
     o_proj = config.get_method(linear, "model.layers.0.self_attn.o_proj")
-    assert isinstance(qkv, UnquantizedLinearMethod)
+    assert isinstance(qkv, GGUFPartsLinearMethod) and qkv.qtypes == {Q4_0, Q6_K}
     assert isinstance(o_proj, GGUFLinearMethod) and o_proj.qtype == Q8_0
-    assert not config.keeps_quantized("model.layers.0.self_attn.v_proj.weight")
+    assert config.keeps_quantized("model.layers.0.self_attn.v_proj.weight")
     assert config.keeps_quantized("model.layers.0.self_attn.o_proj.weight")
 
 

@@ -11,15 +11,14 @@ import pytest
 
 from libs.common import subjects
 from libs.common.bus import Bus
-from libs.common.messages import (
-    HealthReply,
-    HealthRequest,
+from libs.common.messages import HealthReply, HealthRequest
+from libs.common.settings import ToolsSettings
+from libs.common.tool_messages import (
     ToolCallReply,
     ToolCallRequest,
     ToolsListReply,
     ToolsListRequest,
 )
-from libs.common.settings import ToolsSettings
 from services.launcher.nats_server import NatsServer
 from services.tools.config import ToolsConfigError
 from services.tools.service import ToolsService

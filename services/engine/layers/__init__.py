@@ -8,7 +8,7 @@ from services.engine.layers.activation import (
 )
 from services.engine.layers.attention import Attention
 from services.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from services.engine.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
+from services.engine.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm, RMSNormFp32Scale
 from services.engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -28,6 +28,7 @@ __all__ = [
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
+    "RMSNormFp32Scale",
     "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",

@@ -6,6 +6,8 @@ Rules:
 - The embedding zeroes ids outside its shard and all-reduces, so every rank gets full rows.
 - The LM head owns a `QuantMethod` (it is a linear layer over hidden states); with tied
   embeddings the model points `lm_head.weight` at the embedding's parameter before loading.
+  A method with `owns_lm_head_weight` (a GGUF file's quantized `output.weight`) registers the
+  head's weight itself and loads its rows (padded rows stay zero blocks).
   `forward` gathers the shards and returns float32 logits of the true vocabulary size.
 """
 
@@ -34,7 +36,11 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"embedding has {loaded.size(0)} rows, config says "
                              f"{self.num_embeddings}")
         rows = min(self.per_rank, self.num_embeddings - self.vocab_start)
-        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+        method = getattr(self, "quant_method", None)
+        if method is not None and method.owns_lm_head_weight:  # GGUF blocks: rows of blocks
+            method.load(param.data[:rows], loaded.narrow(0, self.vocab_start, rows))
+        else:
+            param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
         param.data[rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -53,6 +59,10 @@ class ParallelLMHead(VocabParallelEmbedding):
                  quant_config: QuantConfig | None = None, prefix: str = "lm_head") -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.quant_method = get_quant_method(quant_config, self, prefix)
+        if self.quant_method.owns_lm_head_weight:  # its own weight layout (GGUF blocks)
+            self.quant_method.create_weights(self, embedding_dim, self.per_rank,
+                                             torch.get_default_dtype())
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

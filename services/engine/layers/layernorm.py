@@ -10,6 +10,8 @@ Rules:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,11 @@ import kernels
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight. With `residual`, first residual += x; returns (y, residual)."""
+    """y = x / rms(x) * weight. With `residual`, first residual += x; returns (y, residual).
+    x / rms(x) is rounded to x's dtype before the scale (HF llama's order) unless
+    `round_normed` is False (`RMSNormFp32Scale`)."""
+
+    round_normed: ClassVar[bool] = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -29,9 +35,17 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        out, residual = kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps, self.round_normed)
+        out, residual = kernels.fused_add_rms_norm(x, residual, self.weight, self.eps,
+                                                   self.round_normed)
         return out, residual
+
+
+class RMSNormFp32Scale(RMSNorm):
+    """HF gpt-oss's RMSNorm: the scale multiplies the fp32 normalised row, rounded once,
+    `(weight * x_normed).to(dtype)`."""
+
+    round_normed: ClassVar[bool] = False
 
 
 class GemmaRMSNorm(RMSNorm):

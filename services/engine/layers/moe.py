@@ -2,7 +2,8 @@
 
 Rules:
 - Routing (`Router`, `RoutingConfig`) follows the HF reference of each family. Router logits are
-  computed in the model dtype (fp32 with `router_fp32`, as deepseek does); scores are the softmax
+  computed in the model dtype (fp32 with `router_fp32`, as deepseek does, its weight then stored
+  in fp32); scores are the softmax
   (fp32) or sigmoid of the logits. Plain top-k picks the k best scores. Grouped top-k (deepseek:
   `n_group` / `topk_group`) first keeps the `topk_group` best groups of experts - a group scores
   its best expert (softmax) or the sum of its best two (sigmoid) - and picks the k best inside
@@ -18,8 +19,9 @@ Rules:
   down_proj` (mixtral: w1/w3/w2) reach them through `expert_weights_mapping`, which a model puts
   first in its `packed_modules_mapping` (before a plain "gate_proj" key could match them).
 - Expert weights are float unless the quantization config has an expert method
-  (`QuantConfig.get_expert_method`: MXFP4 for gpt-oss, quant/mxfp4.py), which then registers
-  each stack's parameters and runs the experts; other configs apply to the shared experts only.
+  (`QuantConfig.get_expert_method`: MXFP4 for gpt-oss, quant/mxfp4.py; GGUF blocks,
+  quant/gguf_moe.py), which then registers each stack's parameters (and loads a quantized
+  `weight` itself) and runs the experts; other configs apply to the shared experts only.
 - gpt-oss: the router has a bias (`router_bias`), the experts biases (`experts.w13.bias`
   [E_local, 2I], `experts.w2.bias` [E_local, H], loaded like the weights' rows) and the clamped
   SwiGLU (`swiglu`, kernels/activation.py) instead of silu_and_mul. llama4: the routing weight
@@ -76,7 +78,10 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, routing: RoutingConfig) -> None:
         super().__init__()
         self.routing = routing
-        self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size),
+        # An fp32 router keeps its weight fp32 (transformers' _keep_in_fp32_modules_strict for
+        # GLM-4.5's gate.weight): a checkpoint that stores it in fp32 loses nothing.
+        dtype = torch.float32 if routing.router_fp32 else None
+        self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
@@ -138,6 +143,7 @@ class ExpertStack(nn.Module):
         super().__init__()
         self.first_expert, self.num_local = first_expert, num_local
         self.part_rows = out_size // parts
+        self.expert_method = quant_method  # loads its own `weight` (GGUF blocks: quant/gguf_moe.py)
         if quant_method is None:
             self.weight = nn.Parameter(torch.empty(num_local, out_size, in_size),
                                        requires_grad=False)
@@ -155,6 +161,9 @@ class ExpertStack(nn.Module):
         if not 0 <= local < self.num_local:
             return
         dst = param.data[local].narrow(0, part * self.part_rows, self.part_rows)
+        if self.expert_method is not None and param is getattr(self, "weight", None):
+            self.expert_method.load(self, dst, loaded, part)
+            return
         if dst.shape != loaded.shape:
             raise ValueError(f"expert {expert} tensor shape {tuple(loaded.shape)} does not match "
                              f"{tuple(dst.shape)}")
@@ -169,10 +178,14 @@ class MoEExperts(nn.Module):
                  bias: bool = False, swiglu: SwigluOAI | None = None,
                  quant_method: ExpertQuantMethod | None = None,
                  weight_on_input: bool = False, prefix: str = "",
-                 host_method: ExpertQuantMethod | None = None) -> None:
+                 host_method: ExpertQuantMethod | None = None,
+                 activation: str = "silu") -> None:
         super().__init__()
         if weight_on_input and quant_method is not None and not quant_method.takes_input_weight:
             raise ValueError("quantized experts take the routing weight on their output only")
+        if activation != "silu" and quant_method is not None:
+            raise ValueError(f"quantized experts run silu (or gpt-oss's SwiGLU), not {activation}")
+        self.activation = activation
         self.weight_on_input = weight_on_input
         self.tp_size = get_tp_size()
         self.num_local = divide(num_experts, self.tp_size, "expert count")
@@ -202,7 +215,8 @@ class MoEExperts(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return kernels.fused_moe(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids,
-                                 self.w13.bias, self.w2.bias, self.swiglu, self.weight_on_input)
+                                 self.w13.bias, self.w2.bias, self.swiglu, self.weight_on_input,
+                                 self.activation)
 
 
 class FusedMoE(nn.Module):

@@ -204,6 +204,7 @@ class HostExperts(nn.Module):
         self.first_local = experts.num_local - count
         self.count = count
         self.swiglu, self.weight_on_input = experts.swiglu, experts.weight_on_input
+        self.activation = experts.activation  # silu or gelu_tanh (Gemma 4 MoE)
         first = experts.first_expert + self.first_local
         with torch.device("cpu"):
             self.w13 = make_stack(
@@ -273,6 +274,7 @@ class HostExperts(nn.Module):
         plain = (
             self.method is None
             and self.swiglu is None
+            and self.activation == "silu"
             and self.w13.bias is None
             and not self.weight_on_input
         )
@@ -333,6 +335,7 @@ class _Staged(nn.Module):
             host.weight_on_input,
             host.method,
         )
+        self.activation = host.activation
         self.w13 = _staged_stack(host.w13, used, device)
         self.w2 = _staged_stack(host.w2, used, device)
 
@@ -349,7 +352,8 @@ def _run_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """An expert set shaped like MoEExperts (w13, w2, swiglu, weight_on_input) on x's device."""
+    """An expert set shaped like MoEExperts (w13, w2, swiglu, weight_on_input, activation) on
+    x's device."""
     if method is not None:
         return method.apply(holder, x, topk_weights, topk_ids)
     w13, w2 = cast(nn.Module, holder.w13), cast(nn.Module, holder.w2)
@@ -363,6 +367,7 @@ def _run_experts(
         cast(torch.Tensor | None, w2.bias),
         cast(Any, holder.swiglu),
         bool(holder.weight_on_input),
+        str(holder.activation),
     )
 
 

@@ -2,7 +2,8 @@
 
 Rules:
 - The file type decides the reader: a *.gguf file (or a directory holding exactly one, as a hub
-  snapshot of a GGUF repo does) goes through gguf_loader, a directory with config.json and
+  snapshot of a GGUF repo does; a split set `-0000i-of-0000N.gguf`, libs/common/gguf_files.py,
+  counts as one) goes through gguf_loader, a directory with config.json and
   *.safetensors through safetensors_loader.
 - The architecture is checked against the registry before any weight is read.
 - Parameters are created directly in `dtype` on `device`; quantization is chosen by name, or by
@@ -25,9 +26,11 @@ import torch
 from safetensors import safe_open
 
 from kernels.gguf_dequant import Q4_1
+from libs.common.gguf_files import find_gguf
 from services.engine.layers.moe_offload import NO_OFFLOAD, ExpertOffload, building
 from services.engine.loader.gguf_loader import (
     GGUFCheckpoint,
+    expert_types,
     iter_gguf,
     mxfp4_experts,
     read_gguf,
@@ -68,16 +71,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _find_gguf(path: Path) -> Path | None:
-    if path.is_file():
-        return path if path.suffix == ".gguf" else None
-    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if len(found) > 1:
-        raise ValueError(f"{path} holds several GGUF files ({', '.join(p.name for p in found)}); "
-                         "pass the file itself")
-    return found[0] if found else None
-
-
 def _hf_quant_config(path: Path, files: list[Path], quantization: str | None
                      ) -> QuantConfig | None:
     if quantization == CPU_DEFAULT:
@@ -102,7 +95,8 @@ def _gguf_quant_config(checkpoint: GGUFCheckpoint, packed: dict[str, tuple[str, 
     """Blocks stay quantized on CUDA by default, anywhere with "gguf"; else they are dequantized
     and `quantization` (int8 on CPU, an --isq type) applies to the floats."""
     if quantization == "gguf" or (quantization is None and torch.device(device).type == "cuda"):
-        return GGUFConfig(tensor_types(checkpoint), packed, mxfp4_experts(checkpoint))
+        return GGUFConfig(tensor_types(checkpoint), packed, mxfp4_experts(checkpoint),
+                          expert_types(checkpoint))
     if quantization == CPU_DEFAULT:
         layer_types = {t for name, t in tensor_types(checkpoint).items()
                        if ".layers." in name and name.endswith("proj.weight")}
@@ -143,7 +137,7 @@ def load_model(
         config = ModelConfig.from_hf_dir(path)
         weights = iter_safetensors(files)
         model_cls = get_model_class(config.architecture)
-    elif (gguf_path := _find_gguf(path)) is not None:
+    elif (gguf_path := find_gguf(path)) is not None:
         checkpoint = read_gguf(gguf_path)
         config = checkpoint.config
         model_cls = get_model_class(config.architecture)

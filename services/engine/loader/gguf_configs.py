@@ -1,5 +1,6 @@
 """GGUF metadata -> the HF config keys a model reads, for llama.cpp archs whose metadata says
-more than `ModelConfig.from_gguf_metadata` reads generically (deepseek2: gguf_deepseek2.py).
+more than `ModelConfig.from_gguf_metadata` reads generically (deepseek2: gguf_deepseek2.py;
+gemma2 / gemma3: gguf_gemma.py).
 
 Rules:
 - Each function takes the generic config, the metadata (GGUF key -> value) and the set of tensor
@@ -28,6 +29,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from services.engine.loader.gguf_gemma import gemma_config
 from services.engine.model_config import ModelConfig
 
 
@@ -98,4 +100,6 @@ GGUF_ARCH_CONFIGS: dict[str, Callable[[ModelConfig, dict[str, Any], set[str]], M
     "glm4moe": glm4moe_config,
     "gpt-oss": gpt_oss_config,
     "llama4": llama4_config,
+    "gemma2": gemma_config,
+    "gemma3": gemma_config,
 }

@@ -9,9 +9,11 @@ Rules:
   converter permutes the rows of q/k projections for llama-family models (interleaved rotary
   pairs), which is undone here so the HF-layout (neox) rotary applies. Architectures without a
   verified name map are refused.
-- Stacked expert tensors [E, out, in] (MoE) are dequantized and yielded one expert at a time
-  under the per-expert HF names the MoE models load; MXFP4 stacks (gpt-oss) the config keeps
-  quantized are yielded per expert as `.blocks` / `.scales` (quant/mxfp4.py's layout) instead.
+- Stacked expert tensors [E, out, in] (MoE) are yielded one expert at a time under the
+  per-expert HF names the MoE models load: as raw blocks (QuantBytes [out, row_bytes]) when the
+  config keeps them quantized (quant/gguf_moe.py), else dequantized; MXFP4 stacks (gpt-oss) the
+  config keeps quantized are yielded per expert as `.blocks` / `.scales` (quant/mxfp4.py's
+  layout) instead.
 - deepseek2 (DeepSeek-V2 / V3, gguf_deepseek2.py): the config gets its MLA / routing keys, and
   the attn_k_b / attn_v_b halves of each layer's kv_b_proj are dequantized (kv_b_proj stays
   float in the model) and joined into one tensor once both have been read.
@@ -20,6 +22,11 @@ Rules:
   which also undoes the converter's transforms of their tensors (their linear-attention
   tensors always load as floats).
 - Tied embeddings are inferred from the absence of an `output.weight` tensor.
+- A split GGUF (`-00001-of-0000N.gguf`) is read as one file (gguf_split.py).
+- A reranker (llama.cpp's pooling type RANK, Qwen3-Reranker) keeps only the LM head's rows of
+  its labels ("yes", "no") as `cls.output`: the head is rebuilt as the input embeddings (what
+  a tied head is; an untied one's other rows are lost, so its generations mean nothing) with
+  the labels' rows from `cls.output`, so the scorer's yes / no logits are the checkpoint's.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from gguf.quants import dequantize
 
 from services.engine.loader.gguf_configs import GGUF_ARCH_CONFIGS
 from services.engine.loader.gguf_deepseek2 import deepseek2_config, join_kv_b
+from services.engine.loader.gguf_gemma import NORM_PLUS_ONE
 from services.engine.loader.gguf_names import (
     EXPERT,
     KV_B_PARTS,
@@ -48,8 +56,10 @@ from services.engine.loader.gguf_qwen3next import (
     hybrid_config,
     keeps_float,
 )
+from services.engine.loader.gguf_split import GGUFSet, open_gguf
 from services.engine.model_config import ModelConfig
 from services.engine.quant.gguf import QuantBytes
+from services.engine.quant.gguf_moe import expert_stack
 from services.engine.quant.mxfp4 import from_ggml_mxfp4
 
 GGML_MXFP4 = 39  # ggml's type id of MXFP4 blocks
@@ -58,9 +68,12 @@ _SKIPPED_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.
                    "tokenizer.ggml.merges"}
 
 
+_CLS_OUT = "cls.output.weight"
+
+
 class GGUFCheckpoint(NamedTuple):
     config: ModelConfig
-    reader: GGUFReader
+    reader: GGUFReader | GGUFSet
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -69,7 +82,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _metadata(reader: GGUFReader) -> dict[str, Any]:
+def _metadata(reader: GGUFReader | GGUFSet) -> dict[str, Any]:
     meta = {key: field.contents() for key, field in reader.fields.items()
             if key not in _SKIPPED_FIELDS}
     arch = meta["general.architecture"]
@@ -83,13 +96,13 @@ def _dequantized(tensor: Any) -> np.ndarray:
     return np.asarray(array, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
 
 
-def _vector(reader: GGUFReader, name: str) -> list[float] | None:
+def _vector(reader: GGUFReader | GGUFSet, name: str) -> list[float] | None:
     tensor = next((t for t in reader.tensors if t.name == name), None)
     return None if tensor is None else _dequantized(tensor).reshape(-1).tolist()
 
 
 def read_gguf(path: Path) -> GGUFCheckpoint:
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     arch = str(reader.fields["general.architecture"].contents())
     if arch not in MAPPED_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported GGUF "
@@ -98,8 +111,9 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     long, short = _vector(reader, "rope_factors_long.weight"), _vector(reader,
                                                                        "rope_factors_short.weight")
     meta = _metadata(reader)
+    tied = "output.weight" not in names and _CLS_OUT not in names
     config = ModelConfig.from_gguf_metadata(
-        meta, "output.weight" not in names, _vector(reader, "rope_freqs.weight"),
+        meta, tied, _vector(reader, "rope_freqs.weight"),
         longrope_factors=(long, short) if long is not None and short is not None else None)
     if arch == "deepseek2":
         config = deepseek2_config(config, meta, any(n.endswith(".exp_probs_b.bias")
@@ -111,7 +125,7 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     return GGUFCheckpoint(config, reader)
 
 
-def _arch(reader: GGUFReader) -> str:
+def _arch(reader: GGUFReader | GGUFSet) -> str:
     return str(reader.fields["general.architecture"].contents())
 
 
@@ -132,12 +146,26 @@ def tensor_types(checkpoint: GGUFCheckpoint) -> dict[str, int]:
             and not (hybrid and keeps_float(name))}
 
 
+def expert_types(checkpoint: GGUFCheckpoint) -> dict[str, dict[str, int]]:
+    """MoE experts prefix (`model.layers.N.mlp.experts`) -> role (gate / up / down) -> ggml
+    type of its stacked tensor."""
+    arch = _arch(checkpoint.reader)
+    out: dict[str, dict[str, int]] = {}
+    for t in checkpoint.reader.tensors:
+        name = hf_name(t.name, arch)
+        stack = None if name is None or EXPERT not in name else expert_stack(name)
+        if stack is not None:
+            out.setdefault(stack[0], {})[stack[1]] = int(t.tensor_type)
+    return out
+
+
 def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = None
               ) -> Iterator[tuple[str, torch.Tensor]]:
     config, reader = checkpoint
     arch = _arch(reader)
     permuted = arch in PERMUTED_ARCHS
     hybrid = arch in HYBRID_ARCHS
+    plus_one = arch in NORM_PLUS_ONE
     kv_b_parts: dict[str, dict[str, np.ndarray]] = {}  # kv_b_proj name -> part -> array
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch)
@@ -158,6 +186,12 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
                 yield f"{stem.replace(EXPERT, str(e))}.blocks", blocks[e]
                 yield f"{stem.replace(EXPERT, str(e))}.scales", scales[e]
             continue
+        if EXPERT in name and keep is not None and keep(name):  # blocks (quant/gguf_moe.py)
+            stacked = np.asarray(tensor.data)  # [E, rows, row_bytes]
+            for e in range(stacked.shape[0]):
+                yield name.replace(EXPERT, str(e)), QuantBytes.wrap(
+                    torch.from_numpy(stacked[e].copy()), int(tensor.tensor_type))
+            continue
         if EXPERT in name:
             for e, weight in enumerate(_dequantized(tensor)):
                 yield name.replace(EXPERT, str(e)), torch.from_numpy(weight.copy())
@@ -166,6 +200,8 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
         array = np.asarray(tensor.data) if raw else _dequantized(tensor)
         if hybrid and not raw:
             array = fix_tensor(arch, name, array, config)
+        if plus_one and name.endswith("norm.weight"):  # gguf_gemma.py
+            array = array - np.float32(1.0)
         if permuted and ".q_proj." in name:
             array = unpermute_qk(array, config.num_heads)
         elif permuted and ".k_proj." in name:
@@ -174,5 +210,21 @@ def iter_gguf(checkpoint: GGUFCheckpoint, keep: Callable[[str], bool] | None = N
             array = array.copy()
         out = torch.from_numpy(array)
         yield name, (QuantBytes.wrap(out, int(tensor.tensor_type)) if raw else out)
+    if any(t.name == _CLS_OUT for t in reader.tensors):
+        yield "lm_head.weight", _reranker_head(reader)
     if kv_b_parts:
         raise ValueError(f"GGUF has only one half (attn_k_b / attn_v_b) of {sorted(kv_b_parts)}")
+
+
+def _reranker_head(reader: GGUFReader | GGUFSet) -> torch.Tensor:
+    """The LM head of a RANK-pooling GGUF: the input embeddings with the rows of the
+    classifier's labels (`{arch}.classifier.output_labels`, tokens of the vocabulary) taken
+    from `cls.output` (see the module rules)."""
+    tensors = {t.name: t for t in reader.tensors}
+    head = torch.from_numpy(_dequantized(tensors["token_embd.weight"]).copy())
+    labels = reader.fields[f"{_arch(reader)}.classifier.output_labels"].contents()
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    rows = _dequantized(tensors[_CLS_OUT])
+    for label, row in zip(labels, rows, strict=True):
+        head[tokens.index(label)] = torch.from_numpy(row.copy())
+    return head

@@ -4,8 +4,8 @@ llama.cpp's converter renames every tensor (blk.N.attn_q.weight, ...). Most arch
 the llama map; an architecture whose converter gives a GGUF name another meaning overrides it
 (phi3 fuses q/k/v into attn_qkv and gate/up into ffn_up). Only the llama family (llama,
 mistral, smollm3) has its q/k rows permuted by the converter (interleaved rotary pairs), which
-the loader undoes. Gemma GGUFs are not mapped: llama.cpp stores their norms as 1 + w and
-hard-codes their attention scale and sliding pattern per model size.
+the loader undoes. Gemma 2 / 3 name their four norms per layer their own way (their 1 + w norm
+values and hard-coded hyper-parameters: gguf_gemma.py).
 
 Mixture-of-experts GGUFs store each layer's experts stacked in one [E, out, in] tensor
 (`ffn_{gate,up,down}_exps`); their HF name holds an `{e}` (EXPERT) that the loader fills in with
@@ -60,6 +60,9 @@ BLOCK_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
     "llama": {  # Mixtral
         "ffn_gate_inp": "block_sparse_moe.gate",
@@ -101,6 +104,8 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ssm_out": "linear_attn.out_proj",
         "post_attention_norm": "post_attention_layernorm",
     } for arch in ("qwen3next", "qwen35", "qwen35moe")},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
     "gpt-oss": {
         "attn_sinks.weight": "self_attn.sinks",
         "post_attention_norm": "post_attention_layernorm",
@@ -111,8 +116,8 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 # Architectures with a verified map (the loader refuses others rather than guess).
 MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe",
-                         "deepseek2", "smollm3", "glm4moe", "gpt-oss", "llama4", "qwen3next",
-                         "qwen35", "qwen35moe"})
+                         "deepseek2", "smollm3", "glm4moe", "gpt-oss", "llama4", "gemma2",
+                         "gemma3", "qwen3next", "qwen35", "qwen35moe"})
 # block tensors stored without a .weight / .bias suffix -> HF suffix
 BARE_BLOCK_NAMES = {"ssm_a": "linear_attn.A_log"}
 

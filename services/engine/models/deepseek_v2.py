@@ -119,7 +119,8 @@ class DeepseekV2DecoderLayer(MoEDecoderLayer):
         shared = (shared_mlp(config, inter * n_shared, quant_config, f"{prefix}.shared_experts")
                   if n_shared else None)
         return FusedMoE(config.hidden_size, inter, self.routing(config), shared,
-                        "shared_experts", hidden_act=config.hidden_act)
+                        "shared_experts", hidden_act=config.hidden_act,
+                        quant_config=quant_config, prefix=prefix)
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):

@@ -45,3 +45,14 @@ class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     layer_cls: ClassVar[type[LlamaDecoderLayer]] = DeepseekV3DecoderLayer
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2 (`DeepseekV32ForCausalLM`) with **dense** attention: DeepSeek-V3's MLA and
+    MoE; its sparse attention's lightning indexer (`self_attn.indexer.*`, loaded by transformers)
+    is skipped. The indexer keeps each query's `index_topk` (2048) best keys, so up to that many
+    tokens of context the dense attention is exact; past it every key is attended instead of the
+    selected 2048 (a fallback, not DSA)."""
+
+    def skip_weight(self, name: str) -> bool:
+        return ".self_attn.indexer." in name or super().skip_weight(name)

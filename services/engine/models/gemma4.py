@@ -1,14 +1,15 @@
 """Gemma 4 text (`Gemma4ForCausalLM`; the language model of `Gemma4ForConditionalGeneration`,
-served text-only). Dense checkpoints (E2B / E4B / 31B); the MoE block (26B-A4B,
-`enable_moe_block`) is refused.
+served text-only). Dense checkpoints (E2B / E4B / 31B) and the MoE one (26B-A4B,
+`enable_moe_block`: a routed expert branch beside each layer's MLP, models/gemma4_moe.py).
 
 - Layers follow `layer_types` (five sliding per full one by default, the last always full).
   Full layers may have their own head size and KV head count (`per_layer_config`, or the
   published `global_head_dim` / `num_global_key_value_heads`) and, with `attention_k_eq_v`, no
   v_proj: their values are the raw key projection (so k_proj loads into both halves).
-- Attention: per-head RMSNorm (plain weight) on q and k, a weightless RMSNorm on v, scale 1
-  (the norms set the magnitude); rope in halves, default on sliding layers and "proportional"
-  on full ones (rope_scaling.py).
+- Norms scale the fp32 normalised row and round once (`RMSNormFp32Scale`, transformers'
+  Gemma4RMSNorm). Attention: per-head RMSNorm (plain weight) on q and k, a weightless RMSNorm
+  on v, scale 1 (the norms set the magnitude); rope in halves, default on sliding layers and
+  "proportional" on full ones (rope_scaling.py).
 - KV sharing: the last `num_kv_shared_layers` layers have no k / v of their own and attend over
   the cache of the last earlier layer of their type (`SharedKVAttention`, not an `Attention`, so
   the runner gives it no cache).
@@ -38,13 +39,15 @@ from services.engine.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     ReplicatedLinear,
-    RMSNorm,
+    RMSNormFp32Scale,
     RowParallelLinear,
     VocabParallelEmbedding,
     get_rope,
 )
+from services.engine.layers.moe import expert_weights_mapping
 from services.engine.model_config import ModelConfig
 from services.engine.models.base import CausalLM
+from services.engine.models.gemma4_moe import Gemma4MoE, split_experts
 from services.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from services.engine.models.moe_base import hf_value
 from services.engine.models.text_only import TextOnlyMixin
@@ -102,7 +105,7 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Gemma4Attention(LlamaAttention):
-    qk_norm_cls: ClassVar[type[nn.Module] | None] = RMSNorm
+    qk_norm_cls: ClassVar[type[nn.Module] | None] = RMSNormFp32Scale
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
                  layer: int) -> None:
@@ -133,7 +136,7 @@ class SharedKVAttention(nn.Module):
                                                config.attention_bias, quant_config,
                                                f"{prefix}.query_proj")
         self.num_heads = self.query_proj.output_size // d
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_norm = RMSNormFp32Scale(d, config.rms_norm_eps)
         theta, scaling = cfg.layer_rope(layer)
         self.rotary_emb = get_rope(d, cfg.rotary_dim, cfg.max_position_embeddings, theta, scaling)
         self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size,
@@ -173,23 +176,33 @@ class Gemma4DecoderLayer(nn.Module):
             config, intermediate_size=config.intermediate_size * (2 if wide else 1)),
             quant_config, f"{prefix}.mlp")
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm, self.post_attention_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps)
-        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.input_layernorm = RMSNormFp32Scale(h, eps)
+        self.post_attention_layernorm = RMSNormFp32Scale(h, eps)
+        self.pre_feedforward_layernorm = RMSNormFp32Scale(h, eps)
+        self.post_feedforward_layernorm = RMSNormFp32Scale(h, eps)
         self.ple_size = int(hf_value(config, "hidden_size_per_layer_input", default=0) or 0)
         if self.ple_size:
             self.per_layer_input_gate = ReplicatedLinear(h, self.ple_size, False, quant_config,
                                                          f"{prefix}.per_layer_input_gate")
             self.per_layer_projection = ReplicatedLinear(self.ple_size, h, False, quant_config,
                                                          f"{prefix}.per_layer_projection")
-            self.post_per_layer_input_norm = RMSNorm(h, eps)
+            self.post_per_layer_input_norm = RMSNormFp32Scale(h, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        # a list: its parts are registered on the layer under transformers' names instead
+        self._moe: list[Gemma4MoE] = []
+        if hf_value(config, "enable_moe_block", default=False):
+            moe = Gemma4MoE(config)
+            for name, child in moe.named_children():
+                self.add_module(name, child)
+            self._moe = [moe]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 per_layer_input: torch.Tensor | None) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden))
         hidden = hidden + self.post_attention_layernorm(attn_out)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self._moe:
+            mlp_out = self._moe[0](hidden, mlp_out)
         hidden = hidden + self.post_feedforward_layernorm(mlp_out)
         if self.ple_size:
             assert per_layer_input is not None
@@ -212,7 +225,7 @@ class Gemma4Model(nn.Module):
             if producer is not None:
                 source = cast(Gemma4Attention, self.layers[producer].self_attn)
                 cast(SharedKVAttention, layer.self_attn).read_from(source.attn)
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNormFp32Scale(h, config.rms_norm_eps)
         self.ple_size = p = int(hf_value(config, "hidden_size_per_layer_input", default=0) or 0)
         if p:
             vocab = int(hf_value(config, "vocab_size_per_layer_input",
@@ -220,7 +233,7 @@ class Gemma4Model(nn.Module):
             self.embed_tokens_per_layer = VocabParallelEmbedding(vocab, n * p)
             self.per_layer_model_projection = ReplicatedLinear(
                 h, n * p, False, quant_config, "model.per_layer_model_projection")
-            self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
+            self.per_layer_projection_norm = RMSNormFp32Scale(p, config.rms_norm_eps)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T, layers, P]: token-identity and context parts of the per-layer embeddings."""
@@ -248,9 +261,11 @@ class Gemma4ForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None) -> None:
         super().__init__(config, quant_config)
+        num_experts = int(hf_value(config, "num_experts", default=0) or 0)
         if hf_value(config, "enable_moe_block", default=False):
-            raise ValueError("Gemma 4's MoE block (gemma-4-26B-A4B) is not supported yet; the "
-                             "dense Gemma 4 models are")
+            # per instance: the keys depend on the expert count
+            self.packed_modules_mapping = {  # type: ignore[misc]
+                **expert_weights_mapping(num_experts), **type(self).packed_modules_mapping}
         if config.layer_types and config.layer_types[-1] != "full_attention":
             config.layer_types[-1] = "full_attention"  # as transformers forces it
         self.model = Gemma4Model(config, quant_config)
@@ -279,6 +294,10 @@ class Gemma4ForCausalLM(CausalLM):
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor
                            ) -> Iterable[tuple[str, torch.Tensor]]:
+        experts = split_experts(name, tensor)
+        if experts is not None:
+            yield from experts
+            return
         yield name, tensor
         if self._layer(name) in self.k_eq_v and ".self_attn.k_proj." in name:
             yield name.replace(".k_proj.", ".v_proj."), tensor  # values = raw keys

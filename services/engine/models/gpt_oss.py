@@ -12,7 +12,8 @@ Checkpoints name the router `mlp.router` and stack the experts: `mlp.experts.gat
 expert stacks load. The published checkpoints keep the experts in MXFP4 (`*_blocks`
 [E, out, in / 32, 16] and `*_scales` [E, out, in / 32], rows interleaved the same way;
 quant/mxfp4.py serves them). The
-attention sinks are `self_attn.sinks` [num_heads].
+attention sinks are `self_attn.sinks` [num_heads]. Its RMSNorms scale the fp32 normalised row
+and round once (`RMSNormFp32Scale`), as transformers' GptOssRMSNorm does.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import ClassVar
 from torch import nn
 
 from kernels.activation import SwigluOAI
+from services.engine.layers import RMSNormFp32Scale
 from services.engine.layers.moe import FusedMoE, RoutingConfig
 from services.engine.model_config import ModelConfig
 from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
@@ -35,6 +37,7 @@ class GptOssAttention(LlamaAttention):
 
 class GptOssDecoderLayer(MoEDecoderLayer):
     attention_cls: ClassVar[type[LlamaAttention]] = GptOssAttention
+    norm_cls: ClassVar[type[nn.Module]] = RMSNormFp32Scale  # scale in fp32, one rounding
 
     def make_mlp(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
                  layer: int) -> nn.Module:

@@ -24,7 +24,7 @@ class MixtralDecoderLayer(MoEDecoderLayer):
                                 top_k=int(hf_value(config, "num_experts_per_tok")),
                                 renormalize=True)
         return FusedMoE(config.hidden_size, config.intermediate_size, routing,
-                        hidden_act=config.hidden_act)
+                        hidden_act=config.hidden_act, quant_config=quant_config, prefix=prefix)
 
 
 class MixtralForCausalLM(MoECausalLM):

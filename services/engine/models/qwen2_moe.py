@@ -34,7 +34,7 @@ class Qwen2MoeDecoderLayer(MoEDecoderLayer):
                   if shared_size else None)
         return FusedMoE(config.hidden_size, int(hf_value(config, "moe_intermediate_size")),
                         routing, shared, "shared_expert", shared_expert_gate=shared is not None,
-                        hidden_act=config.hidden_act)
+                        hidden_act=config.hidden_act, quant_config=quant_config, prefix=prefix)
 
 
 class Qwen2MoeForCausalLM(MoECausalLM):

@@ -34,6 +34,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Llama4ForCausalLM": ("services.engine.models.llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("services.engine.models.llama4",
                                        "Llama4ForConditionalGeneration"),
+    "MiniMaxM2ForCausalLM": ("services.engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "MixtralForCausalLM": ("services.engine.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("services.engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("services.engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -47,6 +48,7 @@ _MODELS: dict[str, tuple[str, str]] = {
                                            "Qwen3_5ForConditionalGeneration"),
     "DeepseekV2ForCausalLM": ("services.engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("services.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("services.engine.models.deepseek_v3", "DeepseekV32ForCausalLM"),
 }
 
 

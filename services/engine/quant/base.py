@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 class QuantMethod(ABC):
     """Storage and matmul strategy of one linear-like layer (see the module rules)."""
 
+    # The LM head (layers/embedding.py) calls create_weights / load for its weight (GGUF blocks)
+    # instead of keeping the float embedding-layout weight.
+    owns_lm_head_weight: bool = False
+
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
     ) -> None:
@@ -166,6 +170,13 @@ class ExpertQuantMethod(ABC):
     @abstractmethod
     def create_weights(self, stack: nn.Module, num_local: int, out_size: int,
                        in_size: int) -> None: ...
+
+    def load(self, stack: nn.Module, dst: torch.Tensor, loaded: torch.Tensor, part: int) -> None:
+        """Copy one expert's row block `part` of a stack's `weight` (dst: its rows there)."""
+        if dst.shape != loaded.shape:
+            raise ValueError(f"expert tensor shape {tuple(loaded.shape)} does not match "
+                             f"{tuple(dst.shape)}")
+        dst.copy_(loaded)
 
     def process_after_loading(self, experts: nn.Module) -> None:
         return None

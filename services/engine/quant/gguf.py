@@ -4,9 +4,13 @@ Rules:
 - The loader decides per tensor, through `GGUFConfig.keeps_quantized`, whether it hands a layer
   raw blocks (a `QuantBytes`: uint8 [rows, row_bytes] that remembers its ggml type through the
   layer's narrowing) or float weights (dequantized by gguf.quants as before).
-- A layer keeps blocks when every checkpoint tensor fused into it has the same quantized type that
-  the kernels decode (kernels/gguf_dequant.py). A fused layer mixing types (Q4_K_M stores some
-  v projections as Q6_K) falls back to float weights; so do norms, embeddings and the LM head.
+- A layer keeps blocks when every checkpoint tensor fused into it has a quantized type that the
+  kernels decode (kernels/gguf_dequant.py). One type: `GGUFLinearMethod`; a fused layer mixing
+  types (Q4_K_M stores some v projections as Q6_K) keeps one block matrix per type
+  (quant/gguf_parts.py). An untied LM head (`output.weight`) keeps its blocks too
+  (`owns_lm_head_weight`, layers/embedding.py). Norms and the token embedding stay float.
+- MoE expert stacks of the kernels' types stay quantized too (quant/gguf_moe.py); MXFP4 stacks
+  (gpt-oss) go through quant/mxfp4.py.
 - `GGUFLinearMethod` owns `weight` = uint8 [N, K / qk * type_size] (this rank's shard, rows of
   whole blocks) and runs kernels/gguf_matmul.py on CUDA; off CUDA it dequantizes once after
   loading and serves float weights (quant/base.py: use_kernels).
@@ -32,6 +36,8 @@ from services.engine.quant.base import (
     linear_2d,
     use_kernels,
 )
+from services.engine.quant.gguf_moe import EXPERT_ROLES, GGUFExpertMethod, expert_stack
+from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
 from services.engine.quant.mxfp4 import Mxfp4ExpertMethod
 
 
@@ -60,10 +66,11 @@ class QuantBytes(torch.Tensor):
 class GGUFLinearMethod(QuantMethod):
     """Weights are GGUF blocks of one ggml type (see the module rules)."""
 
-    def __init__(self, qtype: int) -> None:
+    def __init__(self, qtype: int, lm_head: bool = False) -> None:
         self.qtype = int(qtype)
         self.type = gguf_type(qtype)
         self.kernels = True
+        self.owns_lm_head_weight = lm_head
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
@@ -125,9 +132,13 @@ class GGUFConfig(QuantConfig):
 
     def __init__(self, tensor_types: Mapping[str, int],
                  packed: Mapping[str, tuple[str, str | int]],
-                 mxfp4_experts: Collection[str] = ()) -> None:
+                 mxfp4_experts: Collection[str] = (),
+                 expert_types: Mapping[str, Mapping[str, int]] | None = None) -> None:
         self.packed = dict(packed)
         self.mxfp4_experts = frozenset(mxfp4_experts)  # MoE expert prefixes stored as MXFP4
+        # MoE experts prefix -> role (gate / up / down) -> ggml type of its stack
+        self.expert_types = {k: dict(v) for k, v in (expert_types or {}).items()}
+        self.quantized_experts: set[str] = set()
         self.param_types: dict[str, set[int]] = {}
         for name, qtype in tensor_types.items():
             self.param_types.setdefault(self.param_name(name), set()).add(int(qtype))
@@ -142,21 +153,36 @@ class GGUFConfig(QuantConfig):
     def get_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
         types = self.param_types.get(f"{prefix}.weight", set())
         is_linear = hasattr(layer, "input_size")  # LinearBase; the LM head is an embedding
-        if is_linear and len(types) == 1 and next(iter(types)) in GGUF_TYPES:
+        lm_head = not is_linear and prefix.split(".")[-1] == "lm_head"  # layers/embedding.py
+        if lm_head and len(types) == 1 and types <= GGUF_TYPES.keys():
+            self.quantized_prefixes.add(prefix)  # an untied output.weight: its blocks
+            return GGUFLinearMethod(next(iter(types)), lm_head=True)
+        if is_linear and types and types <= GGUF_TYPES.keys():
             self.quantized_prefixes.add(prefix)
-            return GGUFLinearMethod(next(iter(types)))
+            if len(types) == 1:
+                return GGUFLinearMethod(next(iter(types)))
+            return GGUFPartsLinearMethod(types)
         return UnquantizedLinearMethod()
 
     def get_expert_method(self, prefix: str) -> ExpertQuantMethod | None:
-        """gpt-oss's MXFP4 experts stay MXFP4 (quant/mxfp4.py); other expert stacks are
-        dequantized by the loader."""
-        return Mxfp4ExpertMethod() if prefix in self.mxfp4_experts else None
+        """gpt-oss's MXFP4 experts stay MXFP4 (quant/mxfp4.py); stacks of the kernels' types
+        stay in their blocks (quant/gguf_moe.py); others are dequantized by the loader."""
+        if prefix in self.mxfp4_experts:
+            return Mxfp4ExpertMethod()
+        types = self.expert_types.get(prefix, {})
+        if set(types) == set(EXPERT_ROLES) and set(types.values()) <= GGUF_TYPES.keys():
+            self.quantized_experts.add(prefix)
+            return GGUFExpertMethod([types[role] for role in EXPERT_ROLES])
+        return None
 
     def keeps_quantized(self, ckpt_name: str) -> bool:
         """Whether the loader should pass this tensor's blocks as they are (for MXFP4 expert
         stacks: repacked as quant/mxfp4.py's blocks and scales)."""
         if any(ckpt_name.startswith(f"{p}.") for p in self.mxfp4_experts):
             return True
+        stack = expert_stack(ckpt_name)
+        if stack is not None:
+            return stack[0] in self.quantized_experts
         pname = self.param_name(ckpt_name)
         return pname.endswith(".weight") and pname[: -len(".weight")] in self.quantized_prefixes
 

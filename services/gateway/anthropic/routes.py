@@ -25,18 +25,15 @@ from services.gateway.anthropic.events import MessageEvents
 from services.gateway.anthropic.message import message
 from services.gateway.anthropic.translate import chat_shape
 from services.gateway.plan import new_request_id
-from services.gateway.routes import CLIENT_CLOSED, ClientGone, read_json, unless_disconnected
+from services.gateway.request_body import gateway, model_request
+from services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
 from services.gateway.sse import EventStream
 from services.gateway.turns import Turn, new_turn, turn_request
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    pass
 
 router = APIRouter(route_class=AnthropicRoute)
-
-
-def _gateway(request: Request) -> GatewayState:
-    return request.app.state.gateway  # type: ignore[no-any-return]
 
 
 async def _events(turn: Turn, events: MessageEvents) -> AsyncIterator[bytes]:
@@ -58,10 +55,8 @@ async def _events(turn: Turn, events: MessageEvents) -> AsyncIterator[bytes]:
 
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
-    gw = _gateway(request)
-    body = await read_json(request)
-    gw.spec.validate("createMessage", body)
-    await gw.require_model(body["model"], "generate")
+    gw = gateway(request)
+    body, _ = await model_request(request, "createMessage", "generate")
     shape = chat_shape(body)
     rid = new_request_id()
     turn = new_turn(gw, shape.body, shape.tools, rid, shape.extra)
@@ -85,10 +80,8 @@ async def create_message(request: Request) -> Response:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
-    gw = _gateway(request)
-    body = await read_json(request)
-    gw.spec.validate("countMessageTokens", body)
-    await gw.require_model(body["model"])
+    gw = gateway(request)
+    body, _ = await model_request(request, "countMessageTokens")
     shape = chat_shape(body)
     req = turn_request(gw, shape.body, shape.tools, new_request_id(), shape.extra)
     reply = await gw.bus.request(subjects.tokenizer_render(body["model"]), req, RenderReply,

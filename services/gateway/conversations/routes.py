@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse
 
 from libs.common.errors import invalid_request
 from services.gateway.conversations.store import ConversationStore, item_not_found
+from services.gateway.request_body import validated_body
 from services.gateway.responses.items import input_items
-from services.gateway.routes import read_json
 
 if TYPE_CHECKING:
     from services.gateway.app import GatewayState
@@ -71,9 +71,8 @@ def page(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
 
 @router.post("/v1/conversations")
 async def create_conversation(request: Request) -> Response:
-    gw, store = _state(request)
-    body = await read_json(request)
-    gw.spec.validate("createConversation", body)
+    _, store = _state(request)
+    body = await validated_body(request, "createConversation")
     items = input_items(body.get("items") or [])
     return JSONResponse(await store.create(body.get("metadata"), items))
 
@@ -86,9 +85,8 @@ async def retrieve_conversation(request: Request, conversation_id: str) -> Respo
 
 @router.post("/v1/conversations/{conversation_id}")
 async def update_conversation(request: Request, conversation_id: str) -> Response:
-    gw, store = _state(request)
-    body = await read_json(request)
-    gw.spec.validate("updateConversation", body)
+    _, store = _state(request)
+    body = await validated_body(request, "updateConversation")
     return JSONResponse(await store.update(conversation_id, body["metadata"]))
 
 
@@ -109,9 +107,8 @@ async def list_items(request: Request, conversation_id: str) -> Response:
 
 @router.post("/v1/conversations/{conversation_id}/items")
 async def create_items(request: Request, conversation_id: str) -> Response:
-    gw, store = _state(request)
-    body = await read_json(request)
-    gw.spec.validate("createConversationItems", body)
+    _, store = _state(request)
+    body = await validated_body(request, "createConversationItems")
     items = input_items(body["items"])
     await store.append(conversation_id, items, "items")
     return JSONResponse(item_list(items))

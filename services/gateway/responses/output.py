@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from libs.common.messages import McpToolRoute, TextDelta
+from libs.common.messages import TextDelta
+from libs.common.tool_messages import McpToolRoute
 from services.gateway.responses.items import item_id, output_text_part
 from services.gateway.turns import UsageTotal
 

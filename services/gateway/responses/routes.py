@@ -27,12 +27,13 @@ from libs.common.errors import FlotillaError, envelope, invalid_request
 from libs.common.messages import ErrorInfo
 from services.gateway.conversations.store import ConversationStore
 from services.gateway.mcp import McpToolset, requested_toolset
+from services.gateway.request_body import validated_body
 from services.gateway.responses.background import BackgroundRuns
 from services.gateway.responses.items import input_items
 from services.gateway.responses.request import ResponseRequest, response_object, response_request
 from services.gateway.responses.run import ResponseRun
 from services.gateway.responses.store import ResponseStore
-from services.gateway.routes import CLIENT_CLOSED, ClientGone, read_json, unless_disconnected
+from services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
 from services.gateway.sse import EventStream
 from services.gateway.streams import ChoiceStreams
 
@@ -104,8 +105,7 @@ async def _history(request: Request, rs: ResponsesState, req: ResponseRequest,
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     gw, rs = _state(request)
-    body = await read_json(request)
-    gw.spec.validate("createResponse", body)
+    body = await validated_body(request, "createResponse")
     req = response_request(body)
     if req.background and not req.store:
         raise invalid_request("`background` responses need `store: true`.", param="background")
