@@ -34,7 +34,8 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 3451
 
 def _engine(budget: int) -> Engine:
     return Engine(EngineConfig(model="default", device="cpu", max_num_batched_tokens=budget,
-                               prefill_chunk_size=budget, kvcache_mem_mib=512))
+                               prefill_chunk_size=budget, kvcache_mem_mib=512,
+                               quantization="auto"))
 
 
 def decode(engine: Engine, tokens: int) -> None:
