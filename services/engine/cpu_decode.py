@@ -85,17 +85,29 @@ def _layer(layer: nn.Module, eps: float) -> _Layer | None:
     if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
         return None
     rotary, inner = attn.rotary_emb, attn.attn
-    plain_attention = (inner.sinks is None and inner.attention_chunk is None
-                       and inner.sliding_window is None and inner.logit_softcap is None)
-    if (attn.has_qk_norm or not attn.fused_rotary or type(rotary) is not RotaryEmbedding
-            or not rotary.is_neox or rotary.rotary_dim != attn.head_dim or not plain_attention
-            or not isinstance(mlp.act_fn, SiluAndMul)):
+    plain_attention = (
+        inner.sinks is None
+        and inner.attention_chunk is None
+        and inner.sliding_window is None
+        and inner.logit_softcap is None
+    )
+    if (
+        attn.has_qk_norm
+        or not attn.fused_rotary
+        or type(rotary) is not RotaryEmbedding
+        or not rotary.is_neox
+        or rotary.rotary_dim != attn.head_dim
+        or not plain_attention
+        or not isinstance(mlp.act_fn, SiluAndMul)
+    ):
         return None
     norms = [layer.norms[slot] for slot in ("pre_attn", "post_attn", "pre_mlp", "post_mlp")]
     if norms[1] is not None or norms[3] is not None:
         return None
-    if any(type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32
-           for n in (norms[0], norms[2])):
+    if any(
+        type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32
+        for n in (norms[0], norms[2])
+    ):
         return None
     mms = [_matmul(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(mm is None for mm in mms):
@@ -116,8 +128,14 @@ def block_runs(blocks: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    runs: list[tuple[int, int]], seq_len: int, scale: float) -> torch.Tensor:
+def attend_in_place(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    runs: list[tuple[int, int]],
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
     """One sequence's decode attention, q [Hq, D] over its first `seq_len` cached tokens, which
     sit in `runs` of consecutive blocks of k_cache / v_cache [num_blocks, bs, Hk, D]; nothing is
     copied out of the cache. Returns [Hq, D] (float32 math, q's dtype)."""
@@ -127,10 +145,11 @@ def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     values = v_cache.view(-1, hk, d)
     if len(runs) == 1:
         start = runs[0][0] * bs
-        k = keys[start:start + seq_len].transpose(0, 1)  # [Hk, L, D] view
-        v = values[start:start + seq_len].transpose(0, 1)
-        out = F.scaled_dot_product_attention(q.view(1, hq, 1, d), k[None], v[None], scale=scale,
-                                             enable_gqa=hq != hk)
+        k = keys[start : start + seq_len].transpose(0, 1)  # [Hk, L, D] view
+        v = values[start : start + seq_len].transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q.view(1, hq, 1, d), k[None], v[None], scale=scale, enable_gqa=hq != hk
+        )
         return out.view(hq, d)
     # Several runs: scores run by run, one softmax over all of them, values run by run.
     qg = q.view(hk, hq // hk, d)
@@ -141,12 +160,12 @@ def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         left -= n
         if not left:
             break
-    scores = torch.cat([torch.matmul(qg, keys[s:s + n].permute(1, 2, 0)) for s, n in spans], -1)
+    scores = torch.cat([torch.matmul(qg, keys[s : s + n].permute(1, 2, 0)) for s, n in spans], -1)
     probs = torch.softmax(scores * scale, -1)
     out = None
     offset = 0
     for s, n in spans:
-        part = torch.matmul(probs[..., offset:offset + n], values[s:s + n].transpose(0, 1))
+        part = torch.matmul(probs[..., offset : offset + n], values[s : s + n].transpose(0, 1))
         out = part if out is None else out.add_(part)
         offset += n
     assert out is not None
@@ -170,9 +189,13 @@ class CpuDecode:
     @classmethod
     def build(cls, model: nn.Module) -> CpuDecode | None:
         """The decode path for `model`, or None where it does not apply (module docstring)."""
-        if (type(model) is not LlamaForCausalLM or type(model.model) is not LlamaModel
-                or get_tp_size() != 1 or type(model.model.norm) is not RMSNorm
-                or model.model.embed_tokens.weight.dtype != torch.float32):
+        if (
+            type(model) is not LlamaForCausalLM
+            or type(model.model) is not LlamaModel
+            or get_tp_size() != 1
+            or type(model.model.norm) is not RMSNorm
+            or model.model.embed_tokens.weight.dtype != torch.float32
+        ):
             return None
         eps = model.model.norm.eps
         layers = [_layer(layer, eps) for layer in model.model.layers]
@@ -191,8 +214,9 @@ class CpuDecode:
         cos, sin = self.cos_sin.index_select(0, positions).float().chunk(2, -1)
         return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
 
-    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+    def logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         t, hq, hk, d = input_ids.shape[0], self.hq, self.hk, self.d
         cos, sin = self._rotary(positions)
         one = t == 1
@@ -201,7 +225,7 @@ class CpuDecode:
             first_cache = self.layers[0].attn.k_cache
             bs = first_cache.shape[1]
             seq_len = meta.seq_lens_cpu[0]
-            runs = block_runs(meta.block_tables[0, :-(-seq_len // bs)].tolist())
+            runs = block_runs(meta.block_tables[0, : -(-seq_len // bs)].tolist())
             one = len(runs) <= MAX_RUNS
         slots = meta.slot_mapping
         qk_heads = hq + hk
@@ -214,7 +238,7 @@ class CpuDecode:
             swapped = qk.view(t, qk_heads, 2, d // 2).flip(2).view(t, qk_heads, d)
             qk = (qk * cos).add_(swapped * sin)
             q, k = qk[:, :hq], qk[:, hq:]
-            v = qkv[:, qk_heads * d:].view(t, hk, d)
+            v = qkv[:, qk_heads * d :].view(t, hk, d)
             k_cache.view(-1, hk, d).index_copy_(0, slots, k.to(k_cache.dtype))
             v_cache.view(-1, hk, d).index_copy_(0, slots, v.to(v_cache.dtype))
             if one:

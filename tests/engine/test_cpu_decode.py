@@ -32,8 +32,12 @@ def _meta(seq_len: int, table: list[int], block_size: int) -> AttentionMetadata:
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
         seq_lens=torch.tensor([seq_len], dtype=torch.int32),
         block_tables=torch.tensor([table], dtype=torch.int32),
-        slot_mapping=torch.tensor([0]), max_query_len=1, max_seq_len=seq_len,
-        query_start_loc_cpu=[0, 1], seq_lens_cpu=[seq_len])
+        slot_mapping=torch.tensor([0]),
+        max_query_len=1,
+        max_seq_len=seq_len,
+        query_start_loc_cpu=[0, 1],
+        seq_lens_cpu=[seq_len],
+    )
 
 
 @pytest.mark.parametrize("order", ["in_order", "shuffled", "one_block"])
@@ -87,8 +91,9 @@ def test_path_declines_what_it_does_not_cover(tmp_path: Path) -> None:
 def _greedy(engine: Engine, prompts: list[list[int]], tokens: int) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=tokens,
-                                                          ignore_eos=True))
+        engine.add_request(
+            str(i), prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        )
     while engine.has_unfinished():
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -96,12 +101,16 @@ def _greedy(engine: Engine, prompts: list[list[int]], tokens: int) -> dict[str, 
 
 
 def test_default_model_greedy_tokens_equal_with_the_path_on_and_off() -> None:
-    engine = Engine(EngineConfig(model="default", device="cpu", kvcache_mem_mib=64,
-                                 quantization="auto"))
+    engine = Engine(
+        EngineConfig(model="default", device="cpu", kvcache_mem_mib=64, quantization="auto")
+    )
     fast = engine.runner.cpu_decode
     assert fast is not None
-    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646], [1, 504, 3458, 282, 4649, 314],
-               [1, 19556, 30, 1350]]
+    prompts = [
+        [1, 9690, 198, 2683, 359, 253, 5356, 5646],
+        [1, 504, 3458, 282, 4649, 314],
+        [1, 19556, 30, 1350],
+    ]
     single = _greedy(engine, prompts[:1], 24)
     several = _greedy(engine, prompts, 16)
     engine.runner.cpu_decode = None
