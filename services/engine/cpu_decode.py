@@ -68,6 +68,16 @@ def _matmul(linear: nn.Module) -> Matmul | None:
 
 
 @dataclass
+class _CacheViews:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_rows: torch.Tensor  # [slots, Hk, 2, D / 2]: rotated keys land here as computed
+    v_rows: torch.Tensor  # [slots, Hk * D]
+    k_heads: torch.Tensor  # [1, Hk, slots, D]: SDPA's layout, a view
+    v_heads: torch.Tensor
+
+
+@dataclass
 class _Layer:
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
@@ -76,6 +86,7 @@ class _Layer:
     gate_up: Matmul
     down: Matmul
     attn: nn.Module  # services.engine.layers.attention.Attention: its bound k_cache / v_cache
+    views: _CacheViews | None = None
 
 
 def _layer(layer: nn.Module, eps: float) -> _Layer | None:
@@ -209,42 +220,84 @@ class CpuDecode:
         return cls(model, [layer for layer in layers if layer is not None], head)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos [T, 1, D] and signed sin [T, 1, D] with rotate(x) = x * cos + halves_swapped(x) *
+        """cos and signed sin [T, 1, 2, D / 2] with rotate(x) = x * cos + halves_swapped(x) *
         sin: the reference's o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, the same roundings."""
         cos, sin = self.cos_sin.index_select(0, positions).float().chunk(2, -1)
-        return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
+        return torch.stack((cos, cos), 1)[:, None], torch.stack((-sin, sin), 1)[:, None]
+
+    def _views(self, layer: _Layer) -> _CacheViews:
+        """The layer's cache as rows [slots, Hk, 2, D / 2] and [slots, Hk * D] and heads-first
+        [1, Hk, slots, D] (built once per bound cache)."""
+        k_cache, v_cache = layer.attn.k_cache, layer.attn.v_cache
+        views = layer.views
+        if views is None or views.k_cache is not k_cache or views.v_cache is not v_cache:
+            if k_cache.dtype != torch.float32:  # the model dtype (float32, checked at build)
+                raise ValueError(f"CPU decode over a {k_cache.dtype} KV cache")
+            hk, d = self.hk, self.d
+            k_rows, v_rows = k_cache.view(-1, hk, d), v_cache.view(-1, hk, d)
+            views = layer.views = _CacheViews(
+                k_cache,
+                v_cache,
+                k_rows.view(-1, hk, 2, d // 2),
+                v_rows.view(-1, hk * d),
+                k_rows.transpose(0, 1)[None],
+                v_rows.transpose(0, 1)[None],
+            )
+        return views
 
     def logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         t, hq, hk, d = input_ids.shape[0], self.hq, self.hk, self.d
         cos, sin = self._rotary(positions)
-        one = t == 1
+        single = -1  # batch 1 over one run of blocks: that run's first slot
         runs: list[tuple[int, int]] = []
-        if one:
-            first_cache = self.layers[0].attn.k_cache
-            bs = first_cache.shape[1]
+        seq_len = slot = 0
+        if t == 1:
+            bs = self.layers[0].attn.k_cache.shape[1]
             seq_len = meta.seq_lens_cpu[0]
             runs = block_runs(meta.block_tables[0, : -(-seq_len // bs)].tolist())
-            one = len(runs) <= MAX_RUNS
+            slot = (runs[-1][0] + runs[-1][1] - 1) * bs + (seq_len - 1) % bs
+            if len(runs) == 1:
+                single = runs[0][0] * bs
+        batched = t > 1 or len(runs) > MAX_RUNS
         slots = meta.slot_mapping
-        qk_heads = hq + hk
+        qkd = (hq + hk) * d
         residual = F.embedding(input_ids, self.embed)
         for layer in self.layers:
-            k_cache, v_cache = layer.attn.k_cache, layer.attn.v_cache
+            views = self._views(layer)
             x = F.rms_norm(residual, (self.hidden,), layer.attn_norm, self.eps).to(_BF16)
             qkv = layer.qkv(x)
-            qk = qkv[:, : qk_heads * d].float().view(t, qk_heads, d)
-            swapped = qk.view(t, qk_heads, 2, d // 2).flip(2).view(t, qk_heads, d)
-            qk = (qk * cos).add_(swapped * sin)
-            q, k = qk[:, :hq], qk[:, hq:]
-            v = qkv[:, qk_heads * d :].view(t, hk, d)
-            k_cache.view(-1, hk, d).index_copy_(0, slots, k.to(k_cache.dtype))
-            v_cache.view(-1, hk, d).index_copy_(0, slots, v.to(v_cache.dtype))
-            if one:
-                out = attend_in_place(q[0], k_cache, v_cache, runs, seq_len, self.scale)
+            qk = qkv[:, :qkd].view(t, hq + hk, 2, d // 2)  # bf16 * fp32: the fp32 products
+            qk = (qk * cos).add_(qk.flip(2) * sin)
+            if t == 1:  # one row: copies into the slot, no index tensors
+                views.k_rows.narrow(0, slot, 1).copy_(qk[:, hq:])
+                views.v_rows.narrow(0, slot, 1).copy_(qkv[:, qkd:])
             else:
-                out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+                views.k_rows.index_copy_(0, slots, qk[:, hq:])
+                views.v_rows.index_copy_(0, slots, qkv[:, qkd:].float())
+            if single >= 0:
+                out = F.scaled_dot_product_attention(
+                    qk[:, :hq].view(1, hq, 1, d),
+                    views.k_heads.narrow(2, single, seq_len),
+                    views.v_heads.narrow(2, single, seq_len),
+                    scale=self.scale,
+                    enable_gqa=hq != hk,
+                )
+            elif not batched:
+                out = attend_in_place(
+                    qk[0, :hq].reshape(hq, d),
+                    layer.attn.k_cache,
+                    layer.attn.v_cache,
+                    runs,
+                    seq_len,
+                    self.scale,
+                )
+            else:
+                q = qk[:, :hq].view(t, hq, d)
+                out = kernels.paged_attention(
+                    q, layer.attn.k_cache, layer.attn.v_cache, meta, self.scale
+                )
             residual.add_(layer.o_proj(out.reshape(t, hq * d).to(_BF16)))
             x = F.rms_norm(residual, (self.hidden,), layer.mlp_norm, self.eps).to(_BF16)
             gate, up = layer.gate_up(x).chunk(2, -1)
