@@ -144,7 +144,8 @@ class LlamaCpp:
                    for p, t in enumerate(pr)]
         stamps = [time.perf_counter()]
         self._decode(entries)
-        last = [int(self._logits(i).argmax()) for i in range(len(prompts))]
+        ends = [sum(len(p) for p in prompts[: s + 1]) - 1 for s in range(len(prompts))]
+        last = [int(self._logits(i).argmax()) for i in ends]  # batch index of each last token
         stamps.append(time.perf_counter())
         for step in range(1, tokens):
             self._decode([(t, len(pr) + step - 1, s, True)

@@ -57,6 +57,11 @@ SUITE: dict[str, Benchmark] = {
         "cpu_engine.py", "CPU", "cpu",
         "batch-1 CPU decode through Engine.step and a long prefill's stall of a running stream",
         "fairness: the 8192-token budget (the whole prompt in one step) in the same run"),
+    "cpu-llamacpp": Benchmark(
+        "cpu_vs_llamacpp.py", "CPU", "cpu",
+        "batch-1 decode, 512-token prefill, 8 sequences and perplexity of the default GGUF, "
+        "flotilla's engine and llama.cpp's in lock-step rounds, same threads",
+        "llama.cpp (llama-cpp-python) on the same file in the same run"),
     "host": Benchmark(
         "host_overhead.py", "engine", "cpu or gpu",
         "the engine's host work per step (forward made negligible), per phase",
