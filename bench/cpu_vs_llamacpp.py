@@ -48,8 +48,9 @@ class Flotilla:
         from services.engine.engine import Engine, EngineConfig
 
         torch.set_num_threads(threads)
-        self.engine = Engine(EngineConfig(model="default", device="cpu", quantization="auto",
-                                          kvcache_mem_mib=512))
+        self.engine = Engine(
+            EngineConfig(model="default", device="cpu", quantization="auto", kvcache_mem_mib=512)
+        )
         self.name = "flotilla"
 
     def _run(self, prompts: list[list[int]], tokens: int) -> list[float]:
@@ -91,7 +92,9 @@ class Flotilla:
             for pos in range(len(ids) - 1):
                 meta = seq.metadata(pos, 1)
                 with forward_context(meta):
-                    logits = fast.logits(torch.tensor(ids[pos:pos + 1]), torch.tensor([pos]), meta)
+                    logits = fast.logits(
+                        torch.tensor(ids[pos : pos + 1]), torch.tensor([pos]), meta
+                    )
                 nll -= float(torch.log_softmax(logits[0].double(), -1)[ids[pos + 1]])
         for attn in runner.attention:  # give the engine its own caches back
             attn.bind_kv_cache(*self._caches[id(attn)])
@@ -132,24 +135,30 @@ class LlamaCpp:
     def _logits(self, i: int) -> Any:
         import numpy as np
 
-        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i),
-                                     shape=(self.n_vocab,))
+        return np.ctypeslib.as_array(
+            self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)
+        )
 
     def _clear(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
 
     def _generate(self, prompts: list[list[int]], tokens: int) -> list[float]:
         self._clear()
-        entries = [(t, p, s, p == len(pr) - 1) for s, pr in enumerate(prompts)
-                   for p, t in enumerate(pr)]
+        entries = [
+            (t, p, s, p == len(pr) - 1) for s, pr in enumerate(prompts) for p, t in enumerate(pr)
+        ]
         stamps = [time.perf_counter()]
         self._decode(entries)
         ends = [sum(len(p) for p in prompts[: s + 1]) - 1 for s in range(len(prompts))]
         last = [int(self._logits(i).argmax()) for i in ends]  # batch index of each last token
         stamps.append(time.perf_counter())
         for step in range(1, tokens):
-            self._decode([(t, len(pr) + step - 1, s, True)
-                          for s, (t, pr) in enumerate(zip(last, prompts, strict=True))])
+            self._decode(
+                [
+                    (t, len(pr) + step - 1, s, True)
+                    for s, (t, pr) in enumerate(zip(last, prompts, strict=True))
+                ]
+            )
             last = [int(self._logits(i).argmax()) for i in range(len(prompts))]
             stamps.append(time.perf_counter())
         return stamps
@@ -226,34 +235,62 @@ def main() -> None:
         for case in cases:
             if case == "perplexity" and r:
                 continue  # deterministic: one round
-            call = {"decode": (r, args.tokens), "prefill": (1000 + r,),
-                    "batch8": (2000 + 10 * r, args.tokens), "perplexity": (ids,)}[case]
+            call = {
+                "decode": (r, args.tokens),
+                "prefill": (1000 + r,),
+                "batch8": (2000 + 10 * r, args.tokens),
+                "perplexity": (ids,),
+            }[case]
             for side in order:
                 sides[side].send((case, call))
                 results[case][side].append(sides[side].recv())
-        print(f"round {r + 1}/{args.rounds}: " + "  ".join(
-            f"{c} {results[c]['flotilla'][-1]:.1f}/{results[c]['llama.cpp'][-1]:.1f}"
-            for c in cases if c != "perplexity" or not r), flush=True)
+        print(
+            f"round {r + 1}/{args.rounds}: "
+            + "  ".join(
+                f"{c} {results[c]['flotilla'][-1]:.1f}/{results[c]['llama.cpp'][-1]:.1f}"
+                for c in cases
+                if c != "perplexity" or not r
+            ),
+            flush=True,
+        )
     for conn in sides.values():
         conn.send(None)
     load_after = os.getloadavg()
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_cpu()}, "
-          f"{args.threads} threads, {args.rounds} lock-step rounds, load average "
-          f"{load_before[0]:.1f} before / {load_after[0]:.1f} after")
+    print(
+        f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_cpu()}, "
+        f"{args.threads} threads, {args.rounds} lock-step rounds, load average "
+        f"{load_before[0]:.1f} before / {load_after[0]:.1f} after"
+    )
     print(f"{'case':<12}{'flotilla':>12}{'llama.cpp':>12}{'ratio':>8}   unit")
-    units = {"decode": "tok/s", "prefill": "prompt tok/s", "batch8": "tok/s (8 seqs)",
-             "perplexity": "perplexity (lower is better)"}
+    units = {
+        "decode": "tok/s",
+        "prefill": "prompt tok/s",
+        "batch8": "tok/s (8 seqs)",
+        "perplexity": "perplexity (lower is better)",
+    }
     summary = {}
     for case in cases:
         ours, theirs = (statistics.median(results[case][s]) for s in sides)
-        summary[case] = {"flotilla": ours, "llama.cpp": theirs, "ratio": ours / theirs,
-                         "rounds": results[case]}
+        summary[case] = {
+            "flotilla": ours,
+            "llama.cpp": theirs,
+            "ratio": ours / theirs,
+            "rounds": results[case],
+        }
         print(f"{case:<12}{ours:>12.2f}{theirs:>12.2f}{ours / theirs:>7.2f}x   {units[case]}")
     if args.json:
-        args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": _cpu(),
-                                         "threads": args.threads, "load": [load_before,
-                                                                           load_after],
-                                         "results": summary}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "cpu": _cpu(),
+                    "threads": args.threads,
+                    "load": [load_before, load_after],
+                    "results": summary,
+                },
+                indent=1,
+            )
+        )
 
 
 def _cpu() -> str:
