@@ -33,6 +33,7 @@ import kernels
 from kernels.attention_metadata import AttentionMetadata
 from services.engine.distributed import get_tp_size
 from services.engine.layers.activation import SiluAndMul
+from services.engine.layers.attention import Attention
 from services.engine.layers.layernorm import RMSNorm
 from services.engine.layers.rotary import RotaryEmbedding
 from services.engine.models.llama import (
@@ -85,7 +86,7 @@ class _Layer:
     o_proj: Matmul
     gate_up: Matmul
     down: Matmul
-    attn: nn.Module  # services.engine.layers.attention.Attention: its bound k_cache / v_cache
+    attn: Attention  # its bound k_cache / v_cache
     views: _CacheViews | None = None
 
 
@@ -93,6 +94,8 @@ def _layer(layer: nn.Module, eps: float) -> _Layer | None:
     if type(layer) is not LlamaDecoderLayer:
         return None
     attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(attn, LlamaAttention) or not isinstance(mlp, LlamaMLP):
+        return None
     if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
         return None
     rotary, inner = attn.rotary_emb, attn.attn
@@ -115,17 +118,19 @@ def _layer(layer: nn.Module, eps: float) -> _Layer | None:
     norms = [layer.norms[slot] for slot in ("pre_attn", "post_attn", "pre_mlp", "post_mlp")]
     if norms[1] is not None or norms[3] is not None:
         return None
-    if any(
-        type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32
-        for n in (norms[0], norms[2])
-    ):
-        return None
+    pre_attn, pre_mlp = norms[0], norms[2]
+    for n in (pre_attn, pre_mlp):
+        if not isinstance(n, RMSNorm) or type(n) is not RMSNorm or n.eps != eps:
+            return None
+        if n.weight.dtype != torch.float32:
+            return None
+    assert isinstance(pre_attn, RMSNorm) and isinstance(pre_mlp, RMSNorm)
     mms = [_matmul(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(mm is None for mm in mms):
         return None
     qkv, o_proj, gate_up, down = mms
     assert qkv and o_proj and gate_up and down
-    return _Layer(norms[0].weight, norms[2].weight, qkv, o_proj, gate_up, down, inner)
+    return _Layer(pre_attn.weight, pre_mlp.weight, qkv, o_proj, gate_up, down, inner)
 
 
 def block_runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -158,10 +163,10 @@ def attend_in_place(
         start = runs[0][0] * bs
         k = keys[start : start + seq_len].transpose(0, 1)  # [Hk, L, D] view
         v = values[start : start + seq_len].transpose(0, 1)
-        out = F.scaled_dot_product_attention(
+        one = F.scaled_dot_product_attention(
             q.view(1, hq, 1, d), k[None], v[None], scale=scale, enable_gqa=hq != hk
         )
-        return out.view(hq, d)
+        return one.view(hq, d)
     # Several runs: scores run by run, one softmax over all of them, values run by run.
     qg = q.view(hk, hq // hk, d)
     spans, left = [], seq_len
@@ -173,7 +178,7 @@ def attend_in_place(
             break
     scores = torch.cat([torch.matmul(qg, keys[s : s + n].permute(1, 2, 0)) for s, n in spans], -1)
     probs = torch.softmax(scores * scale, -1)
-    out = None
+    out: torch.Tensor | None = None
     offset = 0
     for s, n in spans:
         part = torch.matmul(probs[..., offset : offset + n], values[s : s + n].transpose(0, 1))
@@ -187,15 +192,16 @@ class CpuDecode:
     """Logits of a decode-only step (every row one sequence's new token), float32 [B, vocab]."""
 
     def __init__(self, model: LlamaForCausalLM, layers: list[_Layer], head: Matmul) -> None:
-        first = model.model.layers[0].self_attn
-        self.embed = model.model.embed_tokens.weight
+        first: LlamaAttention = model.model.layers[0].self_attn  # type: ignore[assignment]
+        self.embed: torch.Tensor = model.model.embed_tokens.weight
         self.layers, self.head = layers, head
-        self.final_norm = model.model.norm.weight
-        self.eps = model.model.norm.eps
-        self.hq, self.hk, self.d = first.num_heads, first.num_kv_heads, first.head_dim
-        self.scale = first.attn.scale
-        self.cos_sin = first.rotary_emb.cos_sin_cache
-        self.hidden = self.embed.shape[1]
+        norm: RMSNorm = model.model.norm  # type: ignore[assignment]
+        self.final_norm: torch.Tensor = norm.weight
+        self.eps: float = norm.eps
+        self.hq, self.hk, self.d = int(first.num_heads), int(first.num_kv_heads), first.head_dim
+        self.scale: float = first.attn.scale
+        self.cos_sin: torch.Tensor = first.rotary_emb.cos_sin_cache
+        self.hidden: int = self.embed.shape[1]
 
     @classmethod
     def build(cls, model: nn.Module) -> CpuDecode | None:
@@ -213,8 +219,9 @@ class CpuDecode:
         head = _matmul(model.lm_head)
         if head is None or not layers or any(layer is None for layer in layers):
             return None
-        tables = {id(layer.self_attn.rotary_emb.cos_sin_cache) for layer in model.model.layers}
-        scales = {layer.self_attn.attn.scale for layer in model.model.layers}
+        attns: list[LlamaAttention] = [layer.self_attn for layer in model.model.layers]  # type: ignore[misc]
+        tables = {id(a.rotary_emb.cos_sin_cache) for a in attns}
+        scales = {a.attn.scale for a in attns}
         if len(tables) != 1 or len(scales) != 1:
             return None
         return cls(model, [layer for layer in layers if layer is not None], head)
