@@ -2,10 +2,12 @@
 decode speed, and how long a long prompt's prefill stalls a running stream.
 
     python bench/cpu_engine.py [--only decode,fairness] [--budgets 8192,512,256]
-                               [--tokens 128] [--prompt 3000] [--threads 2]
+                               [--tokens 128] [--prompt 3000] [--threads 2] [--rounds 3]
 
-decode: one greedy request, `--tokens` new tokens; prints tokens/s of the decode steps (the
-prefill step left out) and the best 16-token window (a shared machine is noisy).
+decode: one greedy request, `--tokens` new tokens, through the CPU decode path and through the
+modules, taking turns for `--rounds` rounds; prints the median tokens/s of the decode steps (the
+prefill step left out) and the best 16-token window (a shared machine is noisy). The comparison
+against llama.cpp is bench/cpu_vs_llamacpp.py.
 fairness: stream A decodes; after 8 of its tokens a `--prompt`-token prompt B arrives. For each
 step token budget (`max_num_batched_tokens`, which caps the prefill tokens a step takes) prints
 A's worst gap between two tokens while B prefills, A's median gap, and B's time to first token.
@@ -34,15 +36,14 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 3451
 
 def _engine(budget: int) -> Engine:
     return Engine(EngineConfig(model="default", device="cpu", max_num_batched_tokens=budget,
-                               prefill_chunk_size=budget, kvcache_mem_mib=512))
+                               prefill_chunk_size=budget, kvcache_mem_mib=512,
+                               quantization="auto"))
 
 
-def decode(engine: Engine, tokens: int) -> None:
+def _decode_once(engine: Engine, tokens: int) -> tuple[float, float]:
+    """(tok/s of the decode steps, best WINDOW-token window's tok/s) of one greedy request."""
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    engine.add_request("warm-up", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
-    while engine.has_unfinished():
-        engine.step()
-    engine.add_request("decode", PROMPT, params)
+    engine.add_request(f"decode-{time.monotonic_ns()}", PROMPT, params)
     stamps = []
     while engine.has_unfinished():
         if engine.step():
@@ -50,9 +51,25 @@ def decode(engine: Engine, tokens: int) -> None:
     stamps = stamps[1:]  # from the first token on: decode steps only
     n = len(stamps) - 1
     best = min(stamps[i + WINDOW] - stamps[i] for i in range(n - WINDOW + 1))
-    print(f"decode: {n / (stamps[-1] - stamps[0]):.1f} tok/s over {n} steps "
-          f"({(stamps[-1] - stamps[0]) / n * 1e3:.2f} ms/token); best {WINDOW}-token window "
-          f"{WINDOW / best:.1f} tok/s")
+    return n / (stamps[-1] - stamps[0]), WINDOW / best
+
+
+def decode(engine: Engine, tokens: int, rounds: int) -> None:
+    """The CPU decode path (services/engine/cpu_decode.py) and the module forward it replaces,
+    taking turns on one engine for `rounds` rounds; medians."""
+    engine.add_request("warm-up", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+    while engine.has_unfinished():
+        engine.step()
+    fast = engine.runner.cpu_decode
+    runs: dict[str, list[tuple[float, float]]] = {"cpu_decode path": [], "modules": []}
+    for r in range(rounds):
+        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
+            engine.runner.cpu_decode = fast if name == "cpu_decode path" else None
+            runs[name].append(_decode_once(engine, tokens))
+    engine.runner.cpu_decode = fast
+    for name, rs in runs.items():
+        print(f"decode, {name:>15}: {statistics.median(r[0] for r in rs):.1f} tok/s (median of "
+              f"{rounds}); best {WINDOW}-token window {max(r[1] for r in rs):.1f} tok/s")
 
 
 def fairness(budget: int, prompt_len: int) -> None:
@@ -90,11 +107,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=3000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     only = set(args.only.split(","))
     if "decode" in only:
-        decode(_engine(8192), args.tokens)
+        decode(_engine(8192), args.tokens, args.rounds)
     if "fairness" in only:
         for budget in (int(b) for b in args.budgets.split(",")):
             fairness(budget, args.prompt)

@@ -82,6 +82,11 @@ SUITE: dict[str, Benchmark] = {
         "library_decode.py", "engine", "cpu or gpu",
         "batch-1 decode of the library API (`LLM()` with its defaults)",
         "the engine as the engine service builds and steps it, in the same run"),
+    "cpu-llamacpp": Benchmark(
+        "cpu_vs_llamacpp.py", "CPU", "cpu",
+        "batch-1 decode, 512-token prefill, 8 sequences and perplexity of the default GGUF, "
+        "flotilla's engine and llama.cpp's in lock-step rounds, same threads",
+        "llama.cpp (llama-cpp-python) on the same file in the same run"),
     "host": Benchmark(
         "host_overhead.py", "engine", "cpu or gpu",
         "the engine's host work per step (forward made negligible), per phase",

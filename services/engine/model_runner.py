@@ -39,6 +39,7 @@ import torch
 from kernels import dense_attention, selection
 from kernels.kv_quant import FP8_KV_DTYPE, KVScales
 from services.engine import prompt_logprobs, step_graphs
+from services.engine.cpu_decode import CpuDecode
 from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from services.engine.distributed import tp_min
 from services.engine.forward_context import forward_context
@@ -122,6 +123,9 @@ class ModelRunner:
         self.warm_up_dense_attention()
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
+        # decode-only steps on CPU: the flat-op forward of cpu_decode.py where it applies
+        self.cpu_decode = (CpuDecode.build(self.model) if self.device.type == "cpu"
+                           and not self.kv_fp8 else None)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self._logits_all_rows, self.max_num_seqs,
                                        self.max_blocks_per_seq, self.max_model_len, self.device,
@@ -336,6 +340,9 @@ class ModelRunner:
         if decode_only and self.graphs is not None:
             # Every row of a decode-only step samples, in order: no row gather needed.
             return self.graphs.replay(input_ids, inputs.positions, inputs.meta)
+        if decode_only and self.cpu_decode is not None:
+            return self.cpu_decode.logits(input_ids, inputs.positions, inputs.meta)[
+                : inputs.num_logits]
         if self.step_graphs is not None and self.step_graphs.covers(inputs):
             hidden = self.step_graphs.replay(input_ids, inputs)
             return self.model.compute_logits(hidden)[: inputs.num_logits]
