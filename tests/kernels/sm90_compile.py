@@ -128,12 +128,12 @@ def spill_report() -> dict[str, int]:
             constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_H=16, BLOCK_SIZE=16, BLOCK_N=64,
                               BLOCK_D=head_dim, NUM_SPLITS=num_splits, USE_SOFTCAP=True,
                               USE_WINDOW=True, DOT_PRECISION="tf32", KV_FP8=False)
-            report = compile_sm90("paged_attention", "_decode_split_kernel", types, constexprs,
+            report = compile_sm90("decode_attention", "_decode_split_kernel", types, constexprs,
                                   4 if head_dim <= 64 else 2)
             spills[f"decode d={head_dim} splits={num_splits}"] = spill_bytes(report)
         reduce_types = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16",
                         "query_start_loc_ptr": "*i32"}
-        report = compile_sm90("paged_attention", "_decode_reduce_kernel", reduce_types,
+        report = compile_sm90("decode_attention", "_decode_reduce_kernel", reduce_types,
                               dict(NUM_SPLITS=8, BLOCK_D=head_dim), 4)
         spills[f"decode reduce d={head_dim}"] = spill_bytes(report)
     bf16 = "*bf16"
@@ -189,7 +189,7 @@ def fp8_kv_spill_report() -> dict[str, int]:
             constexprs = dict(HEAD_DIM=head_dim, GROUP=4, BLOCK_H=16, BLOCK_SIZE=16, BLOCK_N=64,
                               BLOCK_D=head_dim, NUM_SPLITS=num_splits, USE_SOFTCAP=True,
                               USE_WINDOW=True, DOT_PRECISION="tf32", KV_FP8=True)
-            report = compile_sm90("paged_attention", "_decode_split_kernel", types, constexprs,
+            report = compile_sm90("decode_attention", "_decode_split_kernel", types, constexprs,
                                   4 if head_dim <= 64 else 2)  # the launcher's warps
             spills[f"fp8 decode d={head_dim} splits={num_splits}"] = spill_bytes(report)
     bf16 = "*bf16"

@@ -14,10 +14,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels.gguf_dequant import GGUF_TYPES, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-from services.engine.quant.gguf_quantize import quantize_gguf
+from services.engine.quant.gguf_quantize import LEGACY_TYPES, quantize_gguf
 from tests.quant.conftest import rel_err
 
-LEGACY = [q for q, t in sorted(GGUF_TYPES.items()) if t.qk == 32]
+LEGACY = list(LEGACY_TYPES)
 # relative RMS error bound of each k-quant on Gaussian weights (observed ~0.33, 0.15, 0.078,
 # 0.038, 0.019: about half per extra bit)
 K_QUANT_BOUNDS = {Q2_K: 0.40, Q3_K: 0.19, Q4_K: 0.10, Q5_K: 0.05, Q6_K: 0.025}

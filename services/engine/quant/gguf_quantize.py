@@ -19,6 +19,7 @@ from kernels.gguf_dequant import (
     Q2_K,
     Q3_K,
     Q4_0,
+    Q4_1,
     Q4_K,
     Q5_0,
     Q5_1,
@@ -61,6 +62,9 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
 def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
     """The element of largest magnitude along the last dim, with its sign (first one on ties)."""
     return torch.gather(x, -1, x.abs().argmax(-1, keepdim=True))
+
+
+LEGACY_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # the 32-weight types this module writes
 
 
 def _legacy(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -182,7 +186,9 @@ def quantize_gguf(weight: torch.Tensor, qtype: int, rows_per_chunk: int = 2048) 
     if k % t.qk:
         raise ValueError(f"{t.name} needs in_features divisible by {t.qk}, got {k}")
     out = torch.empty(n, k // t.qk * t.type_size, dtype=_U8, device=weight.device)
-    legacy = t.qk == 32
+    legacy = qtype in LEGACY_TYPES
+    if not legacy and qtype not in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K):
+        raise ValueError(f"no quantizer for ggml type {t.name} (they are read, not written)")
     for r in range(0, n, rows_per_chunk):
         rows = weight[r:r + rows_per_chunk].float()
         blocks = rows.reshape(-1, t.qk)
@@ -191,4 +197,4 @@ def quantize_gguf(weight: torch.Tensor, qtype: int, rows_per_chunk: int = 2048) 
     return out
 
 
-__all__ = ["quantize_gguf"]
+__all__ = ["LEGACY_TYPES", "quantize_gguf"]
