@@ -56,9 +56,14 @@ class ScriptedTokenizer(FakeTokenizer):
 
 
 @pytest.fixture(scope="module")
-async def scripted(bus: Bus) -> AsyncIterator[ScriptedTokenizer]:
+async def scripted(bus: Bus, gateway: GatewayService) -> AsyncIterator[ScriptedTokenizer]:
     fake = ScriptedTokenizer(bus, f"test-mcp-{uuid.uuid4().hex[:8]}")
     await fake.start()
+    # the first request must not race the gateway's discovery of this model (a 404 under load)
+    for _ in range(200):
+        if await gateway.state.registry.get(fake.model) is not None:
+            break
+        await asyncio.sleep(0.05)
     yield fake
     await fake.stop()
 
