@@ -91,6 +91,32 @@ def _gemv_kernel(
 
 
 @triton.jit
+def dequant_dot_blocks(acc, w_ptr, w16_ptr, grid_ptr, row_off, n_ok, x_rows, row_ok, kb_start,
+                       kb_end, QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, NSB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [rows, BLOCK_N] += x . W^T over GGUF blocks [kb_start, kb_end) of the weight rows at
+    byte offsets row_off (the GEMM here and the fused MoE, kernels/gguf_moe.py): NSB blocks a
+    step, each group of 32 weights dequantized and fed to one dot."""
+    sb = tl.arange(0, NSB)
+    l = tl.arange(0, 32)
+    for kb in range(kb_start, kb_end, NSB):
+        bidx = kb + sb
+        b_ok = bidx < kb_end
+        blk = row_off[:, None] + (bidx * TYPE_SIZE)[None, :]
+        ok = n_ok[:, None] & b_ok[None, :]
+        # x columns of group g of blocks bidx, in the order of the reshaped weight tile
+        xk = tl.reshape((bidx * QK)[:, None] + l[None, :], [NSB * 32])
+        xk_ok = tl.reshape(b_ok[:, None] & (l < 32)[None, :], [NSB * 32])
+        for g in tl.static_range(QK // 32):
+            w = dequant_group(w_ptr, w16_ptr, grid_ptr, blk, ok, g, QTYPE)
+            w = tl.reshape(w, [BLOCK_N, NSB * 32]).to(x_rows.dtype.element_ty)
+            x = tl.load(x_rows + (xk + g * 32)[None, :], mask=row_ok[:, None] & xk_ok[None, :],
+                        other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr,  # [M, K] activations, unit stride along K
     w_ptr,  # uint8 [N, row_bytes] blocks
@@ -120,8 +146,6 @@ def _gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
-    sb = tl.arange(0, NSB)
-    l = tl.arange(0, 32)
     nblocks = K // QK
     per_split = tl.cdiv(nblocks, split_k)
     kb_start = pid_k * per_split
@@ -129,20 +153,9 @@ def _gemm_kernel(
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     row_off = rn.to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(kb_start, kb_end, NSB):
-        bidx = kb + sb
-        b_ok = bidx < kb_end
-        blk = row_off[:, None] + (bidx * TYPE_SIZE)[None, :]
-        ok = n_ok[:, None] & b_ok[None, :]
-        # x columns of group g of blocks bidx, in the order of the reshaped weight tile
-        xk = tl.reshape((bidx * QK)[:, None] + l[None, :], [NSB * 32])
-        xk_ok = tl.reshape(b_ok[:, None] & (l < 32)[None, :], [NSB * 32])
-        for g in tl.static_range(QK // 32):
-            w = dequant_group(w_ptr, w16_ptr, grid_ptr, blk, ok, g, QTYPE)
-            w = tl.reshape(w, [BLOCK_N, NSB * 32]).to(x_ptr.dtype.element_ty)
-            x = tl.load(x_rows + (xk + g * 32)[None, :], mask=m_ok[:, None] & xk_ok[None, :],
-                        other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    acc = dequant_dot_blocks(acc, w_ptr, w16_ptr, grid_ptr, row_off, n_ok, x_rows, m_ok,
+                             kb_start, kb_end, QTYPE, QK, TYPE_SIZE, BLOCK_N, NSB,
+                             DOT_PRECISION)
     store_tile(out_ptr, acc, rm, rn, m_ok, n_ok, stride_om, ATOMIC)
 
 

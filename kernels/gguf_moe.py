@@ -27,8 +27,9 @@ import triton.language as tl
 
 from kernels.activation import silu_and_mul_triton
 from kernels.fused_moe import fused_moe_ref, moe_align_block_size
-from kernels.gguf_dequant import Q2_K, Q3_K, Q6_K, dequant_group, dequantize_ref, gguf_type
+from kernels.gguf_dequant import Q2_K, Q3_K, Q6_K, dequantize_ref, gguf_type
 from kernels.gguf_iq import iq_grid
+from kernels.gguf_matmul import dequant_dot_blocks
 
 
 class QuantPart(NamedTuple):
@@ -92,24 +93,10 @@ def _gguf_moe_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < n_out
     row_off = expert * stride_we + rn.to(tl.int64) * stride_wn
-    sb = tl.arange(0, NSB)
-    l = tl.arange(0, 32)
     nblocks = k_in // QK
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, nblocks, NSB):
-        bidx = kb + sb
-        b_ok = bidx < nblocks
-        blk = row_off[:, None] + (bidx * TYPE_SIZE)[None, :]
-        ok = n_ok[:, None] & b_ok[None, :]
-        # x columns of group g of blocks bidx, in the order of the reshaped weight tile
-        xk = tl.reshape((bidx * QK)[:, None] + l[None, :], [NSB * 32])
-        xk_ok = tl.reshape(b_ok[:, None] & (l < 32)[None, :], [NSB * 32])
-        for g in tl.static_range(QK // 32):
-            w = dequant_group(w_ptr, w16_ptr, grid_ptr, blk, ok, g, QTYPE)
-            w = tl.reshape(w, [BLOCK_N, NSB * 32]).to(a_ptr.dtype.element_ty)
-            a = tl.load(a_rows + (xk + g * 32)[None, :], mask=row_ok[:, None] & xk_ok[None, :],
-                        other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    acc = dequant_dot_blocks(acc, w_ptr, w16_ptr, grid_ptr, row_off, n_ok, a_rows, row_ok, 0,
+                             nblocks, QTYPE, QK, TYPE_SIZE, BLOCK_N, NSB, DOT_PRECISION)
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + rn[None, :]

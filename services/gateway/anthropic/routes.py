@@ -12,7 +12,6 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -29,9 +28,6 @@ from services.gateway.request_body import gateway, model_request
 from services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
 from services.gateway.sse import EventStream
 from services.gateway.turns import Turn, new_turn, turn_request
-
-if TYPE_CHECKING:
-    pass
 
 router = APIRouter(route_class=AnthropicRoute)
 
