@@ -34,12 +34,17 @@ SPLIT_MAX = 8
 
 
 @triton.jit
-def _nibble_dot(acc, f, a, b, x_cols, m_ok, nib: tl.constexpr, DT: tl.constexpr,
-                PRECISION: tl.constexpr, SWAP: tl.constexpr):
-    """acc += dequantized nibble `nib` of the word tile . its x columns: [BLOCK_N, BLOCK_M]
-    (SWAP: the weight rows are the MMA's M) or [BLOCK_M, BLOCK_N]."""
+def _nibble_dot(acc, f, a, b, x_rows, kk, perm_ptr, m_ok, nib: tl.constexpr,
+                HAS_PERM: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr,
+                SWAP: tl.constexpr):
+    """acc += dequantized nibble `nib` of the word tile . its x columns (k = kk + nib, or
+    perm[k] under act-order): [BLOCK_N, BLOCK_M] (SWAP: the weight rows are the MMA's M) or
+    [BLOCK_M, BLOCK_N]."""
     w = (f * a - b).to(DT)  # (code - zero) * scale, from f = 0.5 + code / 256
-    x = tl.load(x_cols + nib, mask=m_ok, other=0.0)  # [BLOCK_W, BLOCK_M]
+    k = kk + nib
+    if HAS_PERM:
+        k = tl.load(perm_ptr + k)
+    x = tl.load(x_rows + k[:, None], mask=m_ok, other=0.0)  # [BLOCK_W, BLOCK_M]
     if SWAP:
         acc = tl.dot(w, x, acc, input_precision=PRECISION)
     else:
@@ -113,30 +118,9 @@ def _mma_kernel(
             a = a[:, None]
             b = b[:, None]
         kk = k0 + 8 * offs_w  # the k of nibble 0 of each word
-        if HAS_PERM:  # act-order: position k multiplies x[perm[k]]
-            x_cols = x_rows  # gathered per nibble below
-        else:
-            x_cols = x_rows + kk[:, None]
         f0, f2, f4, f6 = codes4(q & 0x0F0F0F0F, USE_ASM)
         f1, f3, f5, f7 = codes4((q >> 4) & 0x0F0F0F0F, USE_ASM)
-        if HAS_PERM:
-            acc = _nibble_dot(acc, f0, a, b, x_rows + tl.load(perm_ptr + kk)[:, None], m_ok, 0,
-                              DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f1, a, b, x_rows + tl.load(perm_ptr + kk + 1)[:, None], m_ok,
-                              0, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f2, a, b, x_rows + tl.load(perm_ptr + kk + 2)[:, None], m_ok,
-                              0, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f3, a, b, x_rows + tl.load(perm_ptr + kk + 3)[:, None], m_ok,
-                              0, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f4, a, b, x_rows + tl.load(perm_ptr + kk + 4)[:, None], m_ok,
-                              0, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f5, a, b, x_rows + tl.load(perm_ptr + kk + 5)[:, None], m_ok,
-                              0, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f6, a, b, x_rows + tl.load(perm_ptr + kk + 6)[:, None], m_ok,
-                              0, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f7, a, b, x_rows + tl.load(perm_ptr + kk + 7)[:, None], m_ok,
-                              0, DT, PRECISION, SWAP)
-        elif X_TILE:  # word w's 8 x values lie in one thread: the splits move no data
+        if X_TILE and not HAS_PERM:  # word w's 8 x values in one thread: splits move no data
             xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + k0
                          + tl.arange(0, BLOCK_K)[None, :], mask=tl.trans(m_ok), other=0.0)
             xe, xo = tl.split(tl.reshape(xt, [BLOCK_M, BW, 2, 2, 2]))
@@ -154,15 +138,23 @@ def _mma_kernel(
             acc = _tile_dot(acc, f5, a, b, x5, DT, PRECISION, SWAP)
             acc = _tile_dot(acc, f6, a, b, x6, DT, PRECISION, SWAP)
             acc = _tile_dot(acc, f7, a, b, x7, DT, PRECISION, SWAP)
-        else:
-            acc = _nibble_dot(acc, f0, a, b, x_cols, m_ok, 0, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f1, a, b, x_cols, m_ok, 1, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f2, a, b, x_cols, m_ok, 2, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f3, a, b, x_cols, m_ok, 3, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f4, a, b, x_cols, m_ok, 4, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f5, a, b, x_cols, m_ok, 5, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f6, a, b, x_cols, m_ok, 6, DT, PRECISION, SWAP)
-            acc = _nibble_dot(acc, f7, a, b, x_cols, m_ok, 7, DT, PRECISION, SWAP)
+        else:  # each nibble's x columns gathered (stride 8, or through perm)
+            acc = _nibble_dot(acc, f0, a, b, x_rows, kk, perm_ptr, m_ok, 0, HAS_PERM, DT,
+                              PRECISION, SWAP)
+            acc = _nibble_dot(acc, f1, a, b, x_rows, kk, perm_ptr, m_ok, 1, HAS_PERM, DT,
+                              PRECISION, SWAP)
+            acc = _nibble_dot(acc, f2, a, b, x_rows, kk, perm_ptr, m_ok, 2, HAS_PERM, DT,
+                              PRECISION, SWAP)
+            acc = _nibble_dot(acc, f3, a, b, x_rows, kk, perm_ptr, m_ok, 3, HAS_PERM, DT,
+                              PRECISION, SWAP)
+            acc = _nibble_dot(acc, f4, a, b, x_rows, kk, perm_ptr, m_ok, 4, HAS_PERM, DT,
+                              PRECISION, SWAP)
+            acc = _nibble_dot(acc, f5, a, b, x_rows, kk, perm_ptr, m_ok, 5, HAS_PERM, DT,
+                              PRECISION, SWAP)
+            acc = _nibble_dot(acc, f6, a, b, x_rows, kk, perm_ptr, m_ok, 6, HAS_PERM, DT,
+                              PRECISION, SWAP)
+            acc = _nibble_dot(acc, f7, a, b, x_rows, kk, perm_ptr, m_ok, 7, HAS_PERM, DT,
+                              PRECISION, SWAP)
     if SWAP:
         offs = rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
         mask = n_ok[:, None] & m_ok
