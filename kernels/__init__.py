@@ -40,6 +40,7 @@ from kernels.rms_norm import (
 )
 from kernels.rotary import RotaryOutput, rotary_embedding_ref, rotary_embedding_triton
 from kernels.rotary_kv import rotary_write_kv_cache_ref, rotary_write_kv_cache_triton
+from kernels.triton_compat import HAVE_TRITON
 from kernels.w4a16 import w4a16_matmul_ref, w4a16_matmul_triton
 
 __all__ = [
@@ -64,8 +65,9 @@ __all__ = [
 ]
 
 def use_triton(t: torch.Tensor) -> bool:
-    """True when `t` lives on CUDA and the references are not forced (kernels/selection.py)."""
-    return t.is_cuda and selection.current().kernels != "torch"
+    """True when `t` lives on CUDA, Triton is installed (kernels/triton_compat.py) and the
+    references are not forced (kernels/selection.py)."""
+    return HAVE_TRITON and t.is_cuda and selection.current().kernels != "torch"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

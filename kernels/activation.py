@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from kernels.triton_compat import tl, triton
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ The Triton form is two launches, per-chunk bests then one program per row: torch
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_compat import tl, triton
 
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:

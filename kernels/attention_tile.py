@@ -8,8 +8,7 @@ attention sink (gpt-oss) to a finished online softmax.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from kernels.triton_compat import tl, triton
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 

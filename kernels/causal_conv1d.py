@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from kernels.triton_compat import tl, triton
 
 
 def causal_conv1d_varlen_torch(

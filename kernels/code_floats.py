@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import os
 
-import triton
-import triton.language as tl
+from kernels.triton_compat import tl, triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -8,8 +8,6 @@ split merge otherwise. kernels/paged_attention.py is the entry point (and re-exp
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_tile import LOG2E, attend_tile, fold_sink
@@ -20,6 +18,7 @@ from kernels.prefill_attention import (
     new_output,
     window_arg,
 )
+from kernels.triton_compat import tl, triton
 
 # default_num_splits: contexts up to SHORT_SPLIT_KEYS keys get latency-sized splits, and one
 # split once a launch has ONE_SPLIT_PROGRAMS (sequence, KV head) programs (~ the SM count).

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels import selection
 from kernels.activation import silu_and_mul_triton
@@ -27,6 +25,7 @@ from kernels.fp8_gemv import MAX_M, fp8_gemv_mma, mma_gemv_ok
 from kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
 from kernels.gemv_rows import check_gated
 from kernels.gguf_matmul import _gemm_tiles, use_gemv
+from kernels.triton_compat import tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

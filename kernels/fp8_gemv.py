@@ -28,10 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.split_k import LOCKS, lock_buffer, split_k_store
+from kernels.triton_compat import tl, triton
 from kernels.tuning import warmup_autotune
 
 MAX_M = 2  # rows of x (the dot pads them to 16 columns)

@@ -22,12 +22,11 @@ loads take no mask); neither is stored nor counted. The interpreter runs plain f
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.code_floats import INTERPRET
 from kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
 from kernels.pdl import pdl_wait_after
+from kernels.triton_compat import tl, triton
 from kernels.tuning import warmup_autotune
 from kernels.vector_loads import load_run, load_scalars, x8
 

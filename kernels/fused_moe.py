@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.activation import (
     SwigluOAI,
@@ -36,6 +34,7 @@ from kernels.activation import (
     swiglu_oai_ref,
     swiglu_oai_triton,
 )
+from kernels.triton_compat import tl, triton
 
 
 def fused_moe_ref(

@@ -24,6 +24,7 @@ import torch
 from kernels import causal_conv1d as conv
 from kernels import gated_delta_torch as ref
 from kernels import selection
+from kernels.triton_compat import HAVE_TRITON
 
 
 class GatedDeltaOutput(NamedTuple):
@@ -32,7 +33,7 @@ class GatedDeltaOutput(NamedTuple):
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and selection.current().kernels != "torch"
+    return HAVE_TRITON and t.is_cuda and selection.current().kernels != "torch"
 
 
 def _check_devices(x: torch.Tensor, *others: torch.Tensor | None) -> None:

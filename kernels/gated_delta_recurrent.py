@@ -11,8 +11,8 @@ The math: kernels/gated_delta_torch.py (the reference, `..._update_torch`).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_compat import tl, triton
 
 
 @triton.jit

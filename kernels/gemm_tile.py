@@ -3,8 +3,7 @@ w4a16.py)."""
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from kernels.triton_compat import tl, triton
 
 
 @triton.jit

@@ -24,12 +24,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.activation import silu_mul
 from kernels.gemv_rows import check_gated, gemv_grid, gemv_rows
 from kernels.pdl import pdl_args, pdl_wait
+from kernels.triton_compat import tl, triton
 from kernels.tuning import warmup_autotune
 
 GEMV_MAX_M = 16

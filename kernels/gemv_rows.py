@@ -17,12 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.activation import silu_mul
 from kernels.code_floats import INTERPRET
 from kernels.pdl import pdl_args
+from kernels.triton_compat import tl, triton
 from kernels.vector_loads import x_words_ok
 
 

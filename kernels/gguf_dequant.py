@@ -33,8 +33,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
 
 from kernels.gguf_iq import (
@@ -47,6 +45,7 @@ from kernels.gguf_iq import (
     dequant_iq_group,
     dequantize_iq_ref,
 )
+from kernels.triton_compat import tl, triton
 
 
 class GGUFType(NamedTuple):

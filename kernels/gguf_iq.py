@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+
+from kernels.triton_compat import tl, triton
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S = 16, 17, 18, 21, 22
 IQ_GRID_TYPES = frozenset({IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S})

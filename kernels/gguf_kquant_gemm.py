@@ -20,12 +20,11 @@ SASS per weight in the loop (tests/quant/sm90_compile.py kquantgemm): 4.7-4.9 (Q
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
 from kernels.gemm_tile import store_tile
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
+from kernels.triton_compat import tl, triton
 from kernels.vector_loads import f16_low
 
 

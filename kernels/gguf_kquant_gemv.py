@@ -29,13 +29,12 @@ per (N, K) and type on CUDA.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
 from kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
 from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
 from kernels.pdl import pdl_wait_after
+from kernels.triton_compat import tl, triton
 from kernels.tuning import warmup_autotune
 from kernels.vector_loads import f16_low, load16, x8
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.activation import silu_and_mul_triton
 from kernels.gemm_tile import store_tile
@@ -38,6 +36,7 @@ from kernels.gguf_dequant import (
 from kernels.gguf_iq import iq_grid
 from kernels.gguf_kquant_gemm import kquant_gemm_config, kquant_gemm_launch, kquant_gemm_ok
 from kernels.gguf_kquant_gemv import kquant_gemv_triton
+from kernels.triton_compat import tl, triton
 
 GEMV_MAX_M = 2
 _DOT_DTYPES = (torch.float16, torch.bfloat16)

@@ -7,10 +7,9 @@ its own scale (kernels/kv_quant.py).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.kv_quant import KVScales, check_kv_scales, quantize_kv_ref, quantize_rows
+from kernels.triton_compat import tl, triton
 
 
 def write_kv_cache_ref(

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_compat import tl, triton
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)

@@ -17,8 +17,6 @@ in extend, a few query tokens of each) from every key tile it reads.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention import (
@@ -27,6 +25,7 @@ from kernels.paged_attention import (
     store_split_output,
 )
 from kernels.prefill_attention import new_output
+from kernels.triton_compat import tl, triton
 
 LOG2E = 1.4426950408889634
 

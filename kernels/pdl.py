@@ -28,11 +28,10 @@ import functools
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels import selection
 from kernels.code_floats import INTERPRET
+from kernels.triton_compat import tl, triton
 
 PDL_MODES = ("auto", "0", "1")
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels import selection
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_tile import attend_tile, fold_sink
 from kernels.kv_quant import KVScales, check_kv_scales, dequantize_kv_ref
+from kernels.triton_compat import tl, triton
 
 
 def gather_kv_ref(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,

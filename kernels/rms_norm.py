@@ -14,10 +14,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
+from kernels.triton_compat import tl, triton
 
 
 class AddNormOutput(NamedTuple):

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_compat import tl, triton
 
 
 class RotaryOutput(NamedTuple):

@@ -11,8 +11,6 @@ paths agree bit for bit.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.kv_cache import write_kv_cache_ref
 from kernels.kv_quant import KVScales, check_kv_scales, quantize, quantize_rows, scales_from_amax
@@ -24,6 +22,7 @@ from kernels.rotary import (
     rotate_heads,
     rotated_halves,
 )
+from kernels.triton_compat import tl, triton
 
 
 def rotary_write_kv_cache_ref(

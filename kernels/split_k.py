@@ -11,8 +11,8 @@ not run before eager launches): the engine warms every shape up eagerly first.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_compat import tl, triton
 
 LOCKS = 4096  # split-K counters per device: output tiles of one launch
 _locks: dict[torch.device, torch.Tensor] = {}

@@ -22,12 +22,11 @@ the last run, with a zero scale; neither is stored.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
 from kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
 from kernels.pdl import pdl_wait_after
+from kernels.triton_compat import tl, triton
 from kernels.tuning import warmup_autotune
 from kernels.vector_loads import load16, load_run, load_scalars, x8
 

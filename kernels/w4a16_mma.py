@@ -22,11 +22,10 @@ capture, as the decode GEMVs are (kernels/tuning.py).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.code_floats import INTERPRET, codes4
 from kernels.split_k import LOCKS, lock_buffer, split_k_store
+from kernels.triton_compat import tl, triton
 from kernels.tuning import warmup_autotune
 
 MMA_MAX_M = 64  # rows this kernel serves; more go to the K-order GEMM (kernels/w4a16.py)

@@ -8,6 +8,8 @@ Rules:
   MultiProcExecutor (multiproc_executor.py), which fails with TensorParallelError when a rank
   fails and calls the `on_failure` callbacks at once, from any thread.
 - `shutdown` releases the workers; a single process has none.
+- `make_executor` refuses to start an engine that would launch Triton kernels without Triton
+  (`require_kernels`: on CUDA, or with quant_kernels=triton on CPU).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.triton_compat import require_triton
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.pod import pod_layout
@@ -78,8 +81,17 @@ class UniProcExecutor(Executor):
         return self.runner.pool_hidden(requests)
 
 
+def require_kernels(config: EngineConfig) -> None:
+    """Refuse to start where the engine would run Triton kernels and Triton is not installed
+    (kernels/triton_compat.py): on CUDA, or with the quantized kernels forced on CPU."""
+    if config.resolved_device.startswith("cuda"):
+        require_triton(f"the engine on {config.resolved_device}")
+    if config.kernel_selection.quant_kernels == "triton":
+        require_triton("quant_kernels=triton (FLOTILLA_QUANT_KERNELS)")
+
 
 def make_executor(config: EngineConfig, model_path: str) -> Executor:
+    require_kernels(config)
     layout = pod_layout(config)
     if layout.world_size == 1:
         if config.device_ids:  # one chosen GPU

@@ -47,6 +47,7 @@ import kernels
 from kernels import selection
 from kernels.gated_gemm import gated_gemm_ok, gated_gemm_triton
 from kernels.gemv import gemv_triton
+from kernels.triton_compat import HAVE_TRITON
 
 TRITON_GEMV_MAX_M = 8  # `triton`: decode batches the Triton GEMV serves (graph buckets 1-8)
 AUTO_GEMV_MAX_M = 1  # `auto`: where it beats cuBLAS (module rules)
@@ -120,7 +121,7 @@ def use_gated_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     GATED_GEMM_MIN_ROWS rows on Hopper or later GPUs; 1 for any CUDA input the kernel takes; 0
     never. Off for the process once its kernel fails to build here (`_gated_gemm_built`)."""
     mode = selection.current().gated_gemm
-    if mode == "0" or _gated_gemm_built is False or not x.is_cuda:
+    if mode == "0" or _gated_gemm_built is False or not x.is_cuda or not HAVE_TRITON:
         return False
     if mode == "auto" and (x.numel() // max(1, x.shape[-1]) < GATED_GEMM_MIN_ROWS
                            or torch.cuda.get_device_capability(x.device)[0] < 9):
@@ -148,7 +149,7 @@ def _gated_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 def use_triton_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an unquantized x @ weight.T runs kernels/gemv.py (see the module rules)."""
     backend = selection.current().gemv
-    if backend == "cublas" or x.dtype not in (torch.float16, torch.bfloat16):
+    if backend == "cublas" or not HAVE_TRITON or x.dtype not in (torch.float16, torch.bfloat16):
         return False
     rows = x.numel() // max(1, x.shape[-1])
     if weight.dtype != x.dtype or weight.stride(-1) != 1:
@@ -215,7 +216,7 @@ def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
 def use_kernels(device: torch.device) -> bool:
     """Whether quantized layers on `device` run their Triton kernels (see the module rules)."""
     mode = selection.current().quant_kernels
-    return mode == "triton" or (mode == "auto" and device.type == "cuda")
+    return HAVE_TRITON and (mode == "triton" or (mode == "auto" and device.type == "cuda"))
 
 
 def linear_2d(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
