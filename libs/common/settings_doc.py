@@ -43,7 +43,8 @@ SECTIONS: list[tuple[str, type[BaseSettings], str]] = [
 
 HEADER = """# Configuration
 
-Generated from the settings classes in `libs/common/settings.py` by
+Generated from the settings classes in `libs/common/settings.py` (with the two modules it
+re-exports, `common_settings.py` and `gateway_settings.py`) by
 `python -m libs.common.settings_doc` (tests/test_repo.py fails when this file is stale); do not
 edit by hand.
 
