@@ -6,9 +6,10 @@ queue -> 503 with retry_after_s), compile its grammar if it has one (structured.
 event loop, bounded in time: 503 past it, 400 for a grammar that cannot compile), reply
 Admission, and stream TokenFrames on the request's `stream_subject` until a final or error
 frame. A request that fails on its own in the engine (its deadline, its sampling, its grammar)
-gets an error frame with the engine's status; the others go on. Cancels (client gone, stop
-string) arrive as broadcasts and free the request's KV blocks at once. The Engine itself runs on
-the EngineLoop thread; this module never blocks the event loop.
+gets an error frame with the engine's status; the others go on (the streams themselves:
+token_streams.py). Cancels (client gone, stop string) arrive as broadcasts and free the
+request's KV blocks at once. The Engine itself runs on the EngineLoop thread; this module never
+blocks the event loop.
 """
 
 from __future__ import annotations
@@ -17,16 +18,13 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opentelemetry import trace
-
-from libs.common import subjects, telemetry
-from libs.common.bus import Bus, StreamWriter
+from libs.common import subjects
+from libs.common.bus import Bus
 from libs.common.context import ContextLengthExceeded
 from libs.common.messages import (
     Admission,
@@ -36,9 +34,6 @@ from libs.common.messages import (
     ErrorInfo,
     GuidedDecoding,
     StatsRequest,
-    TokenDelta,
-    TokenFinal,
-    TokenFrame,
     TokenRequest,
 )
 from libs.common.metrics import MetricsServer
@@ -58,19 +53,9 @@ from services.engine.request_error import InvalidParameter, RequestError
 from services.engine.sampling_params import SamplingParams
 from services.engine.served_engine import ServedEngine
 from services.engine.structured import GrammarCompileTimeout, StructuredOutputs
+from services.engine.token_streams import TokenStreams
 
 log = logging.getLogger(__name__)
-_tracer = telemetry.tracer("flotilla.engine")
-
-
-@dataclass
-class _Live:
-    writer: StreamWriter[TokenDelta, TokenFinal]
-    span: trace.Span
-    prompt_tokens: int
-    t_start: float = field(default_factory=time.monotonic)
-    t_first: float | None = None
-    generated: int = 0
 
 
 class EngineService:
@@ -83,14 +68,12 @@ class EngineService:
         self._owns_engine = engine is None  # an injected engine is its owner's to shut down
         self._on_fatal = on_fatal
         self.crashed: BaseException | None = None
-        self._live: dict[str, _Live] = {}
-        self._aborted: collections.deque[str] = collections.deque(maxlen=1000)
-        self._counts = collections.Counter[str]()
+        # the admitted requests' token streams (token_streams.py)
+        self.streams = TokenStreams(bus, self.instance, settings.heartbeat_interval_s)
         self._refusals = collections.Counter[str]()  # overload refusals by cause (error code)
         self.metrics: EngineMetrics | None = None
         self._metrics_server: MetricsServer | None = None
         self._subs: list[Any] = []
-        self._outbox: asyncio.Queue[Coroutine[Any, Any, None]] = asyncio.Queue()
         self._sender: asyncio.Task[Any] | None = None
         self.model_name = settings.served_model_name or ""
         self.loop: EngineLoop | None = None
@@ -139,7 +122,7 @@ class EngineService:
             s.grammar_max_pending, s.grammar_compile_timeout_s)
         # the compiler's vocabulary and xgrammar itself load now, not in a user's first request
         self.structured.compile_async(GuidedDecoding(kind="json_object"))
-        self._sender = self.bus.spawn(self._drain_outbox())
+        self._sender = self.streams.start()
         loop = asyncio.get_running_loop()
 
         def rank_failed(exc: BaseException) -> None:  # a dead tensor-parallel rank fails the pod
@@ -171,18 +154,18 @@ class EngineService:
             await self.bus.unsubscribe_all(self._subs[:2])  # engine_generate, engine_pool
             del self._subs[:2]
         pool = self.pool
-        if not await wait_idle(lambda: len(self._live) + (pool.pending if pool else 0),
+        if not await wait_idle(lambda: len(self.streams) + (pool.pending if pool else 0),
                                timeout_s):
             log.warning("engine %s: %d requests unfinished after the %gs drain", self.instance,
-                        len(self._live), timeout_s)
+                        len(self.streams), timeout_s)
 
     async def stop(self) -> None:
         if self.announcer:
             await self.announcer.stop()
         await self.bus.unsubscribe_all(self._subs)
-        for rid in list(self._live):
-            await self._fail(rid, ErrorInfo(status=503, type="service_unavailable",
-                                            message="the engine is shutting down"))
+        for rid in self.streams.ids():
+            await self.streams.fail(rid, ErrorInfo(status=503, type="service_unavailable",
+                                                   message="the engine is shutting down"))
         if self.loop:
             await asyncio.to_thread(self.loop.stop)
         if self.structured is not None:
@@ -209,15 +192,10 @@ class EngineService:
                 params.guided = await self._guided(req)
             except RequestError as exc:
                 return self._refuse(req, exc)
-            if req.request_id in self._live:  # the same id came again while this one compiled
+            if req.request_id in self.streams:  # the same id came again while this one compiled
                 return self._refuse(req, _invalid(f"request id {req.request_id} is already "
                                                   "running", "request_id"))
-        span = _tracer.start_span("engine.request", attributes={
-            "flotilla.request_id": req.request_id, "flotilla.engine": self.instance,
-            "flotilla.prompt_tokens": len(req.prompt_token_ids)})
-        writer = self.bus.writer(req.stream_subject, req.request_id, TokenFrame,
-                                 self.settings.heartbeat_interval_s)
-        self._live[req.request_id] = _Live(writer, span, len(req.prompt_token_ids))
+        self.streams.open(req)
         self.loop.add(req.request_id, req.prompt_token_ids, params, req.priority, req.deadline)
         return Admission(request_id=req.request_id, accepted=True, instance=self.instance,
                          prompt_tokens=len(req.prompt_token_ids))
@@ -230,7 +208,7 @@ class EngineService:
             return _invalid("the prompt is empty", "prompt")
         if max(ids) >= vocab or min(ids) < 0:
             return _invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if req.request_id in self._live:
+        if req.request_id in self.streams:
             return _invalid(f"request id {req.request_id} is already running", "request_id")
         late = check_deadline(req.deadline)
         if late is not None:
@@ -263,7 +241,6 @@ class EngineService:
 
     def _refuse(self, req: TokenRequest, error: RequestError) -> Admission:
         if error.status >= 500 or error.status == 429:
-            self._counts["refused"] += 1
             self._refusals[error.code or error.type] += 1
         return Admission(request_id=req.request_id, accepted=False, instance=self.instance,
                          error=wire.error_info(error))
@@ -271,16 +248,8 @@ class EngineService:
     async def _on_cancel(self, msg: Cancel) -> None:
         if self.pool is not None and self.pool.cancel(msg.request_id):
             return
-        live = self._live.pop(msg.request_id, None)
-        if live is None or self.loop is None:
-            return
-        self.loop.abort(msg.request_id)
-        live.writer.close()
-        live.span.set_attribute("flotilla.cancel_reason", msg.reason)
-        live.span.end()
-        self._aborted.append(msg.request_id)
-        self._counts["aborted"] += 1
-        log.info("request %s cancelled (%s)", msg.request_id, msg.reason)
+        if self.loop is not None and self.streams.cancel(msg.request_id, msg.reason):
+            self.loop.abort(msg.request_id)
 
     async def _on_stats(self, _: StatsRequest) -> EngineStats:
         return self._engine_stats()
@@ -292,53 +261,7 @@ class EngineService:
         for out in outputs:
             if self.pool is not None and self.pool.on_output(out):
                 continue
-            live = self._live.get(out.request_id)
-            if live is None:  # cancelled meanwhile; the engine got the abort
-                continue
-            if out.new_token_ids:
-                if live.t_first is None:
-                    live.t_first = now
-                    live.span.add_event("first_token")
-                live.generated += len(out.new_token_ids)
-                delta = TokenDelta(token_ids=list(out.new_token_ids), logprobs=wire.logprobs(out))
-                if out.prompt_logprobs is not None:
-                    delta.prompt_logprobs = wire.prompt_logprobs(out.prompt_logprobs)
-                self._outbox.put_nowait(live.writer.data(delta))
-            if out.error is not None:
-                self._live.pop(out.request_id, None)
-                self._counts["failed"] += 1
-                info = wire.error_info(out.error)
-                self._outbox.put_nowait(live.writer.error(info))
-                live.span.set_status(trace.StatusCode.ERROR, info.message)
-                self._end_span(live, now)
-                continue
-            if out.finished:
-                self._live.pop(out.request_id, None)
-                self._counts["finished"] += 1
-                reason = out.finish_reason if out.finish_reason in ("stop", "length") else "abort"
-                final = TokenFinal(finish_reason=reason, prompt_tokens=live.prompt_tokens,
-                                   completion_tokens=live.generated,
-                                   cached_tokens=out.num_cached_tokens,
-                                   stop_token_id=out.stop_token_id)
-                self._outbox.put_nowait(live.writer.final(final))
-                self._end_span(live, now)
-
-    async def _drain_outbox(self) -> None:
-        """The one task that publishes token frames, in the order the engine produced them
-        (per-frame tasks could reorder a stream and cost a task per token)."""
-        while True:
-            send = await self._outbox.get()
-            try:
-                await send
-            except Exception as exc:  # a closed connection: the readers time out on their own
-                log.warning("could not publish a token frame: %s", exc)
-
-    def _end_span(self, live: _Live, now: float) -> None:
-        if live.t_first is not None:
-            live.span.set_attribute("flotilla.ttft_s", live.t_first - live.t_start)
-            live.span.set_attribute("flotilla.decode_s", now - live.t_first)
-        live.span.set_attribute("flotilla.completion_tokens", live.generated)
-        live.span.end()
+            self.streams.on_output(out, now)
 
     def _on_crash(self, exc: BaseException) -> None:
         """The engine is broken (its loop crashed, or a tensor-parallel rank died): fail every
@@ -347,22 +270,14 @@ class EngineService:
         self.crashed = self.crashed or exc
         if self.pool is not None:
             self.pool.fail_all(RequestError(f"the engine failed: {exc}", 500))
-        for rid in list(self._live):
-            self.bus.spawn(self._fail(rid, ErrorInfo(
+        for rid in self.streams.ids():
+            self.bus.spawn(self.streams.fail(rid, ErrorInfo(
                 status=500, type="server_error", message=f"the engine failed: {exc}")))
         if first:
             if self.announcer is not None:
                 self.bus.spawn(self.announcer.stop())
             if self._on_fatal is not None:
                 self._on_fatal()
-
-    async def _fail(self, rid: str, info: ErrorInfo) -> None:
-        live = self._live.pop(rid, None)
-        if live is None:
-            return
-        await live.writer.error(info)
-        live.span.set_status(trace.StatusCode.ERROR, info.message)
-        live.span.end()
 
     # ------------------------------------------------------------------ discovery
 
@@ -371,15 +286,17 @@ class EngineService:
         return EngineStats(
             engine_id=self.instance, model=self.model_name,
             running=s.get("running", 0), waiting=s.get("waiting", 0),
-            requests_finished=self._counts["finished"], requests_aborted=self._counts["aborted"],
+            requests_finished=self.streams.counts["finished"],
+            requests_aborted=self.streams.counts["aborted"],
             tokens_generated=s.get("tokens_generated", 0), prompt_tokens=s.get("prompt_tokens", 0),
             cached_prompt_tokens=s.get("cached_prompt_tokens", 0),
             kv_blocks_total=s.get("kv_blocks_total", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
             waiting_tokens=s.get("waiting_tokens", 0),
             max_waiting_requests=self.limits.max_waiting_requests,
             max_waiting_tokens=self.limits.max_waiting_tokens,
-            tokens_per_s=s.get("tokens_per_s", 0.0), requests_failed=self._counts["failed"],
-            active_request_ids=sorted(self._live), aborted_request_ids=list(self._aborted))
+            tokens_per_s=s.get("tokens_per_s", 0.0), requests_failed=self.streams.counts["failed"],
+            active_request_ids=self.streams.ids(),
+            aborted_request_ids=list(self.streams.aborted))
 
     def _announcement(self) -> Announcement:
         s = self.loop.stats() if self.loop else {}

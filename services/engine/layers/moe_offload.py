@@ -2,13 +2,8 @@
 `--cpu-moe` / `--n-cpu-moe N`, the seeds' `--num-experts-offload-per-rank N`).
 
 Rules:
-- `ExpertOffload` (EngineConfig.expert_offload) says which experts go to the host. In a MoE
-  layer of decoder layer `i`, rank r (owning experts [r * E / tp, (r + 1) * E / tp), layers/
-  moe.py) keeps ALL its experts on the host when `all_layers` (--cpu-moe) or i < `first_layers`
-  (--n-cpu-moe N: decoder layers 0..N-1, whichever of them are MoE, as llama.cpp counts), else
-  the LAST `experts_per_rank` of its own experts (--num-experts-offload-per-rank N; an error if
-  N is more than it owns). Every rank offloads from its own shard; the rest of the model, the
-  router and the shared experts stay on the device.
+- Which experts go to the host, per layer and rank: layers/expert_placement.py (`ExpertOffload`,
+  EngineConfig.expert_offload; its names are re-exported here).
 - Host experts are always the highest local ids: the device stack keeps local experts
   [0, D), the host stack [D, E_local). The split forward sends a token's pairs to the side
   that holds each expert; "cpu" adds each host expert's rows to the device side's sum one
@@ -33,99 +28,32 @@ Rules:
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from services.engine.layers.expert_placement import (
+    NO_OFFLOAD,
+    ExpertOffload,
+    ExpertPlacement,
+    OffloadMode,
+    building,
+    in_layer,
+    layer_index,
+    placement,
+)
+from services.engine.layers.expert_placement import current as current_offload
 from services.engine.quant.base import ExpertQuantMethod
 
 if TYPE_CHECKING:
     from services.engine.layers.moe import ExpertStack, MoEExperts
 
-OffloadMode = Literal["cpu", "stream"]
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class ExpertOffload:
-    experts_per_rank: int = 0  # --num-experts-offload-per-rank
-    all_layers: bool = False  # --cpu-moe
-    first_layers: int = 0  # --n-cpu-moe
-    mode: OffloadMode = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.experts_per_rank < 0 or self.first_layers < 0:
-            raise ValueError("expert offload counts must be >= 0")
-        if self.mode not in ("cpu", "stream"):
-            raise ValueError(f"MoE offload mode must be cpu or stream, got {self.mode!r}")
-
-    @property
-    def active(self) -> bool:
-        return self.all_layers or self.first_layers > 0 or self.experts_per_rank > 0
-
-    def host_count(self, layer: int | None, num_local: int) -> int:
-        """How many of a rank's `num_local` experts of decoder layer `layer` live on the host."""
-        if self.all_layers or (layer is not None and layer < self.first_layers):
-            return num_local
-        if self.experts_per_rank > num_local:
-            raise ValueError(
-                f"cannot offload {self.experts_per_rank} experts per rank: a rank "
-                f"owns {num_local} experts of MoE layer {layer}"
-            )
-        return self.experts_per_rank
-
-
-class ExpertPlacement(NamedTuple):
-    """Local experts [0, device) on the device, [device, device + host) on the host."""
-
-    device: int
-    host: int
-
-
-NO_OFFLOAD = ExpertOffload()
-_building: ContextVar[ExpertOffload] = ContextVar("expert_offload", default=NO_OFFLOAD)
-_layer: ContextVar[int | None] = ContextVar("expert_offload_layer", default=None)
-
-
-@contextmanager
-def building(offload: ExpertOffload) -> Iterator[None]:
-    """Models built inside place their experts by `offload` (load_model)."""
-    token = _building.set(offload)
-    try:
-        yield
-    finally:
-        _building.reset(token)
-
-
-@contextmanager
-def in_layer(layer: int) -> Iterator[None]:
-    """MoE blocks built inside belong to decoder layer `layer` (models/moe_base.py)."""
-    token = _layer.set(layer)
-    try:
-        yield
-    finally:
-        _layer.reset(token)
-
-
-def layer_index(prefix: str) -> int | None:
-    """The decoder layer being built, else the one `prefix` names."""
-    if (layer := _layer.get()) is not None:
-        return layer
-    match = _LAYER_RE.search(prefix)
-    return int(match.group(1)) if match else None
-
-
-def placement(prefix: str, num_local: int) -> ExpertPlacement:
-    host = _building.get().host_count(layer_index(prefix), num_local)
-    return ExpertPlacement(num_local - host, host)
+__all__ = ["NO_OFFLOAD", "ExpertOffload", "ExpertPlacement", "HostExperts", "OffloadMode",
+           "building", "in_layer", "layer_index", "placement", "stack_tensors", "summary"]
 
 
 def summary(model: nn.Module) -> str:
@@ -198,7 +126,7 @@ class HostExperts(nn.Module):
         make_stack: Callable[..., ExpertStack],
     ) -> None:
         super().__init__()
-        offload = _building.get()
+        offload = current_offload()
         self.mode: OffloadMode = offload.mode
         self.device = torch.get_default_device()
         self.first_local = experts.num_local - count
