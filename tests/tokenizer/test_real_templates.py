@@ -148,6 +148,7 @@ FAMILIES = [
     ("Qwen3.5-4B", None, "<|im_end|>"),
     ("Qwen3-Coder", None, "<|im_end|>"),
     ("google-gemma-4-31B-it", "<bos>", "<turn|>"),
+    ("google-gemma-4-31B-it-interleaved", "<bos>", "<turn|>"),
     ("GLM-4.6", "[gMASK]<sop>", "<|endoftext|>"),
     ("GLM-4.7-Flash", "[gMASK]<sop>", "<|endoftext|>"),
     ("HuggingFaceTB-SmolLM3-3B", None, "<|im_end|>"),

@@ -193,3 +193,24 @@ def test_real_template_turns_parse_back(llama_cpp_templates: Path, template: str
         assert [(n, json.loads(a)) for n, a in got] == CALLS
         assert "Let me check." in content
         assert "<tool_call>" not in content and "invoke" not in content
+
+
+@pytest.mark.parametrize("fmt_name", sorted(XML_FORMATS))
+def test_forced_calls_are_calls_the_parser_reads(fmt_name: str) -> None:
+    """tool_choice "required" / a named function: the grammar takes the calls as the family
+    writes them (and nothing before them); the parser reads them back."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from services.tokenizer.guided import grammar_of, tool_call_spec
+
+    fmt = XML_FORMATS[fmt_name]
+    text = fmt.calls_text([(n, json.dumps(a)) for n, a in CALLS])
+    required = grammar_of(tool_call_spec(TOOLS, "required", True, fmt))
+    assert _is_grammar_accept_string(required, text)
+    assert not _is_grammar_accept_string(required, "Sure. " + text)
+    assert [(n, json.loads(a)) for n, a in run(fmt, [text])[1]] == CALLS
+    named = grammar_of(tool_call_spec(TOOLS, {"type": "function", "function": {
+        "name": "search"}}, True, fmt))
+    one = fmt.calls_text([(n, json.dumps(a)) for n, a in CALLS[1:]])
+    assert _is_grammar_accept_string(named, one)
+    assert not _is_grammar_accept_string(named, text)
