@@ -6,8 +6,8 @@ reply in one delta (non-streaming) and however its tokens are split into deltas 
 
 The reply is what the reference (transformers' renderer) writes after our own generation
 prompt, which must be its prefix. gpt-oss's harmony replies: test_harmony.py (against
-openai-harmony); Gemma 4's: test_gemma4_tool_calls.py and test_reasoning_tags.py (its tags are
-not tokens of the vocabulary used here).
+openai-harmony). The vocabulary is Qwen3's (`<think>`, `</think>`, `<tool_call>` are control
+tokens); for Gemma 4, SmolLM2's (no `<think>`) with Gemma 4's control tokens added.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ TURN = {"role": "assistant", "content": "Checking.", "reasoning_content": "The t
 
 # template, bos, eos, the format its template implies, whether the reply carries reasoning
 FAMILIES = [
+    ("google-gemma-4-31B-it", "<bos>", "<turn|>", "gemma4", True),
     ("Qwen3.5-4B", None, "<|im_end|>", "qwen_xml", True),
     ("Qwen3-Coder", None, "<|im_end|>", "qwen_xml", False),
     ("GLM-4.6", "[gMASK]<sop>", "<|endoftext|>", "glm", True),
@@ -50,9 +51,26 @@ FAMILIES = [
 ]
 
 
+GEMMA4_CONTROL = ["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>',
+                  "<|turn>", "<turn|>", "<|tool_response>", "<tool_response|>"]
+
+
 @pytest.fixture(scope="module")
 def vocab(qwen3_dir: Path) -> Tokenizer:
-    return load(qwen3_dir)[0]  # `<think>`, `</think>`, `<tool_call>` are control tokens
+    return load(qwen3_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def gemma4_vocab(hf_reference, tmp_path_factory: pytest.TempPathFactory  # type: ignore[no-untyped-def]
+                 ) -> Tokenizer:
+    """SmolLM2's vocabulary with Gemma 4's control tokens added (as special tokens)."""
+    import copy
+
+    reference = copy.deepcopy(hf_reference)
+    reference.add_special_tokens({"additional_special_tokens": GEMMA4_CONTROL})
+    path = tmp_path_factory.mktemp("gemma4")
+    reference.save_pretrained(path)
+    return Tokenizer.from_path(path)
 
 
 def splits(n: int) -> list[list[int]]:
@@ -84,9 +102,9 @@ def run(proc: OutputProcessor, ids: list[int], cuts: list[int]) -> tuple[str, st
 
 
 @pytest.mark.parametrize("name,bos,eos,fmt,reasons", FAMILIES, ids=[f[0] for f in FAMILIES])
-def test_reply_parses_streamed_and_whole(llama_cpp_templates: Path, vocab: Tokenizer, name: str,
-                                         bos: str | None, eos: str, fmt: str,
-                                         reasons: bool) -> None:
+def test_reply_parses_streamed_and_whole(request: pytest.FixtureRequest,
+                                         llama_cpp_templates: Path, name: str, bos: str | None,
+                                         eos: str, fmt: str, reasons: bool) -> None:
     pytest.importorskip("transformers")
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -94,6 +112,7 @@ def test_reply_parses_streamed_and_whole(llama_cpp_templates: Path, vocab: Token
     template = ChatTemplate(source)
     tool_format = detect(source, template.uses_tools)
     assert tool_format.name == fmt
+    vocab = request.getfixturevalue("gemma4_vocab" if fmt == "gemma4" else "vocab")
     tok = with_specials(vocab, bos, eos)
     switch = {"enable_thinking": True} if {"enable_thinking", "thinking"} & template.variables \
         else {}
@@ -105,7 +124,8 @@ def test_reply_parses_streamed_and_whole(llama_cpp_templates: Path, vocab: Token
         **switch)
     full = str(rendered[0])
     assert full.startswith(prompt)
-    reply = full[len(prompt):].split(eos)[0]
+    reply = full[len(prompt):].split(eos)[0].split("<|tool_response>")[0]  # Gemma 4: the
+    # turn goes on with the results
     ids = tok.encode(reply, add_special_tokens=False)
     req = TextRequest(request_id="r", model="m", kind="chat", stream_subject="s",
                       messages=ASK, tools=[WEATHER])
