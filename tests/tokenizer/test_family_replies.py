@@ -7,7 +7,7 @@ reply in one delta (non-streaming) and however its tokens are split into deltas 
 The reply is what the reference (transformers' renderer) writes after our own generation
 prompt, which must be its prefix. gpt-oss's harmony replies: test_harmony.py (against
 openai-harmony). The vocabulary is Qwen3's (`<think>`, `</think>`, `<tool_call>` are control
-tokens); for Gemma 4, SmolLM2's (no `<think>`) with Gemma 4's control tokens added.
+tokens); for Gemma 4, the same with its control tokens renamed to Gemma 4's.
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ FAMILIES = [
 ]
 
 
-GEMMA4_CONTROL = ["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>',
-                  "<|turn>", "<turn|>", "<|tool_response>", "<tool_response|>"]
+# Qwen3's control tokens renamed to Gemma 4's (its vocabulary then has no `<think>`)
+AS_GEMMA4 = {"<think>": "<|channel>", "</think>": "<channel|>", "<tool_call>": "<|tool_call>",
+             "</tool_call>": "<tool_call|>", "<|box_start|>": '<|"|>', "<|im_start|>": "<|turn>",
+             "<|im_end|>": "<turn|>", "<tool_response>": "<|tool_response>",
+             "</tool_response>": "<tool_response|>"}
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +64,12 @@ def vocab(qwen3_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def gemma4_vocab(hf_reference, tmp_path_factory: pytest.TempPathFactory  # type: ignore[no-untyped-def]
-                 ) -> Tokenizer:
-    """SmolLM2's vocabulary with Gemma 4's control tokens added (as special tokens)."""
-    import copy
-
-    reference = copy.deepcopy(hf_reference)
-    reference.add_special_tokens({"additional_special_tokens": GEMMA4_CONTROL})
+def gemma4_vocab(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    spec = json.loads((qwen3_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    for token in spec["added_tokens"]:
+        token["content"] = AS_GEMMA4.get(token["content"], token["content"])
     path = tmp_path_factory.mktemp("gemma4")
-    reference.save_pretrained(path)
+    (path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     return Tokenizer.from_path(path)
 
 
