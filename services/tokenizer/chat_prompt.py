@@ -132,7 +132,8 @@ class ChatRenderer:
             normalized = _as_thinking(normalized)
         explicit = self._template_kwargs(req.chat_template_kwargs)
         plan = plan_thinking(req.reasoning_effort, explicit.get("enable_thinking"),
-                             template.variables, template.source, self._thinks)
+                             template.variables, template.source,
+                             self._thinks and "think>" in template.source)
         if plan.system_flag:
             normalized = with_system_flag(normalized, plan.system_flag)
         last = normalized[-1] if normalized else {}

@@ -16,9 +16,11 @@ Rules, in order (every one that applies is used):
 - none of those, but the template acts on `/think` and `/no_think` in the system message
   (Nemotron Nano 2): that flag is appended to the system message (one is added if missing);
 - none of those: a prompt that opens `<think>` itself (DeepSeek R1's original template) is
-  closed with `</think>` for `none`; a vocabulary with `<think>` tokens otherwise gets an empty
-  block (`<think>\n\n</think>\n\n`, what Qwen3 writes for thinking off) for `none`, and is left to
-  think for the other levels; a model with no thinking at all honours `none` as it is and
+  closed with `</think>` for `none`; a model that thinks (`has_think_tokens`: its vocabulary has
+  `<think>` tokens and its template mentions them) otherwise gets an empty block
+  (`<think>\n\n</think>\n\n`, what Qwen3 writes for thinking off) for `none`, and is left to
+  think for the other levels; a model with no thinking at all (SmolLM2; Qwen3-Coder, whose
+  vocabulary has the tokens but whose template never writes them) honours `none` as it is and
   refuses the other levels (400 naming `reasoning_effort`).
 - `chat_template_kwargs.enable_thinking`, when given, wins: it decides on / off, and the level
   stays the request's (or `medium`).

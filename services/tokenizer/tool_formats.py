@@ -19,6 +19,11 @@ XML formats (`XML_FORMATS`: arguments one parameter per tag, read by xml_tool_ca
                   (GLM-4.5 / 4.6 / 4.7)
 - qwen_xml        `<tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>\n</function>\n
                   </tool_call>` (Qwen3-Coder, Qwen3.5, Qwen3-Next)
+- minimax         `<minimax:tool_call>\n<invoke name="N">\n<parameter name="K">V</parameter>\n
+                  </invoke>\n...</minimax:tool_call>` (MiniMax-M2: one block, several calls)
+- dsml            `<｜DSML｜function_calls>\n<｜DSML｜invoke name="N">\n<｜DSML｜parameter
+                  name="K" string="true|false">V</｜DSML｜parameter>\n</｜DSML｜invoke>\n...
+                  </｜DSML｜function_calls>` (DeepSeek-V3.2)
 For these and gemma4, a forced call (tool_choice) constrains the opening and the function name; the
 arguments' text is free (the schema is not enforced by the grammar).
 - pythonic        `[N(k="v", n=1), M()]` opening the reply (Llama 4, Llama 3.2 pythonic
@@ -95,8 +100,8 @@ class ToolFormat:
         parts = []
         for key, value in values.items():
             text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-            parts.append(f"<arg_key>{key}</arg_key>\n<arg_value>{text}</arg_value>\n"
-                         if self.name == "glm" else f"<parameter={key}>\n{text}\n</parameter>\n")
+            parts.append(_PARAM[self.name].format(key=key, text=text, string=str(
+                isinstance(value, str)).lower()))
         return "".join(parts)
 
     def structural_tag(self, tools: list[dict[str, Any]], single: bool) -> Structure:
@@ -135,7 +140,19 @@ GLM = ToolFormat("glm", "<tool_call>{name}\n", "</tool_call>", separator="\n", x
                           "</arg_value>"))
 QWEN_XML = ToolFormat("qwen_xml", "<tool_call>\n<function={name}>\n", "</function>\n</tool_call>",
                       separator="\n", xml=True, markers=("<tool_call>", "</tool_call>"))
-XML_FORMATS = {f.name: f for f in (GLM, QWEN_XML)}
+MINIMAX = ToolFormat("minimax", '<invoke name="{name}">\n', "</invoke>\n",
+                     opening="<minimax:tool_call>\n", closing="</minimax:tool_call>", xml=True,
+                     markers=("<minimax:tool_call>", "</minimax:tool_call>"))
+_DSML = "｜DSML｜"
+DSML = ToolFormat("dsml", f'<{_DSML}invoke name="{{name}}">\n', f"</{_DSML}invoke>\n",
+                  opening=f"<{_DSML}function_calls>\n", closing=f"</{_DSML}function_calls>",
+                  xml=True)
+XML_FORMATS = {f.name: f for f in (GLM, QWEN_XML, MINIMAX, DSML)}
+_PARAM = {"glm": "<arg_key>{key}</arg_key>\n<arg_value>{text}</arg_value>\n",
+          "qwen_xml": "<parameter={key}>\n{text}\n</parameter>\n",
+          "minimax": '<parameter name="{key}">{text}</parameter>\n',
+          "dsml": f'<{_DSML}parameter name="{{key}}" string="{{string}}">{{text}}'
+                  f"</{_DSML}parameter>\n"}
 PYTHONIC = ToolFormat("pythonic", "{name}(", ")", separator=", ", opening="[", closing="]",
                       xml=True)
 GEMMA4 = ToolFormat("gemma4", "<|tool_call>call:{name}{", "}<tool_call|>", xml=True,
@@ -160,6 +177,10 @@ def detect(template: str | None, reads_tools: bool) -> ToolFormat:
         return PYTHONIC
     if "<|tool_call>" in source:
         return GEMMA4
+    if "<minimax:tool_call>" in source:
+        return MINIMAX
+    if _DSML in source and "function_calls" in source:  # DeepSeek V4's block is `tool_calls`
+        return DSML
     if "<arg_key>" in source:
         return GLM
     if "<parameter=" in source:

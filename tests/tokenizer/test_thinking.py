@@ -80,6 +80,8 @@ BY_VARIABLE = [
         "none": {"enable_thinking": False}, "medium": {"enable_thinking": True}}),
     ("google-gemma-4-31B-it", "<bos>", "<turn|>", {
         "none": {"enable_thinking": False}, "high": {"enable_thinking": True}}),
+    ("deepseek-ai-DeepSeek-V3.2", DS_BOS, DS_EOS, {
+        "none": {"thinking": False}, "high": {"thinking": True}}),
 ]
 
 
@@ -129,8 +131,14 @@ def test_models_that_cannot_honour_the_effort_refuse_it(llama_cpp_templates: Pat
     with pytest.raises(FlotillaError) as err:  # gpt-oss always reasons
         ours(with_specials(vocab, None, "<|return|>"), gpt_oss, "none")
     assert err.value.info.param == "reasoning_effort"
-    # SmolLM2 has no thinking: `none` is what it does anyway, the others cannot be honoured
-    assert ours(smollm2, None, "none") == ours(smollm2, None, None)
-    with pytest.raises(FlotillaError) as err:
-        ours(smollm2, None, "high")
-    assert err.value.info.status == 400 and err.value.info.param == "reasoning_effort"
+    # SmolLM2 has no thinking: `none` is what it does anyway, the others cannot be honoured;
+    # nor has Qwen3-Coder, though its vocabulary has `<think>` (its template never writes it)
+    coder = source_of(llama_cpp_templates, "Qwen3-Coder")
+    qwen = with_specials(vocab, None, "<|im_end|>")
+    assert ours(qwen, coder, "none", USER) == reference(
+        coder, None, "<|im_end|>")
+    for tok, source in ((smollm2, None), (qwen, coder)):
+        assert ours(tok, source, "none") == ours(tok, source, None)
+        with pytest.raises(FlotillaError) as err:
+            ours(tok, source, "high")
+        assert err.value.info.status == 400 and err.value.info.param == "reasoning_effort"

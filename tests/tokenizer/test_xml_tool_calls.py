@@ -1,7 +1,8 @@
-"""Tool calls of GLM-4.5+ (`<arg_key>` / `<arg_value>`) and Qwen3-Coder / Qwen3.5
-(`<function=...><parameter=...>`): a turn with tool calls rendered by the model's real chat
-template (llama.cpp's collection, rendered by transformers) parses back to the same calls, and
-the streamed deltas concatenated are the same for every split of the reply."""
+"""Tool calls of GLM-4.5+ (`<arg_key>` / `<arg_value>`), Qwen3-Coder / Qwen3.5
+(`<function=...><parameter=...>`), MiniMax-M2 (`<minimax:tool_call><invoke name=...>`) and
+DeepSeek-V3.2 (DSML `<｜DSML｜invoke name=...>`): a turn with tool calls rendered by the
+model's real chat template (llama.cpp's collection, rendered by transformers) parses back to the
+same calls, and the streamed deltas concatenated are the same for every split of the reply."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.tool_formats import GLM, QWEN_XML, XML_FORMATS, ToolFormat, detect
+from services.tokenizer.tool_formats import (
+    DSML,
+    GLM,
+    MINIMAX,
+    QWEN_XML,
+    XML_FORMATS,
+    ToolFormat,
+    detect,
+)
 from services.tokenizer.xml_tool_calls import SYNTAXES, XmlToolCallParser
 
 TOOLS = [
@@ -42,10 +51,11 @@ def run(fmt: ToolFormat, pieces: list[str], parallel: bool = True
 
 
 TRICKY = ["{", "}", "<", ">", '"', "\\", "é", "日本", "🙂", "\n", " ", "null", "1", "[1]",
-          "<arg", "</tool", "<param", "x"]
+          "<arg", "</tool", "<param", "</invoke", "<｜DSML｜", "x"]
 strings = st.lists(st.sampled_from(TRICKY) | st.characters(codec="utf-8", exclude_categories=[
     "Cs"]), max_size=6).map("".join).filter(lambda s: "</arg_value>" not in s
-                                           and "</parameter>" not in s)
+                                           and "</parameter>" not in s
+                                           and "</｜DSML｜parameter>" not in s)
 weather = st.fixed_dictionaries({}, optional={
     "city": strings, "days": st.integers(-10, 10**6),
     "opts": st.dictionaries(strings, st.integers() | strings | st.none(), max_size=2)})
@@ -79,7 +89,11 @@ def test_streamed_equals_whole_and_recovers_the_calls(fmt_name: str, made: list,
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", "get_weather", "search", "nope", "<arg_key>",
              "</arg_key>", "<arg_value>", "</arg_value>", "<function=", "</function>",
-             "<parameter=", "</parameter>", ">", "city", "\n", " ", "x", "1", "<", "{"]
+             "<parameter=", "</parameter>", ">", "city", "\n", " ", "x", "1", "<", "{",
+             "<minimax:tool_call>", "</minimax:tool_call>", '<invoke name="', '">', "</invoke>",
+             '<parameter name="', "<｜DSML｜function_calls>", "</｜DSML｜function_calls>",
+             '<｜DSML｜invoke name="', "</｜DSML｜invoke>", '<｜DSML｜parameter name="',
+             '" string="true">', '" string="false">', "</｜DSML｜parameter>"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -112,6 +126,19 @@ def test_any_text_parses_the_same_however_split(fmt_name: str, parts: list[str],
                "<parameter=city>\nPar", "", [("get_weather", {"days": 2})]),
     (QWEN_XML, "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n"
                "oops", "oops", [("get_weather", {"city": "A"})]),
+    # a block holds several calls; text in it that starts no call ends it (and is content)
+    (MINIMAX, '<minimax:tool_call>\n<invoke name="search">\n<parameter name="q">a</parameter>'
+              '\n</invoke>\n<invoke name="get_weather">\n</invoke>\n</minimax:tool_call> ok',
+     " ok", [("search", {"q": "a"}), ("get_weather", {})]),
+    (MINIMAX, '<minimax:tool_call>\n<invoke name="search">\n</invoke>\nbye', "bye",
+     [("search", {})]),
+    (MINIMAX, '<minimax:tool_call>\n<invoke name="nope">\n</invoke>\n</minimax:tool_call>',
+     '<minimax:tool_call>\n<invoke name="nope">\n</invoke>\n</minimax:tool_call>', []),
+    # DSML's `string` attribute decides over the schema
+    (DSML, '<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" '
+           'string="false">null</｜DSML｜parameter>\n<｜DSML｜parameter name="tags" string="true">'
+           '[1]</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>', "",
+     [("search", {"q": None, "tags": "[1]"})]),
 ])
 def test_examples(fmt: ToolFormat, reply: str, content: str, made: list) -> None:
     for split in ([reply], list(reply)):
@@ -126,10 +153,18 @@ CALLS = [("get_weather", {"city": "Paris", "days": 2, "opts": {"unit": "c"}}),
          ("search", {"q": "42", "tags": ["a", 1]})]
 
 
-@pytest.mark.parametrize("template,fmt", [("GLM-4.6", GLM), ("GLM-4.7-Flash", GLM),
-                                          ("Qwen3-Coder", QWEN_XML), ("Qwen3.5-4B", QWEN_XML)])
+# template, its format, the assistant turn's opening, the ends of turns after it
+REAL = [("GLM-4.6", GLM, "<|assistant|>", "<|user|>"),
+        ("GLM-4.7-Flash", GLM, "<|assistant|>", "<|user|>"),
+        ("Qwen3-Coder", QWEN_XML, "<|im_start|>assistant\n", "<|im_end|>"),
+        ("Qwen3.5-4B", QWEN_XML, "<|im_start|>assistant\n", "<|im_end|>"),
+        ("MiniMax-M2", MINIMAX, "]~b]ai\n", "[e~["),
+        ("deepseek-ai-DeepSeek-V3.2", DSML, "<｜Assistant｜></think>", "<｜end▁of▁sentence｜>")]
+
+
+@pytest.mark.parametrize("template,fmt,opening,end", REAL, ids=[r[0] for r in REAL])
 def test_real_template_turns_parse_back(llama_cpp_templates: Path, template: str,
-                                        fmt: ToolFormat) -> None:
+                                        fmt: ToolFormat, opening: str, end: str) -> None:
     """The template writes an assistant turn with two calls; the reply part of it (between
     the assistant's opening and the end of turn) parses back to those calls."""
     from services.tokenizer.chat_template import ChatTemplate
@@ -149,11 +184,33 @@ def test_real_template_turns_parse_back(llama_cpp_templates: Path, template: str
         return str(out[0])
 
     full = render([*user, turn, {"role": "user", "content": "thanks"}], False)
-    opening = "<|assistant|>" if fmt is GLM else "<|im_start|>assistant\n"
     reply = full[full.rindex(opening) + len(opening):]
-    reply = reply[:min(i for i in (reply.find("<|im_end|>"), reply.find("<|user|>"))
-                       if i >= 0)]
+    reply = reply[:reply.index(end)]
+    if fmt.opening:  # the block formats: written as the template writes them
+        assert fmt.calls_text([(n, json.dumps(a)) for n, a in CALLS]) in reply
     for split in ([reply], list(reply)):
         content, got = run(fmt, split)
         assert [(n, json.loads(a)) for n, a in got] == CALLS
-        assert "Let me check." in content and "<tool_call>" not in content
+        assert "Let me check." in content
+        assert "<tool_call>" not in content and "invoke" not in content
+
+
+@pytest.mark.parametrize("fmt_name", sorted(XML_FORMATS))
+def test_forced_calls_are_calls_the_parser_reads(fmt_name: str) -> None:
+    """tool_choice "required" / a named function: the grammar takes the calls as the family
+    writes them (and nothing before them); the parser reads them back."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from services.tokenizer.guided import grammar_of, tool_call_spec
+
+    fmt = XML_FORMATS[fmt_name]
+    text = fmt.calls_text([(n, json.dumps(a)) for n, a in CALLS])
+    required = grammar_of(tool_call_spec(TOOLS, "required", True, fmt))
+    assert _is_grammar_accept_string(required, text)
+    assert not _is_grammar_accept_string(required, "Sure. " + text)
+    assert [(n, json.loads(a)) for n, a in run(fmt, [text])[1]] == CALLS
+    named = grammar_of(tool_call_spec(TOOLS, {"type": "function", "function": {
+        "name": "search"}}, True, fmt))
+    one = fmt.calls_text([(n, json.dumps(a)) for n, a in CALLS[1:]])
+    assert _is_grammar_accept_string(named, one)
+    assert not _is_grammar_accept_string(named, text)
