@@ -58,7 +58,8 @@ def test_matches_paged_reference(group: int, native_gqa: bool,
 def test_engine_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only one CUDA prompt without a cached prefix, >= DENSE_MIN_TOKENS, 16-bit, plain causal
     attention over a 16-bit cache, whose padded length has a warmed-up plan and costs at most
-    MAX_PAD_COST of its attention work, takes the dense path."""
+    MAX_PAD_COST of its attention work, takes the dense path, where the selection's
+    dense_prefill allows it."""
     n = dense_attention.DENSE_MIN_TOKENS
     monkeypatch.setattr(dense_attention, "_warm_max", 4 * n)
     if not torch.cuda.is_available():
@@ -67,7 +68,8 @@ def test_engine_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
         return
     q = torch.zeros(n, 4, 64, dtype=torch.bfloat16, device="cuda")
     one = make_case([n], [n], 4, 2, 64, 16, torch.bfloat16).meta
-    assert dense_prefill_ok(q, one, None, None, None)
+    assert dense_prefill_ok(q, one, None, None, None, "1")
+    assert not dense_prefill_ok(q, one, None, None, None, "0")  # the selection turns it off
     assert not dense_prefill_ok(q.float(), one, None, None, None)
     assert not dense_prefill_ok(q, one, None, 128, None)  # sliding window
     assert not dense_prefill_ok(q, one, None, None, 30.0)  # soft-capping
