@@ -1,9 +1,11 @@
 """flotilla kernels: one function per op, dispatching on the device of its inputs.
 
 CUDA tensors run the Triton kernel (`*_triton` in each module); anything else runs the torch
-reference (`*_ref`), which is what the CPU engine serves with. The selection's `kernels="torch"`
-(FLOTILLA_KERNELS=torch, kernels/selection.py) forces the references on CUDA too (debugging, A/B
-comparisons).
+reference (`*_ref`), which is what the CPU engine serves with. Every op takes the caller's
+kernel selection (kernels/selection.py; the layers pass the one they were given, the default
+otherwise): its `kernels="torch"` (FLOTILLA_KERNELS=torch) forces the references on CUDA too
+(debugging, A/B comparisons), and the op hands the Triton kernel the other fields it needs
+(pdl, prefill_tile, fp8_gemv) as explicit arguments.
 
 Attention dispatch: decode-only batches (every sequence has q_len == 1) use the split-KV decode
 kernel; mixed or prefill batches use the prefill/extend kernel (see kernels/paged_attention.py).
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels import selection
 from kernels.activation import SwigluOAI, silu_and_mul_ref, silu_and_mul_triton
 from kernels.argmax import argmax_ref, argmax_triton
 from kernels.attention_metadata import AttentionMetadata
@@ -40,12 +41,15 @@ from kernels.rms_norm import (
 )
 from kernels.rotary import RotaryOutput, rotary_embedding_ref, rotary_embedding_triton
 from kernels.rotary_kv import rotary_write_kv_cache_ref, rotary_write_kv_cache_triton
+from kernels.selection import DEFAULT_SELECTION, KernelSelection
 from kernels.triton_compat import HAVE_TRITON
 from kernels.w4a16 import w4a16_matmul_ref, w4a16_matmul_triton
 
 __all__ = [
+    "DEFAULT_SELECTION",
     "FP8_KV_DTYPE",
     "AddNormOutput",
+    "KernelSelection",
     "KVScales",
     "RotaryOutput",
     "SwigluOAI",
@@ -64,26 +68,32 @@ __all__ = [
     "write_kv_cache",
 ]
 
-def use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor, kernels: str = "auto") -> bool:
     """True when `t` lives on CUDA, Triton is installed (kernels/triton_compat.py) and the
-    references are not forced (kernels/selection.py)."""
-    return HAVE_TRITON and t.is_cuda and selection.current().kernels != "torch"
+    references are not forced (`kernels`: the selection's kernels field, auto or torch;
+    kernels/selection.py)."""
+    return HAVE_TRITON and t.is_cuda and kernels != "torch"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             round_normed: bool = True) -> torch.Tensor:
+             round_normed: bool = True, *,
+             selection: KernelSelection = DEFAULT_SELECTION) -> torch.Tensor:
     """x [T, H] -> (x * rsqrt(mean(x^2) + eps)) * weight, statistics in fp32; the normalised
     row is rounded to x's dtype before the scale unless `round_normed` is False (gpt-oss)."""
-    return (rms_norm_triton if use_triton(x) else rms_norm_ref)(x, weight, eps, round_normed)
+    if use_triton(x, selection.kernels):
+        return rms_norm_triton(x, weight, eps, round_normed, pdl=selection.pdl)
+    return rms_norm_ref(x, weight, eps, round_normed)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    round_normed: bool = True,
+    round_normed: bool = True, *, selection: KernelSelection = DEFAULT_SELECTION,
 ) -> AddNormOutput:
     """new_residual = x + residual; returns (rms_norm(new_residual), new_residual)."""
-    fn = fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_ref
-    return fn(x, residual, weight, eps, round_normed)
+    if use_triton(x, selection.kernels):
+        return fused_add_rms_norm_triton(x, residual, weight, eps, round_normed,
+                                         pdl=selection.pdl)
+    return fused_add_rms_norm_ref(x, residual, weight, eps, round_normed)
 
 
 def fused_moe(
@@ -97,6 +107,8 @@ def fused_moe(
     swiglu: SwigluOAI | None = None,
     weight_on_input: bool = False,
     activation: str = "silu",
+    *,
+    selection: KernelSelection = DEFAULT_SELECTION,
 ) -> torch.Tensor:
     """Mixture of experts, x [T, H] -> [T, H]: sum over k of topk_weights[t, k] *
     W2[e] @ silu_and_mul(W13[e] @ x[t]) with e = topk_ids[t, k]; w13 [E, 2I, H] (gate rows, then
@@ -104,7 +116,7 @@ def fused_moe(
     Optional biases b13 [E, 2I] / b2 [E, H]; `swiglu`: gpt-oss's clamped SwiGLU instead;
     `activation="gelu_tanh"`: gelu_tanh(gate) * up (Gemma 4); `weight_on_input`: the weight
     scales x[t] instead (llama4)."""
-    fn = fused_moe_triton if use_triton(x) else fused_moe_ref
+    fn = fused_moe_triton if use_triton(x, selection.kernels) else fused_moe_ref
     return fn(x, w13, w2, topk_weights, topk_ids, b13, b2, swiglu, weight_on_input, activation)
 
 
@@ -114,9 +126,11 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    *,
+    selection: KernelSelection = DEFAULT_SELECTION,
 ) -> RotaryOutput:
     """Rotate q [T, Hq, D] and k [T, Hk, D] by positions [T]; returns new (q, k)."""
-    fn = rotary_embedding_triton if use_triton(q) else rotary_embedding_ref
+    fn = rotary_embedding_triton if use_triton(q, selection.kernels) else rotary_embedding_ref
     return fn(positions, q, k, cos_sin_cache, is_neox)
 
 
@@ -131,16 +145,21 @@ def rotary_write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: KVScales | None = None,
+    *,
+    selection: KernelSelection = DEFAULT_SELECTION,
 ) -> torch.Tensor:
     """rotary_embedding + write_kv_cache of the rotated k and v in one pass; returns rotated q."""
-    fn = rotary_write_kv_cache_triton if use_triton(q) else rotary_write_kv_cache_ref
-    return fn(positions, q, k, v, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping,
-              kv_scales)
+    if use_triton(q, selection.kernels):
+        return rotary_write_kv_cache_triton(positions, q, k, v, cos_sin_cache, is_neox, k_cache,
+                                            v_cache, slot_mapping, kv_scales, pdl=selection.pdl)
+    return rotary_write_kv_cache_ref(positions, q, k, v, cos_sin_cache, is_neox, k_cache,
+                                     v_cache, slot_mapping, kv_scales)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *,
+                 selection: KernelSelection = DEFAULT_SELECTION) -> torch.Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-    return (silu_and_mul_triton if use_triton(x) else silu_and_mul_ref)(x)
+    return (silu_and_mul_triton if use_triton(x, selection.kernels) else silu_and_mul_ref)(x)
 
 
 def write_kv_cache(
@@ -150,10 +169,12 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: KVScales | None = None,
+    *,
+    selection: KernelSelection = DEFAULT_SELECTION,
 ) -> None:
     """In place: cache.view(-1, Hk, D)[slot_mapping[t]] = k[t] (v likewise); slot -1 skips.
     With kv_scales: e4m3 rows and their scales instead."""
-    fn = write_kv_cache_triton if use_triton(k) else write_kv_cache_ref
+    fn = write_kv_cache_triton if use_triton(k, selection.kernels) else write_kv_cache_ref
     fn(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
 
@@ -168,33 +189,49 @@ def paged_attention(
     kv_scales: KVScales | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
+    *,
+    selection: KernelSelection = DEFAULT_SELECTION,
 ) -> torch.Tensor:
     """Causal GQA attention of the new tokens q [T, Hq, D] over the paged cache -> [T, Hq, D];
     sinks [Hq]: a learned logit per head in each softmax's denominator (gpt-oss);
     attention_chunk C: a token sees only keys of its own C-aligned chunk (llama4)."""
-    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
-    return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
-              kv_scales=kv_scales, sinks=sinks, attention_chunk=attention_chunk)
+    if use_triton(q, selection.kernels):
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window,
+                                      logit_softcap, kv_scales=kv_scales, sinks=sinks,
+                                      attention_chunk=attention_chunk, pdl=selection.pdl,
+                                      tile=selection.prefill_tile)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
+                               kv_scales=kv_scales, sinks=sinks, attention_chunk=attention_chunk)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, *,
+           selection: KernelSelection = DEFAULT_SELECTION) -> torch.Tensor:
     """int64 [B]: each row's argmax of logits [B, V], the lowest index on ties (torch.argmax)."""
-    return (argmax_triton if use_triton(logits) else argmax_ref)(logits)
+    return (argmax_triton if use_triton(logits, selection.kernels) else argmax_ref)(logits)
 
 
-def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int, *,
+                selection: KernelSelection = DEFAULT_SELECTION) -> torch.Tensor:
     """x [..., K] @ W.T with W = GGUF blocks uint8 [N, row_bytes] of ggml type `qtype`."""
-    return (gguf_matmul_triton if use_triton(x) else gguf_matmul_ref)(x, qweight, qtype)
+    if use_triton(x, selection.kernels):
+        return gguf_matmul_triton(x, qweight, qtype, pdl=selection.pdl)
+    return gguf_matmul_ref(x, qweight, qtype)
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None, *,
+                 selection: KernelSelection = DEFAULT_SELECTION) -> torch.Tensor:
     """x [..., K] @ W.T with W int4 (kernels/w4a16.py layout; perm: GPTQ act-order)."""
-    fn = w4a16_matmul_triton if use_triton(x) else w4a16_matmul_ref
-    return fn(x, qweight, scales, zeros, group_size, perm)
+    if use_triton(x, selection.kernels):
+        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, perm,
+                                   pdl=selection.pdl)
+    return w4a16_matmul_ref(x, qweight, scales, zeros, group_size, perm)
 
 
-def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
+               selection: KernelSelection = DEFAULT_SELECTION) -> torch.Tensor:
     """x [..., K] @ (W8 * scale).T with W8 e4m3 [N, K] and float32 scales [N, G]."""
-    return (fp8_matmul_triton if use_triton(x) else fp8_matmul_ref)(x, weight, scale)
+    if use_triton(x, selection.kernels):
+        return fp8_matmul_triton(x, weight, scale, fp8_gemv=selection.fp8_gemv,
+                                 pdl=selection.pdl)
+    return fp8_matmul_ref(x, weight, scale)

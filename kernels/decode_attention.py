@@ -229,6 +229,7 @@ def decode_attention_triton(
     kv_scales: KVScales | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
+    pdl: str = "auto",
 ) -> torch.Tensor:
     """Split-KV decode for batches where every sequence has at most one new token.
 
@@ -283,12 +284,12 @@ def decode_attention_triton(
         USE_WINDOW=window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         KV_FP8=kv_scales is not None, USE_SINKS=sinks is not None, CHUNKED=chunked,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q, pdl),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             partial, lse, out, meta.query_start_loc, sinks_arg, out.stride(0), out.stride(1),
             num_q_heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4,
-            USE_SINKS=sinks is not None, **pdl_args(q),
+            USE_SINKS=sinks is not None, **pdl_args(q, pdl),
         )
     return out

@@ -16,12 +16,12 @@ Shapes: cuDNN builds an execution plan per sequence length (without them built f
 multiples of BUCKET (zero rows after the prompt: with causal masking no real query sees them)
 and `warm_up` builds every bucket's plan at start-up. A prompt takes the fused path only while
 the padding adds at most MAX_PAD_COST of attention work (the fused kernel is ~1.4x faster).
-The selection's dense_prefill (FLOTILLA_DENSE_PREFILL, kernels/selection.py; see `enabled`): auto,
-the default, takes the path on Hopper and later GPUs, where it was measured (H100, B4: 38,478 ->
-39,761 tok/s median, paged vs fused in one process); 1 on any GPU; 0 never (no plan is built and
-every prompt reads the paged cache). Start-up: 5.5 s with the plans vs 5.4 s without on an H100 with
-warm caches. PyTorch keeps these plans per thread: the engine service's loop thread builds them
-again before its first step (services/engine/loop.py).
+The selection's dense_prefill (FLOTILLA_DENSE_PREFILL, kernels/selection.py; the `mode`
+argument, see `enabled`): auto, the default, takes the path on Hopper and later GPUs, where it
+was measured (H100, B4: 38,478 -> 39,761 tok/s median, paged vs fused in one process); 1 on any
+GPU; 0 never (no plan is built and every prompt reads the paged cache). Start-up: 5.5 s with
+the plans vs 5.4 s without on an H100 with warm caches. PyTorch keeps these plans per thread: the
+engine service's loop thread builds them again before its first step (services/engine/loop.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels import selection
 from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_quant import KVScales
 
@@ -47,21 +46,21 @@ def padded_len(tokens: int) -> int:
     return -(-tokens // BUCKET) * BUCKET
 
 
-def enabled(device: torch.device) -> bool:
-    """The selection's dense_prefill: auto (default) on Hopper and later GPUs, where it was
-    measured; 1 on any GPU; 0 off."""
-    raw = selection.current().dense_prefill
-    if raw == "0" or device.type != "cuda":
+def enabled(device: torch.device, mode: str = "auto") -> bool:
+    """`mode`, the selection's dense_prefill: auto (default) on Hopper and later GPUs, where it
+    was measured; 1 on any GPU; 0 off."""
+    if mode == "0" or device.type != "cuda":
         return False
-    return raw == "1" or torch.cuda.get_device_capability(device)[0] >= 9
+    return mode == "1" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-            device: torch.device, max_tokens: int) -> None:
-    """Where `enabled`: build the fused attention plan of every bucket a prompt of
-    <= max_tokens can use (the path stays off for lengths without a plan)."""
+            device: torch.device, max_tokens: int, mode: str = "auto") -> None:
+    """Where `enabled` (under the selection's dense_prefill `mode`): build the fused attention
+    plan of every bucket a prompt of <= max_tokens can use (the path stays off for lengths
+    without a plan)."""
     global _warm_max
-    if not enabled(device) or dtype not in (torch.bfloat16, torch.float16):
+    if not enabled(device, mode) or dtype not in (torch.bfloat16, torch.float16):
         return
     for length in range(padded_len(DENSE_MIN_TOKENS), padded_len(max_tokens) + 1, BUCKET):
         q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
@@ -78,9 +77,11 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 
 
 def dense_prefill_ok(q: torch.Tensor, meta: AttentionMetadata, kv_scales: KVScales | None,
-                     sliding_window: int | None, logit_softcap: float | None) -> bool:
+                     sliding_window: int | None, logit_softcap: float | None,
+                     mode: str = "auto") -> bool:
     """One sequence whose new tokens are all of its context (no cached prefix), long enough,
-    16-bit, on CUDA, with a bf16/fp16 cache and plain causal attention."""
+    16-bit, on CUDA, with a bf16/fp16 cache and plain causal attention, where the selection's
+    dense_prefill `mode` takes the path (`enabled`)."""
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     if meta.bounds_only:  # a CUDA-graph capture: no host values to choose by
         return False
@@ -89,7 +90,8 @@ def dense_prefill_ok(q: torch.Tensor, meta: AttentionMetadata, kv_scales: KVScal
             and qsl[-1] == seq_lens[0] >= DENSE_MIN_TOKENS and q.shape[-1] <= 256):
         return False
     padded = padded_len(seq_lens[0])
-    return padded <= _warm_max and padded ** 2 <= MAX_PAD_COST * seq_lens[0] ** 2
+    return (padded <= _warm_max and padded ** 2 <= MAX_PAD_COST * seq_lens[0] ** 2
+            and enabled(q.device, mode))
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import selection
 from kernels.activation import silu_and_mul_triton
 from kernels.fp8_gemv import MAX_M, fp8_gemv_mma, mma_gemv_ok
 from kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
@@ -123,10 +122,11 @@ def _scaled_mm(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
 
 def fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                       use_scaled_mm: bool = True, kernel: str | None = None,
-                      gated: bool = False) -> torch.Tensor:
+                      gated: bool = False, fp8_gemv: str = "auto", pdl: str = "auto"
+                      ) -> torch.Tensor:
     """x [..., K] @ dequant(weight, scale).T -> [..., N] in x's dtype. gated: the weight is
     [gate; up] and the result silu(gate) * up [..., N / 2], fused into the CUDA-core GEMV when
-    it runs."""
+    it runs. `fp8_gemv` and `pdl`: the selection's choices (module docstring, kernels/pdl.py)."""
     group = _check(x, weight, scale)
     n, k = weight.shape
     check_gated(n, gated)
@@ -140,13 +140,13 @@ def fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     if gemv:
         mma = m <= MAX_M and mma_gemv_ok(x2, k, group)
         fma = fma_gemv_ok(x2, weight, group)
-        kind = selection.current().fp8_gemv
-        prefer_mma = kind == "mma" or (kind == "auto" and m == 2)
+        prefer_mma = fp8_gemv == "mma" or (fp8_gemv == "auto" and m == 2)
         if fma and not (mma and prefer_mma):
-            return fp8_gemv_fma(x2, weight, scale, group, gated=gated).reshape(
+            return fp8_gemv_fma(x2, weight, scale, group, gated=gated, pdl=pdl).reshape(
                 *x.shape[:-1], -1)
     if gated:
-        return silu_and_mul_triton(fp8_matmul_triton(x, weight, scale, use_scaled_mm, kernel))
+        return silu_and_mul_triton(fp8_matmul_triton(x, weight, scale, use_scaled_mm, kernel,
+                                                     fp8_gemv=fp8_gemv, pdl=pdl))
     if (not gemv and kernel is None and use_scaled_mm and scale.shape[1] == 1
             and _scaled_mm_ok(x2, weight)):
         return _scaled_mm(x2, weight, scale).reshape(*x.shape[:-1], n)

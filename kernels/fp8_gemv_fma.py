@@ -166,7 +166,7 @@ def fma_gemv_ok(x2: torch.Tensor, weight: torch.Tensor, group: int) -> bool:
 
 def fp8_gemv_fma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int,
                  block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
-                 num_warps: int = 4, gated: bool = False) -> torch.Tensor:
+                 num_warps: int = 4, gated: bool = False, pdl: str = "auto") -> torch.Tensor:
     """x2 [M, K] (unit stride along K) @ dequant(weight, scale).T -> [M, N] in x2's dtype, or
     gated (rows [gate; up]) silu(gate) * up [M, N / 2] (arguments checked by kernels/fp8.py).
     On CUDA without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
@@ -175,4 +175,4 @@ def fp8_gemv_fma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gr
         _tuned, _gemv_kernel, x2, n, gated,
         lambda out: (x2, weight, scale, out, n, k, x2.stride(0), weight.stride(0),
                      scale.stride(0), out.stride(0), group),
-        dict(PER_CHANNEL=group == k), 128, block_n, nsb, prefetch, num_warps)
+        dict(PER_CHANNEL=group == k), 128, block_n, nsb, prefetch, num_warps, pdl)

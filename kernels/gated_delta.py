@@ -1,7 +1,8 @@
 """Gated DeltaNet ops (Qwen3-Next / Qwen3.5 linear-attention layers): the public API.
 
 Each op checks its arguments, then runs the Triton kernel on CUDA tensors and the torch
-implementation otherwise (or everywhere under FLOTILLA_KERNELS=torch, kernels/selection.py):
+implementation otherwise (or everywhere when the caller's `kernels` is "torch": the kernel
+selection's field, FLOTILLA_KERNELS=torch, kernels/selection.py):
 - chunk_gated_delta_rule: prefill over packed variable-length sequences (kernels/
   gated_delta_chunk.py on CUDA);
 - fused_recurrent_gated_delta_rule_update: one decode token per sequence, the state pool updated
@@ -23,7 +24,6 @@ import torch
 
 from kernels import causal_conv1d as conv
 from kernels import gated_delta_torch as ref
-from kernels import selection
 from kernels.triton_compat import HAVE_TRITON
 
 
@@ -32,8 +32,8 @@ class GatedDeltaOutput(NamedTuple):
     final_state: torch.Tensor  # [N, Hv, Dk, Dv] fp32
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return HAVE_TRITON and t.is_cuda and selection.current().kernels != "torch"
+def _use_triton(t: torch.Tensor, kernels: str) -> bool:
+    return HAVE_TRITON and t.is_cuda and kernels != "torch"
 
 
 def _check_devices(x: torch.Tensor, *others: torch.Tensor | None) -> None:
@@ -72,6 +72,7 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     use_qk_l2norm: bool,
+    kernels: str = "auto",
 ) -> GatedDeltaOutput:
     """Prefill: q, k [T, Hk, Dk], v [T, Hv, Dv], g (log decay, <= 0) and beta [T, Hv], sequences
     packed by cu_seqlens int32 [N+1]; initial_state [N, Hv, Dk, Dv] fp32 or None (zeros).
@@ -88,7 +89,7 @@ def chunk_gated_delta_rule(
             f"initial_state must be fp32 {shape}, got {initial_state.dtype} "
             f"{tuple(initial_state.shape)}"
         )
-    if _use_triton(q):
+    if _use_triton(q, kernels):
         from kernels.gated_delta_chunk import chunk_gated_delta_rule_triton
 
         # fp32 models get the state walk and output at about fp32 accuracy (3 tf32 passes,
@@ -116,6 +117,7 @@ def fused_recurrent_gated_delta_rule_update(
     state: torch.Tensor,
     state_indices: torch.Tensor,
     use_qk_l2norm: bool,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """Decode: one token per sequence, q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv]; the
     pool state [S, Hv, Dk, Dv] fp32 is updated in place at rows state_indices int32 [N]
@@ -133,7 +135,7 @@ def fused_recurrent_gated_delta_rule_update(
         )
     if state_indices.shape != (q.shape[0],) or state_indices.dtype != torch.int32:
         raise ValueError(f"state_indices must be int32 [{q.shape[0]}]")
-    if _use_triton(q):
+    if _use_triton(q, kernels):
         from kernels.gated_delta_recurrent import fused_recurrent_update_triton
 
         return fused_recurrent_update_triton(
@@ -175,6 +177,7 @@ def causal_conv1d_varlen(
     state_indices: torch.Tensor,
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """Prefill conv + SiLU: x [T, C], weight [C, W]; sequence i starts from
     conv_state[state_indices[i]] when has_initial_state[i] (bool [N]) else zeros, and its last
@@ -184,7 +187,7 @@ def causal_conv1d_varlen(
     _check_devices(x, cu_seqlens, has_initial_state)
     if cu_seqlens.dtype != torch.int32 or has_initial_state.shape != (rows,):
         raise ValueError("cu_seqlens must be int32 [N+1] and has_initial_state bool [N]")
-    if _use_triton(x):
+    if _use_triton(x, kernels):
         return conv.causal_conv1d_varlen_triton(
             x, weight, bias, conv_state, state_indices, cu_seqlens, has_initial_state
         )
@@ -200,10 +203,11 @@ def causal_conv1d_update(
     *,
     conv_state: torch.Tensor,
     state_indices: torch.Tensor,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """Decode conv + SiLU: x [N, C], one token per sequence; shifts conv_state[state_indices[n]]
     in place. Returns y [N, C] in x's dtype."""
     _check_conv(x, weight, bias, conv_state, state_indices, x.shape[0])
-    if _use_triton(x):
+    if _use_triton(x, kernels):
         return conv.causal_conv1d_update_triton(x, weight, bias, conv_state, state_indices)
     return conv.causal_conv1d_update_torch(x, weight, bias, conv_state, state_indices)

@@ -189,11 +189,12 @@ def interpreter_config(m: int, n: int, k: int) -> triton.Config:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
-                config: triton.Config | None = None, gated: bool = False) -> torch.Tensor:
+                config: triton.Config | None = None, gated: bool = False,
+                pdl: str = "auto") -> torch.Tensor:
     """x [..., K] (silu_mul: [..., 2K] = [gate | up]) @ weight [N, K].T -> [..., N] in x's
     dtype, for at most GEMV_MAX_M rows; gated (weight = [gate; up], N = 2I): silu(x gate^T) *
     (x up^T) [..., I]. `config` pins one tile config (tests); otherwise CUDA autotunes and the
-    interpreter uses `interpreter_config`."""
+    interpreter uses `interpreter_config`. `pdl`: the selection's pdl mode (kernels/pdl.py)."""
     n, k = weight.shape
     check_gated(n, gated)
     width = 2 * k if silu_mul else k
@@ -216,7 +217,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
         return out.reshape(*x.shape[:-1], n_out)
     args = (x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0))
     meta = dict(BLOCK_M=triton.next_power_of_2(m), SILU_MUL=silu_mul, GATED=gated,
-                **pdl_args(x2))
+                **pdl_args(x2, pdl))
     if config is None and x.is_cuda:
         _gemv_tuned[lambda a: (gemv_grid(n, a["BLOCK_N"], gated),)](*args, **meta)
     else:

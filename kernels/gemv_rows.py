@@ -56,17 +56,17 @@ def gemv_store(out, out_row, pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexp
 def lane_gemv(tuned: Any, fixed: Any, x2: torch.Tensor, n: int, gated: bool,
               args: Callable[[torch.Tensor], tuple[Any, ...]], meta: dict[str, Any],
               run: int, block_n: int | None, nsb: int, prefetch: bool,
-              num_warps: int) -> torch.Tensor:
+              num_warps: int, pdl: str = "auto") -> torch.Tensor:
     """Launches one of the lanes-along-K GEMVs on x2 [M, K] with `n` weight rows; returns its
     output [M, N] (gated: [M, N / 2]). `args(out)` gives the kernel's positional arguments,
     `meta` its format's constexprs; K is walked in steps of `run` * NSB weights. On CUDA without
     a pinned block_n the tile comes from `tuned` (autotuned before any CUDA-graph capture), else
-    `fixed` runs the pinned tile."""
+    `fixed` runs the pinned tile. `pdl`: the selection's pdl mode (kernels/pdl.py)."""
     check_gated(n, gated)
     m, k = x2.shape
     out = torch.empty(m, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
     meta = dict(meta, GATED=gated, USE_ASM=x2.is_cuda and not INTERPRET,
-                X_WORDS=x_words_ok(x2), **pdl_args(x2))
+                X_WORDS=x_words_ok(x2), **pdl_args(x2, pdl))
     if x2.is_cuda and block_n is None:
         tuned[lambda a: (gemv_grid(n, a["BLOCK_N"], gated), m)](*args(out), **meta)
     else:

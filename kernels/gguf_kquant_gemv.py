@@ -224,7 +224,8 @@ _tuned_q5 = warmup_autotune(GEMV_CONFIGS_Q5, ["N", "K", "GATED"])(_EVEN(_kquant_
 
 def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
                        block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
-                       num_warps: int = 4, gated: bool = False) -> torch.Tensor:
+                       num_warps: int = 4, gated: bool = False, pdl: str = "auto"
+                       ) -> torch.Tensor:
     """x [M, K] (small M; one program row per x row) @ dequant(qweight).T -> [M, N], or gated
     (rows [gate; up]) silu(gate) * up [M, N / 2]. On CUDA without a pinned block_n the tile is
     autotuned (before any CUDA-graph capture)."""
@@ -243,4 +244,5 @@ def kquant_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     return lane_gemv(
         _tuned_q5 if five else _tuned_q4, _kquant_gemv_kernel, x, n, gated,
         lambda out: (x, qweight, out, n, k, x.stride(0), qweight.stride(0), out.stride(0)),
-        dict(FIVE_BITS=five, TYPE_SIZE=t.type_size), 256, block_n, nsb, prefetch, num_warps)
+        dict(FIVE_BITS=five, TYPE_SIZE=t.type_size), 256, block_n, nsb, prefetch, num_warps,
+        pdl)

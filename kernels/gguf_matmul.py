@@ -216,10 +216,12 @@ def gguf_matmul_triton(
     block_n: int | None = None,
     split_k: int | None = None,
     gated: bool = False,
+    pdl: str = "auto",
 ) -> torch.Tensor:
     """x [..., K] @ dequant(qweight [N, row_bytes]).T -> [..., N] in x's dtype. `kernel`,
     block sizes and split_k override the defaults (tests, tuning). gated: the weight is [gate;
-    up] and the result silu(gate) * up [..., N / 2], fused into the K-quant GEMV when it runs."""
+    up] and the result silu(gate) * up [..., N / 2], fused into the K-quant GEMV when it runs
+    (launched under the selection's `pdl` mode)."""
     k = _check(x, qweight, qtype)
     t = gguf_type(qtype)
     n = qweight.shape[0]
@@ -232,7 +234,8 @@ def gguf_matmul_triton(
     if m == 0:
         return x.new_empty(*x.shape[:-1], n // 2 if gated else n)
     if use_gemv(x, m, kernel) and int(qtype) in (Q4_K, Q5_K) and block_n is None:
-        return kquant_gemv_triton(x2, qweight, qtype, gated=gated).reshape(*x.shape[:-1], -1)
+        return kquant_gemv_triton(x2, qweight, qtype, gated=gated, pdl=pdl).reshape(
+            *x.shape[:-1], -1)
     if gated:
         return silu_and_mul_triton(gguf_matmul_triton(x, qweight, qtype, kernel, block_m,
                                                       block_n, split_k))

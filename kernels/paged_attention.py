@@ -27,6 +27,7 @@ from kernels.prefill_attention import (
     prefill_attention_ref,
     prefill_attention_triton,
 )
+from kernels.selection import Tile
 
 # Decode reference: cap on gathered elements per batched chunk (bounds CPU memory).
 _REF_CHUNK_ELEMS = 1 << 25
@@ -147,8 +148,15 @@ def paged_attention_triton(
     kv_scales: KVScales | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
+    pdl: str = "auto",
+    tile: Tile | None = None,
 ) -> torch.Tensor:
-    """Decode-only batches -> split-KV decode kernel; anything else -> prefill/extend kernel."""
-    fn = decode_attention_triton if meta.is_decode_only else prefill_attention_triton
-    return fn(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap,
-              kv_scales=kv_scales, sinks=sinks, attention_chunk=attention_chunk)
+    """Decode-only batches -> split-KV decode kernel (launched under the selection's `pdl`);
+    anything else -> prefill/extend kernel (the selection's prefill `tile`, if any)."""
+    if meta.is_decode_only:
+        return decode_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window,
+                                       logit_softcap, kv_scales=kv_scales, sinks=sinks,
+                                       attention_chunk=attention_chunk, pdl=pdl)
+    return prefill_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window,
+                                    logit_softcap, kv_scales=kv_scales, sinks=sinks,
+                                    attention_chunk=attention_chunk, tile=tile)

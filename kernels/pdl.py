@@ -16,7 +16,8 @@ earlier) and before it writes anything. Then a kernel's completion implies its p
 so a dependence two kernels back is safe too.
 
 The selection's `pdl` (FLOTILLA_PDL, kernels/selection.py) = auto (default: CUDA devices of
-compute capability 9.0+), 1 (same), 0 (off).
+compute capability 9.0+), 1 (same), 0 (off); each launching function takes it as its `pdl`
+argument.
 Measured on an H100 (bench/quant_bench.py, B1 decode tok/s, same run): GPTQ 354 -> 377 with
 the wait first in every kernel -> 381 with the GEMVs' first weight loads ahead of their wait
 (`pdl_wait_after`); bf16 176 -> 184.
@@ -29,7 +30,6 @@ from typing import Any
 
 import torch
 
-from kernels import selection
 from kernels.code_floats import INTERPRET
 from kernels.triton_compat import tl, triton
 
@@ -71,15 +71,17 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_enabled(t: torch.Tensor) -> bool:
-    if not t.is_cuda or INTERPRET or selection.current().pdl == "0":
+def pdl_enabled(t: torch.Tensor, mode: str = "auto") -> bool:
+    """`mode`: the selection's pdl (auto, 1 or 0)."""
+    if not t.is_cuda or INTERPRET or mode == "0":
         return False
     return _device_ok(t.device.index if t.device.index is not None else
                       torch.cuda.current_device())
 
 
-def pdl_args(t: torch.Tensor) -> dict[str, Any]:
-    """Launch keywords for a kernel with a USE_PDL constexpr whose data lives with `t`."""
-    if pdl_enabled(t):
+def pdl_args(t: torch.Tensor, mode: str = "auto") -> dict[str, Any]:
+    """Launch keywords for a kernel with a USE_PDL constexpr whose data lives with `t`, under
+    the selection's pdl `mode`."""
+    if pdl_enabled(t, mode):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import selection
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_tile import attend_tile, fold_sink
 from kernels.kv_quant import KVScales, check_kv_scales, dequantize_kv_ref
+from kernels.selection import Tile
 from kernels.triton_compat import tl, triton
 
 
@@ -326,6 +326,7 @@ def prefill_attention_triton(
     kv_scales: KVScales | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """Any mix of q_len >= 1 sequences. Grid (Hq, cdiv(max_query_len, BLOCK_M), B).
 
@@ -338,8 +339,9 @@ def prefill_attention_triton(
     An fp8 cache (`kv_scales`) keeps the tiles; with 8 warps it is capped at 128 registers
     (uncapped, ptxas takes ~170 at head_dim 128: one program per SM; capped, two as with bf16,
     and no spills).
-    The selection's prefill_tile (FLOTILLA_PREFILL_TILE="m,n,warps,stages", kernels/selection.py)
-    overrides the defaults (benchmark sweeps).
+    `tile` (block_m, block_n, num_warps, num_stages; the selection's prefill_tile,
+    FLOTILLA_PREFILL_TILE="m,n,warps,stages", kernels/selection.py) overrides the defaults and
+    the tile arguments for 16-bit inputs (benchmark sweeps).
 
     With `meta.bounds_only` (a CUDA-graph capture of a whole step, services/engine/step_graphs.py)
     the launch reads no host value of the step: max_query_len is taken to be the row count T, and
@@ -353,7 +355,6 @@ def prefill_attention_triton(
         return out
     block_d = triton.next_power_of_2(head_dim)
     fp32 = q.dtype == torch.float32  # exact fp32 dots run on FMA units: smaller tiles
-    tile = selection.current().prefill_tile
     if tile and not fp32:
         block_m, block_n, num_warps, num_stages = tile
     # bounds_only: max_query_len is only the row count, and a graph step is short (mostly

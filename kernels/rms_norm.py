@@ -80,7 +80,7 @@ def _rms_norm_kernel(
 
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    round_normed: bool = True,
+    round_normed: bool = True, pdl: str = "auto",
 ) -> AddNormOutput:
     hidden = x.shape[-1]
     if weight.shape != (hidden,) or not weight.is_contiguous():
@@ -105,18 +105,18 @@ def _launch(
             x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, ROUND_NORMED=round_normed,
             num_warps=num_warps,
-            **pdl_args(x2),
+            **pdl_args(x2, pdl),
         )
     return AddNormOutput(out, res_out)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    round_normed: bool = True) -> torch.Tensor:
-    return _launch(x, None, weight, eps, round_normed).out
+                    round_normed: bool = True, pdl: str = "auto") -> torch.Tensor:
+    return _launch(x, None, weight, eps, round_normed, pdl).out
 
 
 def fused_add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    round_normed: bool = True,
+    round_normed: bool = True, pdl: str = "auto",
 ) -> AddNormOutput:
-    return _launch(x, residual, weight, eps, round_normed)
+    return _launch(x, residual, weight, eps, round_normed, pdl)

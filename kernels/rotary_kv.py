@@ -141,6 +141,7 @@ def rotary_write_kv_cache_triton(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: KVScales | None = None,
+    pdl: str = "auto",
 ) -> torch.Tensor:
     check_rotary_args(positions, q, k, cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -175,7 +176,7 @@ def rotary_write_kv_cache_triton(
         BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_PASS=rot_dim < head_dim,
         KV_FP8=kv_scales is not None,
-        **pdl_args(q),
+        **pdl_args(q, pdl),
         num_warps=4,
     )
     return q_out

@@ -1,22 +1,20 @@
-"""Which implementation serves each op where there is a choice: one frozen object per process.
+"""Which implementation serves each op where there is a choice: one frozen object per engine.
 
 Rules:
 - `KernelSelection` holds every kernel switch. The engine builds it once from its settings
-  (libs/common/settings.py EngineSettings, environment names FLOTILLA_KERNELS, ...; see
-  docs/configuration.md) into `EngineConfig.kernels`, and each model runner (every tensor-
-  parallel rank, in its own process) installs it before it builds the model. Nothing in
-  kernels/ or the layers reads the environment.
-- Kernels and layers read it with `current()` when they dispatch; until an engine installs
-  one, the defaults hold (the library and the kernel tests get the same choices as a server
-  started without settings).
-- `using(selection)` installs one for a block and puts the previous one back (tests and
-  benchmarks comparing implementations in one process).
+  (services/engine/factory.py from libs/common/settings.py EngineSettings, environment names
+  FLOTILLA_KERNELS, ...; see docs/configuration.md) into `EngineConfig.kernel_selection`, which
+  every tensor-parallel rank receives inside its config. Nothing in kernels/ or the layers reads
+  the environment, and this module holds no state: two engines in one process keep their own.
+- The model loader hands it to the model's `Selecting` parts (layers, quantization methods;
+  services/engine/loader `bind_selection`) before the weights load; they keep it, as they keep
+  their quantization method, and pass the field each kernel needs as an explicit argument
+  (kernels/__init__.py's ops take the whole selection). Parts never bound, and ops called
+  without one, use `DEFAULT_SELECTION` (the same choices as a server started without settings).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -72,24 +70,11 @@ def parse_tile(text: str | None) -> Tile | None:
     return parts[0], parts[1], parts[2], parts[3]
 
 
-_installed = KernelSelection()
+DEFAULT_SELECTION = KernelSelection()
 
 
-def current() -> KernelSelection:
-    return _installed
+class Selecting:
+    """A part that dispatches between implementations: it keeps the selection it was given
+    (`selection`, bound by the model loader), or the defaults until then."""
 
-
-def install(selection: KernelSelection) -> None:
-    """The process's selection from now on (the model runner, at start-up)."""
-    global _installed
-    _installed = selection
-
-
-@contextmanager
-def using(selection: KernelSelection) -> Iterator[KernelSelection]:
-    previous = current()
-    install(selection)
-    try:
-        yield selection
-    finally:
-        install(previous)
+    selection: KernelSelection = DEFAULT_SELECTION

@@ -162,12 +162,13 @@ def w4a16_matmul_triton(
     block_n: int | None = None,
     split_k: int | None = None,
     gated: bool = False,
+    pdl: str = "auto",
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype (see the module docstring for the layout). kernel:
     None (CUDA: the GEMV for one row, kernels/w4a16_mma.py for 2-64, the GEMM for more;
     the interpreter: the GEMM), or "gemv" / "mma" / "gemm" to force one. gated: the weight is
     [gate; up] and the result silu(gate) * up [..., N / 2], fused into the GEMV
-    (kernels/gemv_rows.py) when it runs."""
+    (kernels/gemv_rows.py) when it runs; `pdl`: the selection's pdl mode for the GEMV."""
     k = _check(x, qweight, scales, zeros, group_size, perm)
     n = qweight.shape[0]
     check_gated(n, gated)
@@ -190,7 +191,7 @@ def w4a16_matmul_triton(
     if use_gemv(x, m, kernel) and (m == 1 or kernel == "gemv") and gemv_ok(
             x2, qweight, scales, group_size, perm):
         out = w4a16_gemv(x2, qweight, scales, zeros, group_size, perm, block_n=block_n,
-                         gated=gated)
+                         gated=gated, pdl=pdl)
         return out.reshape(*x.shape[:-1], -1)
     bm, bn = _gemm_tiles(x, m, n, block_m, block_n)
     bk = min(64 if x.is_cuda else 128, group_size & -group_size)  # divides the group

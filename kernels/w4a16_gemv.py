@@ -167,7 +167,7 @@ def gemv_ok(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group
 def w4a16_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None,
                block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
-               num_warps: int = 4, gated: bool = False) -> torch.Tensor:
+               num_warps: int = 4, gated: bool = False, pdl: str = "auto") -> torch.Tensor:
     """x2 [M, K] (a few rows: one program row each) -> [M, N] in x2's dtype, or gated (weight
     rows [gate; up]) silu(gate) * up [M, N / 2]; arguments checked by kernels/w4a16.py. On CUDA
     without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
@@ -177,4 +177,4 @@ def w4a16_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         lambda out: (x2, qweight, scales, zeros, qweight if perm is None else perm, out, n,
                      x2.shape[1], x2.stride(0), qweight.stride(0), scales.stride(0),
                      out.stride(0), group_size),
-        dict(HAS_PERM=perm is not None), 256, block_n, nsb, prefetch, num_warps)
+        dict(HAS_PERM=perm is not None), 256, block_n, nsb, prefetch, num_warps, pdl)

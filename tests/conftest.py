@@ -50,15 +50,3 @@ def smollm2(smollm2_path: Path):  # type: ignore[no-untyped-def]
     return Tokenizer.from_path(smollm2_path)
 
 
-@pytest.fixture
-def select_kernels(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """Install a kernel selection for this test (kernels/selection.py; the engine installs the
-    one its settings give): `select_kernels(quant_kernels="triton")`. Put back afterwards."""
-    from kernels import selection
-
-    def select(**switches: object) -> selection.KernelSelection:
-        chosen = selection.KernelSelection(**switches)  # type: ignore[arg-type]
-        monkeypatch.setattr(selection, "_installed", chosen)
-        return chosen
-
-    return select

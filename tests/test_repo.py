@@ -132,6 +132,33 @@ def test_kernels_import_nothing_from_the_services() -> None:
     assert not upward, sorted(upward)
 
 
+def test_kernel_selection_module_holds_no_mutable_state() -> None:
+    """kernels/selection.py is a frozen value type and its defaults: no process-wide selection
+    to install (each engine passes its own down, tests/engine/test_kernel_selection.py), no
+    `global` statement, and every module-level name is a class, a function, a type or a frozen
+    value."""
+    import dataclasses
+    import types
+    import typing
+
+    from kernels import selection
+
+    source = Path(selection.__file__).read_text()
+    assert not [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Global | ast.Nonlocal)]
+    immutable = (types.ModuleType, type, types.FunctionType, types.GenericAlias, str, int, float,
+                 bool, tuple, frozenset, type(None), type(typing.Literal), type(typing.Any),
+                 type(annotations))
+    mutable = []
+    for name, value in vars(selection).items():
+        if name.startswith("__") or isinstance(value, immutable):
+            continue
+        if dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            continue
+        mutable.append(f"{name}: {type(value).__name__}")
+    assert not mutable, mutable
+    assert not {"install", "current", "using"} & vars(selection).keys()
+
+
 def test_no_import_cycles() -> None:
     graph = _module_imports()
     seen: dict[str, int] = {}  # 1: on the current path, 2: done

@@ -50,9 +50,9 @@ from services.engine.deadlines import Deadlines, deadline_error
 from services.engine.executor import make_executor
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.model_config import ModelConfig
-from services.engine.model_runner import LaunchedStep
 from services.engine.pooling import PoolingJob, PoolingParams, PoolingQueue
 from services.engine.pooling_config import model_pooling
+from services.engine.postprocess import InFlight, add_placeholders, write_tokens
 from services.engine.request import Request, RequestStatus
 from services.engine.request_error import RequestError
 from services.engine.request_output import RequestOutput, request_output
@@ -67,15 +67,6 @@ from services.engine.scheduler import (
 from services.engine.state_pool import StateSlots
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _InFlight:
-    """A launched step whose tokens have not been postprocessed: for each sampling request (in
-    row order) the index of its placeholder in token_ids."""
-
-    launched: LaunchedStep
-    slots: list[tuple[Request, int]]
 
 
 @dataclass
@@ -124,7 +115,7 @@ class Engine:
                                            self.model_config.hidden_size, config.pooling)
         self._pending: list[RequestOutput] = []  # abort / error outputs, for the next step
         self.deadlines = Deadlines()
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self._counts = _Counters()
@@ -269,7 +260,7 @@ class Engine:
             prev = self._inflight.launched if self._inflight is not None else None
             decode_only = scheduled.is_decode_only and not scheduled.has_prompt_logprobs
             launched = self.executor.launch(scheduled.requests, decode_only, prev)
-            inflight = _InFlight(launched, self._add_placeholders(scheduled.requests))
+            inflight = InFlight(launched, self._add_placeholders(scheduled.requests))
             self._counts.steps += 1
         t2 = time.perf_counter()
         if self._inflight is not None:  # the device now runs `launched`: collect the step before
@@ -288,16 +279,11 @@ class Engine:
             r.samples_from_host_tokens for r in self.scheduler.running)
 
     def _add_placeholders(self, requests: list[ScheduledRequest]) -> list[tuple[Request, int]]:
-        slots = []
-        for sr in requests:
-            if sr.samples:
-                request = self.scheduler.requests[sr.request_id]
-                slots.append((request, len(request.token_ids)))
-                request.token_ids.append(PLACEHOLDER_TOKEN)
-        return slots
+        return add_placeholders(self.scheduler, requests)
 
     def _postprocess(self) -> list[RequestOutput]:
-        """Wait for the in-flight step's tokens and write them over their placeholders."""
+        """Wait for the in-flight step's tokens and write them over their placeholders
+        (postprocess.py); the outputs of the requests that failed in it come first."""
         assert self._inflight is not None
         inflight, self._inflight = self._inflight, None
         result = inflight.launched.result()
@@ -312,39 +298,10 @@ class Engine:
             self._pending, outputs = [], self._pending
         else:
             outputs = []
-        generated = 0
-        # Runs for every sampled token: the unfinished case builds its output inline.
-        for (request, index), token, logprobs in zip(inflight.slots, result.token_ids,
-                                                     result.logprobs, strict=True):
-            if live.get(request.request_id) is not request:
-                continue  # aborted (or finished) while its step ran
-            request.token_ids[index] = token
-            generated += 1
-            num_output = index + 1 - request.num_prompt_tokens
-            status = None
-            if token in request.stop_ids and num_output >= request.min_tokens:
-                status = RequestStatus.FINISHED_STOPPED
-            elif num_output >= request.max_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            lps = None if logprobs is None else [logprobs]
-            prompt_lps = None
-            if num_output == 1 and request.wants_prompt_logprobs:
-                request.wants_prompt_logprobs = False
-                prompt_lps = request.prompt_logprobs
-            if status is None:
-                outputs.append(RequestOutput(
-                    request.request_id, [token], False, None, request.num_prompt_tokens,
-                    max(request.num_cached_tokens, 0), num_output, lps,
-                    prompt_logprobs=prompt_lps))
-                continue
-            del request.token_ids[index + 1:]  # a placeholder of a step launched since
-            self.scheduler.finish_request(request.request_id, status)
-            self._counts.finished += 1
-            out = request_output(request, [token], lps, num_output)
-            out.prompt_logprobs = prompt_lps
-            outputs.append(out)
-        self._counts.tokens_generated += generated
-        return outputs
+        written = write_tokens(self.scheduler, inflight, result)
+        self._counts.finished += written.finished
+        self._counts.tokens_generated += written.generated
+        return outputs + written.outputs
 
     def _pool_step(self) -> list[RequestOutput]:
         """One pooling batch (pooling.py); the outputs of the jobs it finished."""

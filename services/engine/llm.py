@@ -11,9 +11,10 @@ Rules:
   environment is not read here), so quantization ("auto": on CPU the int8 / int4 weights the
   server keeps), threads (torch's default, as the server's `num_threads` unset), the kernels
   and the step budget are the same, and the library and `flotilla up` generate alike. Keyword
-  arguments override single fields. Like the service, the engine is built on the thread that
-  steps it (the caller's; one OpenMP pool on CPU: loop.py). bench/library_decode.py compares
-  the two decode speeds.
+  arguments override single fields, the kernel choices included
+  (`kernel_selection=KernelSelection(...)`, kernels/selection.py: each LLM keeps its own).
+  Like the service, the engine is built on the thread that steps it (the caller's; one OpenMP
+  pool on CPU: loop.py). bench/library_decode.py compares the two decode speeds.
 - Prompts are token-id lists, or strings when the tokenizer service's core
   (`Tokenizer.from_path`) can read the model's tokenizer; outputs then carry decoded text.
 - `generate` drives the engine to completion synchronously; it must not overlap with streams.

@@ -1,20 +1,15 @@
 """Owns the model, its paged KV cache and the sampler; runs one scheduled step at a time.
 
 Rules:
-- The runner allocates the KV cache once: per layer a K and a V tensor [num_blocks, block_size,
-  *shape] in the model dtype with the shapes the layer declares (`kv_cache_shape()`: (Hk, D) for
-  both, or MLA's latent K and empty V), bound to the layer; with kv_cache_dtype "fp8" the K/V
-  tensors are e4m3 with fp32 scales [num_blocks, block_size, Hk] beside them (kernels/kv_quant.py),
-  and the block count grows with the bytes saved. Its size is an explicit block count,
-  an explicit MiB size, or (on CUDA) what `gpu_memory_utilization` of the GPU leaves after the
-  weights and a profiling forward at the largest batch.
+- The runner allocates the KV cache once, in the model dtype (or e4m3 with kv_cache_dtype
+  "fp8"), sized as cache_sizing.py says: an explicit block count, an explicit MiB size, or (on
+  CUDA) what `gpu_memory_utilization` of the GPU leaves after the weights and a profiling forward
+  at the largest batch. If it holds fewer tokens than max_model_len, max_model_len is lowered.
 - Hybrid models (linear-attention layers, `model.state_layers()`) also get a state pool
-  (state_pool.py: `num_state_slots` slots, max_num_seqs unless the config names fewer, capped so
-  the states take at most half of the memory budget), allocated before the KV cache is sized so
-  the KV budget is what the states leave. A step zeroes the slots of the sequences it starts
-  (num_computed_tokens 0). Their decode steps replay CUDA graphs (padded rows index slot -1);
-  their other steps run eagerly (no whole-step graphs). Under tensor parallelism each rank holds
-  its heads' share of every slot.
+  (state_pool.py, sized in cache_sizing.py before the KV cache). A step zeroes the slots of the
+  sequences it starts (num_computed_tokens 0). Their decode steps replay CUDA graphs (padded
+  rows index slot -1); their other steps run eagerly (no whole-step graphs). Under tensor
+  parallelism each rank holds its heads' share of every slot.
 - It knows only the SchedulerOutput (plain data), never the scheduler. For each step it builds the
   flattened inputs (step_inputs.py), runs the model, takes logits only on the last row of every
   sequence that samples, and samples. `launch` returns at once with a LaunchedStep (tokens on the
@@ -29,16 +24,16 @@ Rules:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels import dense_attention, selection
-from kernels.kv_quant import FP8_KV_DTYPE, KVScales
-from services.engine import prompt_logprobs, step_graphs
+from kernels import dense_attention
+from kernels.kv_quant import FP8_KV_DTYPE
+from services.engine import cache_sizing, prompt_logprobs, step_graphs
+from services.engine.cache_sizing import dummy_request
 from services.engine.cpu_decode import CpuDecode
 from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from services.engine.distributed import tp_min
@@ -52,7 +47,7 @@ from services.engine.row_buckets import token_buckets, warm_up_gemms
 from services.engine.sampler import Sampler, SamplingBatch, sample_isolated
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
-from services.engine.state_pool import StateCache, fit_state_slots, state_bytes_per_slot
+from services.engine.state_pool import StateCache, state_bytes_per_slot
 from services.engine.step_graphs import StepGraphs
 from services.engine.step_inputs import StepInputBuilder, StepInputs
 from services.engine.step_output import LaunchedStep, RunnerOutput
@@ -61,9 +56,6 @@ if TYPE_CHECKING:
     from services.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CPU_KVCACHE_MIB = 512
-
 
 __all__ = ["LaunchedStep", "ModelRunner", "RunnerOutput", "StepLogits"]
 
@@ -85,11 +77,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_tokens = config.max_num_batched_tokens
-        selection.install(config.kernel_selection)  # before the model's layers are built
+        self.kernel_selection = config.kernel_selection
         self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device,
                                                    quantization=config.resolved_quantization,
                                                    load_format=config.load_format,
-                                                   expert_offload=config.expert_offload)
+                                                   expert_offload=config.expert_offload,
+                                                   kernel_selection=config.kernel_selection)
         if config.expert_offload.active:
             log.info(offload_summary(self.model))
         self.vocab_size = self.model_config.vocab_size
@@ -97,7 +90,7 @@ class ModelRunner:
         self.kv_fp8 = config.kv_cache_dtype == "fp8"
         if self.kv_fp8:
             _check_fp8_kv_support(self.attention)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.kernel_selection)
         self.pad_eager_steps = config.resolved_pad_eager_steps
         # the GEMMs at every bucket, run in the KV-cache profile when there is one, else below
         self._gemms_to_warm = self.pad_eager_steps and self.device.type == "cuda"
@@ -107,10 +100,13 @@ class ModelRunner:
         self.state_cache: StateCache | None = None
         self.num_state_slots = 0
         if self.state_layers:
-            self.num_state_slots = self._num_state_slots(config)
+            self.num_state_slots = cache_sizing.num_state_slots(config, self.state_layers,
+                                                                self.dtype, self.device)
             self.state_cache = StateCache(self.state_layers, self.num_state_slots, self.dtype,
                                           self.device)
-        self.num_blocks = tp_min(self._num_kv_blocks(config))  # one count for every TP rank
+        self.num_blocks = tp_min(cache_sizing.num_kv_blocks(  # one count for every TP rank
+            config, self.device, self.kv_bytes_per_block(), self.state_bytes,
+            self._profile_free_memory))
         if self.num_blocks * self.block_size < self.max_model_len:
             log.warning("the KV cache holds %d tokens: max_model_len lowered from %d",
                         self.num_blocks * self.block_size, self.max_model_len)
@@ -186,7 +182,7 @@ class ModelRunner:
             blocks = list(range(-(-n // self.block_size)))
             if len(blocks) > self.num_blocks:
                 break
-            inputs = self._build_inputs([_dummy_request("warm-up", n, blocks)])
+            inputs = self._build_inputs([dummy_request("warm-up", n, blocks)])
             with forward_context(inputs.meta):
                 hidden = self.model(inputs.input_ids, inputs.positions)
             self.model.compute_logits(hidden[inputs.logits_rows])
@@ -197,11 +193,13 @@ class ModelRunner:
         """Fused-attention plans for every long-prompt length bucket (kernels/dense_attention.py),
         built now rather than on a user's first long prompt; PyTorch keeps them per thread, so a
         server calls this again on the thread that steps the engine (services/engine/loop.py).
-        Does nothing on CPU or where FLOTILLA_DENSE_PREFILL turns the path off."""
+        Does nothing on CPU or where the selection's dense_prefill (FLOTILLA_DENSE_PREFILL)
+        turns the path off."""
         layer = next((a for a in self.attention if type(a) is Attention), None)
         if layer is not None and self.device.type == "cuda":
             dense_attention.warm_up(layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                                    self.dtype, self.device, self.max_num_tokens)
+                                    self.dtype, self.device, self.max_num_tokens,
+                                    self.kernel_selection.dense_prefill)
 
     # ------------------------------------------------------------------ KV cache
 
@@ -210,86 +208,29 @@ class ModelRunner:
         return FP8_KV_DTYPE if self.kv_fp8 else self.dtype
 
     def kv_bytes_per_block(self) -> int:
-        """Cache bytes of one block over all layers: K and V entries, plus with fp8 one fp32
-        scale per (token, KV head) of each."""
-        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
-        shapes = [a.kv_cache_shape() for a in self.attention]
-        per_token = sum(math.prod(k) + math.prod(v) for k, v in shapes) * elem
-        if self.kv_fp8:
-            per_token += sum(k[0] + v[0] for k, v in shapes) * 4
-        return per_token * self.block_size
-
-    def _num_kv_blocks(self, config: EngineConfig) -> int:
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        if config.kvcache_mem_mib is not None:
-            budget = config.kvcache_mem_mib * (1 << 20) - self.state_bytes
-        elif self.device.type == "cuda":  # the state pool is allocated: the profile counts it
-            budget = self._profile_free_memory(config.gpu_memory_utilization)
-        else:
-            budget = DEFAULT_CPU_KVCACHE_MIB * (1 << 20) - self.state_bytes
-        num_blocks = budget // self.kv_bytes_per_block()
-        if num_blocks < 1:
-            raise ValueError(f"no room for a KV cache ({budget / 2**20:.1f} MiB left); lower the "
-                             "batch limits or raise gpu_memory_utilization / kvcache_mem_mib")
-        return int(num_blocks)
+        return cache_sizing.kv_bytes_per_block(self.attention, self.kv_dtype, self.block_size,
+                                               self.kv_fp8)
 
     @property
     def state_bytes(self) -> int:
         """Bytes of the state pool (0 without linear-attention layers)."""
         return self.num_state_slots * state_bytes_per_slot(self.state_layers, self.dtype)
 
-    def _num_state_slots(self, config: EngineConfig) -> int:
-        """config.num_state_slots (None: max_num_seqs), capped to half the memory budget where
-        the KV cache is sized from one (an explicit block count is the KV cache alone)."""
-        wanted = config.num_state_slots or self.max_num_seqs
-        if config.num_kv_blocks is not None:
-            return wanted
-        if config.kvcache_mem_mib is not None:
-            budget = config.kvcache_mem_mib * (1 << 20)
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * config.gpu_memory_utilization) - (total - free)
-        else:
-            budget = DEFAULT_CPU_KVCACHE_MIB * (1 << 20)
-        per_slot = state_bytes_per_slot(self.state_layers, self.dtype)
-        return tp_min(fit_state_slots(wanted, per_slot, budget))
-
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        """Every layer's cache tensors (K, V and fp8 scales), bound to their layers."""
-        caches = []
-        for layer in self.attention:
-            k_shape, v_shape = layer.kv_cache_shape()
-            k, v = (torch.zeros(num_blocks, self.block_size, *shape, dtype=self.kv_dtype,
-                                device=self.device) for shape in (k_shape, v_shape))
-            scales = None
-            if self.kv_fp8:
-                scales = KVScales(*(torch.ones(num_blocks, self.block_size, shape[0],
-                                               device=self.device) for shape in (k_shape, v_shape)))
-                caches += list(scales)
-            layer.bind_kv_cache(k, v, scales)
-            caches += [k, v]
-        return caches
+        return cache_sizing.allocate_kv_cache(self.attention, num_blocks, self.block_size,
+                                              self.kv_dtype, self.kv_fp8, self.device)
 
     @torch.inference_mode()
     def _profile_free_memory(self, utilization: float) -> int:
         """Bytes left for the KV cache after a forward + sampling at the largest step."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        tokens = self.max_num_tokens
-        seq_len = min(tokens, self.max_model_len)
-        num_seqs = min(self.max_num_seqs, -(-tokens // seq_len))
-        self.kv_cache = self._allocate_kv_cache(-(-tokens // self.block_size) + num_seqs)
-        builder = StepInputBuilder(tokens, num_seqs, -(-seq_len // self.block_size),
+        requests, num_blocks, blocks_per_seq = cache_sizing.profile_requests(
+            self.max_num_tokens, self.max_model_len, self.max_num_seqs, self.block_size,
+            self.num_state_slots)
+        self.kv_cache = self._allocate_kv_cache(num_blocks)
+        builder = StepInputBuilder(self.max_num_tokens, len(requests), blocks_per_seq,
                                    self.block_size, self.device, states=bool(self.state_layers))
-        blocks_per_seq = -(-seq_len // self.block_size)
-        requests, left = [], tokens
-        for i in range(num_seqs):
-            n = min(seq_len, left)
-            left -= n
-            blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            slot = i % self.num_state_slots if self.state_layers else -1
-            requests.append(_dummy_request(f"profile-{i}", n, blocks, slot))
         inputs = builder.build(requests)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
@@ -303,21 +244,11 @@ class ModelRunner:
         self.sampler(logits, batch)
         torch.cuda.synchronize()
         del hidden, logits, inputs, builder
-        for layer in self.attention:  # drop the layers' references to the profiling cache
-            k_shape, v_shape = layer.kv_cache_shape()
-            layer.bind_kv_cache(torch.empty(0, 1, *k_shape, device=self.device),
-                                torch.empty(0, 1, *v_shape, device=self.device))
+        cache_sizing.unbind_kv_cache(self.attention, self.device)  # drop the profiling cache
         self.kv_cache = []
         if self._gemms_to_warm:  # its activations count in the peak too
             self._warm_up_gemms()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * utilization) - peak - others
-        log.info("KV cache budget %.0f MiB (peak %.0f MiB, other %.0f MiB, total %.0f MiB)",
-                 budget / 2**20, peak / 2**20, others / 2**20, total / 2**20)
-        return max(budget, 0)
+        return cache_sizing.budget_after_peak(self.device, utilization)
 
     # ------------------------------------------------------------------ steps
 
@@ -426,16 +357,6 @@ class ModelRunner:
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return hidden[: inputs.num_tokens]
-
-
-def _dummy_request(request_id: str, num_tokens: int, block_ids: list[int], state_slot: int = 0
-                   ) -> ScheduledRequest:
-    return ScheduledRequest(
-        request_id=request_id, token_ids=[0] * num_tokens, num_computed_tokens=0,
-        block_ids=block_ids, is_prefill=True, samples=True, sampling_params=SamplingParams(),
-        generator=None, prompt_len=num_tokens, all_token_ids=[0] * num_tokens,
-        state_slot=state_slot,
-    )
 
 
 def _check_fp8_kv_support(layers: list[Attention]) -> None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kernels
+from kernels.selection import DEFAULT_SELECTION, KernelSelection
 from services.engine.logits_processors import LogitsProcessors
 from services.engine.request_error import RequestError
 from services.engine.sampling_params import SamplingParams
@@ -153,6 +154,12 @@ class SamplingBatch:
 
 
 class Sampler:
+    """Samples a step's rows; greedy rows take `kernels.argmax` under the engine's kernel
+    selection (kernels/selection.py; the default when none is given)."""
+
+    def __init__(self, selection: KernelSelection = DEFAULT_SELECTION) -> None:
+        self.selection = selection
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: float32 [B, vocab], one row per sampling sequence (not modified)."""
         raw = logits
@@ -161,7 +168,8 @@ class Sampler:
         groups = [(g, fn) for g, fn in ((batch.plain, _sample_plain),
                                         (batch.filtered, _sample_filtered)) if g is not None]
         # rows None: one group holds every row (then it is the only group) and nothing is greedy
-        tokens = None if groups and groups[0][0].rows is None else kernels.argmax(logits)
+        tokens = (None if groups and groups[0][0].rows is None
+                  else kernels.argmax(logits, selection=self.selection))
         for grp, fn in groups:
             u = _uniform(grp, logits.device, batch.failed)
             sampled = fn(grp.take(logits) / grp.temperature, grp, u)

@@ -40,6 +40,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kernels.selection import KernelSelection
 from libs.common.model_cache import cache_dir
 from services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
@@ -173,16 +174,16 @@ def _tolerance(name: str) -> tuple[str, float]:
     return RECENT_CASES[name][1], RECENT_CASES[name][2]
 
 
-def test_gpt_oss_mxfp4_gguf_keeps_its_experts_mxfp4(converted: dict[str, tuple[Path, Path]],
-                                                   select_kernels: Any) -> None:
+def test_gpt_oss_mxfp4_gguf_keeps_its_experts_mxfp4(converted: dict[str, tuple[Path, Path]]
+                                                   ) -> None:
     """Where the quantized kernels run (forced here: the interpreter), llama.cpp's MXFP4 expert
     blocks are repacked and served by kernels/mxfp4_moe.py, matching the safetensors' experts
     dequantized on the CPU path."""
     hf_dir, gguf = converted["gpt_oss_mxfp4"]
     prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = SingleSequenceRunner(load_model(hf_dir)[0]).forward(prompt)
-    select_kernels(quant_kernels="triton")
-    model, _ = load_model(gguf, quantization="gguf")
+    model, _ = load_model(gguf, quantization="gguf",
+                          kernel_selection=KernelSelection(quant_kernels="triton"))
     assert model.model.layers[0].mlp.experts.w13.blocks.dtype == torch.uint8
     err = rel_error(SingleSequenceRunner(model).forward(prompt), ref)
     assert err < 1e-5, f"MXFP4 GGUF (kept) vs safetensors logits rel. error {err:.2e}"

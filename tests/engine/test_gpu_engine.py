@@ -122,17 +122,17 @@ def test_long_prompt_dense_attention_matches_paged_and_transformers(
     """A 1,500-token prompt without a cached prefix attends through torch's fused attention
     (kernels/dense_attention.py); its logits agree with the paged Triton kernel's and with
     transformers' within bf16 tolerance."""
-    from kernels import dense_attention, selection
+    from kernels import dense_attention
+    from kernels.selection import KernelSelection
 
-    # the dense path on any GPU (auto: Hopper and later); the engine installs it
-    dense_on = selection.KernelSelection(dense_prefill="1")
+    # the dense path on any GPU (auto: Hopper and later); the engine's layers keep it
+    dense_on = KernelSelection(dense_prefill="1")
     hf = _save(tmp_path, torch.bfloat16, vocab_size=32000, hidden_size=2048,
                intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
                num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0,
                tie_word_embeddings=False, initializer_range=0.02)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="bfloat16",
                                  kvcache_mem_mib=1024, kernel_selection=dense_on))
-    monkeypatch.setattr(selection, "_installed", dense_on)  # put back after the test
     prompt = torch.randint(0, 32000, (1500,), generator=torch.Generator().manual_seed(4)).tolist()
     calls: list[int] = []
     real = dense_attention.dense_causal_attention

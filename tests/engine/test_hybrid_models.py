@@ -241,7 +241,7 @@ def test_padded_decode_rows_leave_every_other_state_untouched(tmp_path: Path) ->
 
 def test_step_plan_carries_the_state_slots() -> None:
     """Tensor-parallel workers get each request's state slot from rank 0's plan."""
-    from services.engine.model_runner import _dummy_request
+    from services.engine.cache_sizing import dummy_request as _dummy_request
     from services.engine.step_plan import DecodedStep, PlanDecoder, PlanEncoder
 
     encoder, decoder = PlanEncoder(), PlanDecoder()

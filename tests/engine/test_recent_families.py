@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+from kernels.selection import KernelSelection
 from services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error, tensor_parallel_logits
 from tests.engine.test_architectures import decode_logits
@@ -245,13 +246,13 @@ def save_mxfp4_gpt_oss(path: Path, family: Family = FAMILIES["gpt_oss"]) -> Any:
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_gpt_oss_mxfp4_experts_match_transformers(tmp_path: Path, kernels: str,
-                                                  select_kernels: Any) -> None:
+def test_gpt_oss_mxfp4_experts_match_transformers(tmp_path: Path, kernels: str) -> None:
     """torch: the CPU engine's path (experts dequantized once at load); triton: the CUDA path
     (experts kept MXFP4 in memory, kernels/mxfp4_moe.py under the interpreter)."""
     hf = save_mxfp4_gpt_oss(tmp_path)
-    select_kernels(quant_kernels=kernels)
-    model, _ = load_model(tmp_path / "mxfp4", dtype=torch.float32, device="cpu")
+    selection = KernelSelection(quant_kernels=kernels)  # type: ignore[arg-type]
+    model, _ = load_model(tmp_path / "mxfp4", dtype=torch.float32, device="cpu",
+                          kernel_selection=selection)
     experts = model.model.layers[0].mlp.experts
     kept = getattr(experts.w13, "blocks", None)
     assert (kept is not None and kept.dtype == torch.uint8) == (kernels == "triton")

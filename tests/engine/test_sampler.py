@@ -226,7 +226,7 @@ def test_greedy_rows_through_the_triton_argmax(monkeypatch: pytest.MonkeyPatch) 
     if not cuda:
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("needs CUDA or the Triton interpreter")
-        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+        monkeypatch.setattr(kernels, "use_triton", lambda t, kernels="auto": True)
     device = torch.device("cuda" if cuda else "cpu")
     vocab = 5000  # two chunks of 4096
     g = torch.Generator().manual_seed(3)

@@ -135,7 +135,7 @@ def test_state_pool_is_sized_with_the_kv_cache(tmp_path) -> None:  # type: ignor
 
 
 def test_step_metadata_carries_slots_and_initial_state_flags() -> None:
-    from services.engine.model_runner import _dummy_request
+    from services.engine.cache_sizing import dummy_request as _dummy_request
     from services.engine.step_inputs import StepInputBuilder
 
     builder = StepInputBuilder(64, 4, 8, BS, torch.device("cpu"), states=True)

@@ -4,8 +4,6 @@ natively or with K/V expanded, and the conditions under which the engine takes i
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +11,7 @@ import torch.nn.functional as F
 from kernels import dense_attention
 from kernels.dense_attention import dense_causal_attention, dense_prefill_ok
 from kernels.prefill_attention import prefill_attention_ref
+from kernels.selection import KernelSelection
 from tests.kernels.attention_cases import make_case
 from tests.kernels.conftest import DEVICE, tolerance
 
@@ -59,7 +58,8 @@ def test_matches_paged_reference(group: int, native_gqa: bool,
 def test_engine_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only one CUDA prompt without a cached prefix, >= DENSE_MIN_TOKENS, 16-bit, plain causal
     attention over a 16-bit cache, whose padded length has a warmed-up plan and costs at most
-    MAX_PAD_COST of its attention work, takes the dense path."""
+    MAX_PAD_COST of its attention work, takes the dense path, where the selection's
+    dense_prefill allows it."""
     n = dense_attention.DENSE_MIN_TOKENS
     monkeypatch.setattr(dense_attention, "_warm_max", 4 * n)
     if not torch.cuda.is_available():
@@ -68,7 +68,8 @@ def test_engine_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
         return
     q = torch.zeros(n, 4, 64, dtype=torch.bfloat16, device="cuda")
     one = make_case([n], [n], 4, 2, 64, 16, torch.bfloat16).meta
-    assert dense_prefill_ok(q, one, None, None, None)
+    assert dense_prefill_ok(q, one, None, None, None, "1")
+    assert not dense_prefill_ok(q, one, None, None, None, "0")  # the selection turns it off
     assert not dense_prefill_ok(q.float(), one, None, None, None)
     assert not dense_prefill_ok(q, one, None, 128, None)  # sliding window
     assert not dense_prefill_ok(q, one, None, None, 30.0)  # soft-capping
@@ -96,20 +97,18 @@ def test_padding_rows_change_nothing() -> None:
                                dense_causal_attention(q, k, v, 0.3))
 
 
-def test_enabled_by_default_only_on_hopper_gpus(monkeypatch: pytest.MonkeyPatch,
-                                                select_kernels: Any) -> None:
+def test_enabled_by_default_only_on_hopper_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """dense_prefill (FLOTILLA_DENSE_PREFILL): auto (default) on compute capability >= 9, 1 on
     any GPU, 0 off; never on CPU (no plans to build); a bad value is refused."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    select_kernels()
-    assert not dense_attention.enabled(cpu)
+    default = KernelSelection().dense_prefill
+    assert not dense_attention.enabled(cpu, default)
     for capability, expected in (((8, 0), False), ((9, 0), True), ((10, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d, c=capability: c)
-        assert dense_attention.enabled(gpu) is expected
-    select_kernels(dense_prefill="0")
-    assert not dense_attention.enabled(gpu)
-    select_kernels(dense_prefill="1")
+        assert dense_attention.enabled(gpu, default) is expected
+        assert dense_attention.enabled(gpu) is expected  # the argument's default is the same
+    assert not dense_attention.enabled(gpu, "0")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d: (8, 0))
-    assert dense_attention.enabled(gpu) and not dense_attention.enabled(cpu)
+    assert dense_attention.enabled(gpu, "1") and not dense_attention.enabled(cpu, "1")
     with pytest.raises(ValueError, match="dense_prefill"):
-        select_kernels(dense_prefill="yes")
+        KernelSelection(dense_prefill="yes")  # type: ignore[arg-type]

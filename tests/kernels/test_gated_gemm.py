@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -103,13 +101,13 @@ def test_gated_gemm_gpu_llama3_shape(config: tuple[int, int, int, int, int] | No
 
 
 @pytest.mark.gpu
-def test_unquantized_gated_projection_dispatch(monkeypatch: pytest.MonkeyPatch,
-                                               select_kernels: Any) -> None:
+def test_unquantized_gated_projection_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On Hopper, gated_gemm=auto (FLOTILLA_GATED_GEMM) fuses prefill-sized inputs
     (>= GATED_GEMM_MIN_ROWS rows) and leaves smaller ones to cuBLAS + SiLU·mul; 0 never fuses;
     both give the same y."""
     from torch import nn
 
+    from kernels.selection import KernelSelection
     from services.engine.quant import base
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -125,7 +123,7 @@ def test_unquantized_gated_projection_dispatch(monkeypatch: pytest.MonkeyPatch,
     rows = base.GATED_GEMM_MIN_ROWS
     cases = (("auto", rows, True), ("auto", rows // 2, False), ("0", rows, False))
     for mode, m, fused in cases:
-        select_kernels(gated_gemm=mode)
+        method.selection = KernelSelection(gated_gemm=mode)  # type: ignore[arg-type]
         calls.clear()
         x = _inputs(m, 1024, 512, torch.bfloat16, seed=m)[0]
         y = method.apply_gated(layer, x)

@@ -4,15 +4,15 @@ FLOTILLA_GEMV dispatch in the unquantized linear method."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
 from kernels.gemv import CONFIGS, GEMV_MAX_M, _config, gemv_triton
+from kernels.selection import KernelSelection
 from services.engine.layers.linear import ReplicatedLinear
+from services.engine.loader import bind_selection
 from services.engine.quant.base import (
     use_triton_gemv,
 )
@@ -103,11 +103,10 @@ def test_gemv_configs_compile_for_sm90_without_spills() -> None:
     ("auto", 64, 2, torch.bfloat16, False),  # M >= 2: cuBLAS measured faster
 ])
 def test_gemv_backend_picks_triton_only_for_decode_sized_16bit_inputs(
-        backend: str, n: int, m: int, dtype: torch.dtype, expected: bool,
-        select_kernels: Any) -> None:
-    select_kernels(gemv=backend)
+        backend: str, n: int, m: int, dtype: torch.dtype, expected: bool) -> None:
     w = torch.empty(n, 16, dtype=dtype, device="meta")
-    assert use_triton_gemv(torch.empty(m, 16, dtype=dtype, device="meta"), w) is expected
+    gemv = KernelSelection(gemv=backend).gemv  # type: ignore[arg-type]
+    assert use_triton_gemv(torch.empty(m, 16, dtype=dtype, device="meta"), w, gemv) is expected
 
 
 def test_gemv_backend_defaults_to_auto_and_comes_from_the_settings(
@@ -125,9 +124,9 @@ def test_gemv_backend_defaults_to_auto_and_comes_from_the_settings(
 
 
 @pytest.mark.gpu
-def test_gpu_unquantized_linear_through_triton_gemv(select_kernels: Any) -> None:
-    select_kernels(gemv="triton")
+def test_gpu_unquantized_linear_through_triton_gemv() -> None:
     layer = ReplicatedLinear(4096, 6144, bias=True).to("cuda", torch.bfloat16)
+    bind_selection(layer, KernelSelection(gemv="triton"))
     torch.nn.init.normal_(layer.weight, std=0.02)
     torch.nn.init.normal_(layer.bias)
     x = torch.randn(4, 4096, dtype=torch.bfloat16, device="cuda")

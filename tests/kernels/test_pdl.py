@@ -4,23 +4,21 @@ replayed from a CUDA graph gives the results of plain launches."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from kernels import pdl
+from kernels.selection import KernelSelection
 from tests.kernels.sm90_report import needs_ptxas, sm90_report
 
 
-def test_off_the_gpu_kernels_launch_without_pdl(select_kernels: Any) -> None:
-    select_kernels(pdl="1")
-    assert pdl.pdl_args(torch.zeros(1)) == {"USE_PDL": 0}
+def test_off_the_gpu_kernels_launch_without_pdl() -> None:
+    assert pdl.pdl_args(torch.zeros(1), "1") == {"USE_PDL": 0}
 
 
-def test_mode_is_validated(select_kernels: Any) -> None:
+def test_mode_is_validated() -> None:
     with pytest.raises(ValueError, match="pdl"):
-        select_kernels(pdl="yes")
+        KernelSelection(pdl="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
@@ -43,7 +41,7 @@ def test_the_wait_precedes_every_activation_load() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_graph_of_pdl_kernels_matches_plain_launches(select_kernels: Any) -> None:
+def test_gpu_graph_of_pdl_kernels_matches_plain_launches() -> None:
     """norm -> GEMV -> norm -> gated GEMV -> GEMV, 8 times over, each reading the one before:
     a CUDA graph of PDL launches equals plain eager launches bit for bit."""
     from kernels.gemv import gemv_triton
@@ -57,23 +55,24 @@ def test_gpu_graph_of_pdl_kernels_matches_plain_launches(select_kernels: Any) ->
     norm_w = torch.ones(h, device="cuda", dtype=torch.bfloat16)
     x0 = torch.randn(1, h, device="cuda", generator=g).bfloat16()
 
-    def chain(x: torch.Tensor) -> torch.Tensor:
+    def chain(x: torch.Tensor, mode: str) -> torch.Tensor:
         res = x
         for _ in range(8):
-            y, res = fused_add_rms_norm_triton(x, res, norm_w, 1e-6)
-            y, res = fused_add_rms_norm_triton(gemv_triton(y, weights[0]), res, norm_w, 1e-6)
-            x = gemv_triton(gemv_triton(y, weights[1], gated=True), weights[2])
+            y, res = fused_add_rms_norm_triton(x, res, norm_w, 1e-6, pdl=mode)
+            y, res = fused_add_rms_norm_triton(gemv_triton(y, weights[0], pdl=mode), res, norm_w,
+                                               1e-6, pdl=mode)
+            x = gemv_triton(gemv_triton(y, weights[1], gated=True, pdl=mode), weights[2],
+                            pdl=mode)
         return x + res
 
     for mode in ("0", "1"):
-        select_kernels(pdl=mode)
-        eager = chain(x0)  # also tunes before the capture
+        eager = chain(x0, mode)  # also tunes before the capture
         if mode == "0":
             want = eager
             continue
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = chain(x0)
+            out = chain(x0, mode)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
+from kernels.selection import KernelSelection
 from tests.triton_setup import DEVICE, INTERPRETER_TOO_LATE, mark_items  # noqa: F401
 
 
@@ -49,17 +48,17 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def kernels_mode(select_kernels: Any) -> Iterator[None]:
-    """Quantized layers run their Triton kernels even on CPU (the interpreter)."""
-    select_kernels(quant_kernels="triton")
-    yield
+def kernels_mode() -> KernelSelection:
+    """The selection under which quantized layers run their Triton kernels even on CPU (the
+    interpreter): pass it to load_model."""
+    return KernelSelection(quant_kernels="triton")
 
 
 @pytest.fixture
-def dequant_mode(select_kernels: Any) -> Iterator[None]:
-    """Quantized layers dequantize once after loading and serve float weights."""
-    select_kernels(quant_kernels="torch")
-    yield
+def dequant_mode() -> KernelSelection:
+    """The selection under which quantized layers dequantize once after loading and serve float
+    weights."""
+    return KernelSelection(quant_kernels="torch")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -119,10 +119,10 @@ def write_pair(base: Path, out: Path, layout: str) -> tuple[Path, Path]:
 def test_fp8_checkpoint_matches_dequantized_twin(tiny_llama: Path, tmp_path: Path, layout: str,
                                                  mode: str, request: pytest.FixtureRequest
                                                  ) -> None:
-    request.getfixturevalue(mode)
+    selection = request.getfixturevalue(mode)
     qdir, ddir = write_pair(tiny_llama, tmp_path, layout)
-    quantized = load_model(qdir, device=DEVICE).model
-    twin = load_model(ddir, device=DEVICE).model
+    quantized = load_model(qdir, device=DEVICE, kernel_selection=selection).model
+    twin = load_model(ddir, device=DEVICE, kernel_selection=selection).model
     if mode == "kernels_mode":
         assert quantized.model.layers[0].mlp.down_proj.weight_fp8.dtype == FP8
     ids = list(range(5, 40))

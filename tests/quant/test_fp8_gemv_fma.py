@@ -6,13 +6,12 @@ kernel at Llama-3-8B sizes."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from kernels.fp8 import FP8, quantize_fp8_per_channel
 from kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
+from kernels.selection import KernelSelection
 from tests.quant.conftest import DEVICE, rel_err
 
 TOL = {torch.bfloat16: 3e-3, torch.float16: 1e-3, torch.float32: 1e-6}
@@ -83,8 +82,8 @@ def test_gpu_real_sizes(n: int, k: int, group: int, m: int) -> None:
 @pytest.mark.parametrize("kind,m,expect", [("auto", 1, "fma"), ("auto", 2, "mma"),
                                            ("auto", 3, "fma"), ("mma", 1, "mma"),
                                            ("fma", 2, "fma")])
-def test_decode_dispatch(kind: str, m: int, expect: str, monkeypatch: pytest.MonkeyPatch,
-                         select_kernels: Any) -> None:
+def test_decode_dispatch(kind: str, m: int, expect: str, monkeypatch: pytest.MonkeyPatch
+                         ) -> None:
     """kernels/fp8.py's GEMV choice: one row on the CUDA cores, two on the tensor cores (which
     read W once for both), more on the CUDA cores; the selection's fp8_gemv (FLOTILLA_FP8_GEMV)
     pins one."""
@@ -97,8 +96,7 @@ def test_decode_dispatch(kind: str, m: int, expect: str, monkeypatch: pytest.Mon
     monkeypatch.setattr(fp8, "fp8_gemv_fma", fake("fma"))
     monkeypatch.setattr(fp8, "fp8_gemv_mma", fake("mma"))
     x, weight, scale, _ = make(8, 64, 64, m, torch.bfloat16, seed=0)
-    select_kernels(fp8_gemv=kind)
-    fp8.fp8_matmul_triton(x, weight, scale, kernel="gemv")
+    fp8.fp8_matmul_triton(x, weight, scale, kernel="gemv", fp8_gemv=kind)
     assert calls == [expect]
     with pytest.raises(ValueError, match="fp8_gemv must be one of"):
-        select_kernels(fp8_gemv="cublas")
+        KernelSelection(fp8_gemv="cublas")  # type: ignore[arg-type]

@@ -9,12 +9,12 @@ embedding is Q8_0 in this file and stays float on both paths (embeddings are not
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 
 from kernels.gguf_dequant import Q4_0, Q4_1, Q6_K, Q8_0
+from kernels.selection import KernelSelection
 from libs.common.model_cache import ensure_default_model
 from services.engine.loader import load_model
 from services.engine.quant import GGUFConfig, GGUFLinearMethod
@@ -33,8 +33,9 @@ def perplexity(model: torch.nn.Module, ids: list[int]) -> float:
     return math.exp(float(nll))
 
 
-def test_gguf_file_keeps_its_blocks(kernels_mode: None) -> None:
-    model = load_model(ensure_default_model(), quantization="gguf").model
+def test_gguf_file_keeps_its_blocks(kernels_mode: KernelSelection) -> None:
+    model = load_model(ensure_default_model(), quantization="gguf",
+                       kernel_selection=kernels_mode).model
     layer = model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    layer.mlp.down_proj):
@@ -63,14 +64,13 @@ def test_mixed_types_in_one_fused_layer_stay_quantized_in_parts() -> None:
 
 @pytest.mark.slow
 def test_perplexity_with_quantized_kernels_matches_dequantized_weights(
-    select_kernels: Any,
+    kernels_mode: KernelSelection,
 ) -> None:
     path = ensure_default_model()
     ids = Tokenizer.from_path(path).encode(TEXT)
     assert len(ids) > 300
     reference = perplexity(load_model(path).model, ids)  # gguf.quants-dequantized float32
-    select_kernels(quant_kernels="triton")
-    quantized = load_model(path, quantization="gguf").model
+    quantized = load_model(path, quantization="gguf", kernel_selection=kernels_mode).model
     assert quantized.model.layers[29].mlp.down_proj.qweight.dtype == torch.uint8
     ours = perplexity(quantized, ids)
     assert 1.5 < reference < 30, reference  # the model reads the text as English

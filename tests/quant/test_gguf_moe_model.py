@@ -9,13 +9,13 @@ dequantized by gguf.quants at load time); so do those of the dequantizing CPU pa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from bench.gguf_moe_file import MoEShape, file_types, write_qwen3_moe_gguf
 from kernels.gguf_dequant import Q4_K, Q6_K
+from kernels.selection import KernelSelection
 from services.engine.layers.moe_offload import ExpertOffload
 from services.engine.loader import load_model
 from services.engine.quant import GGUFLinearMethod
@@ -43,10 +43,10 @@ def test_file_has_llama_cpp_q4_k_m_mix(gguf_file: Path) -> None:
 
 
 def test_every_matrix_stays_quantized_and_logits_match_dequantized(
-        gguf_file: Path, select_kernels: Any) -> None:
+        gguf_file: Path, kernels_mode: KernelSelection) -> None:
     reference = load_model(gguf_file).model  # gguf.quants-dequantized float32
-    select_kernels(quant_kernels="triton")
-    model = load_model(gguf_file, quantization="gguf", device=DEVICE).model
+    model = load_model(gguf_file, quantization="gguf", device=DEVICE,
+                       kernel_selection=kernels_mode).model
     floats = [name for name, t in (*model.named_parameters(), *model.named_buffers())
               if t.is_floating_point() and t.dim() >= 2 and not name.endswith(FLOAT_OK)
               and "rotary" not in name and "cos_sin" not in name]
@@ -68,11 +68,10 @@ def test_every_matrix_stays_quantized_and_logits_match_dequantized(
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_gguf_without_kernels_dequantizes_after_loading(gguf_file: Path, select_kernels: Any
-                                                       ) -> None:
+def test_gguf_without_kernels_dequantizes_after_loading(gguf_file: Path,
+                                                       dequant_mode: KernelSelection) -> None:
     reference = load_model(gguf_file).model
-    select_kernels(quant_kernels="torch")
-    model = load_model(gguf_file, quantization="gguf").model
+    model = load_model(gguf_file, quantization="gguf", kernel_selection=dequant_mode).model
     assert model.model.layers[0].mlp.experts.w13.weight.dtype == torch.float32
     ids = [1, 2, 3, 200]
     ours = SingleSequenceRunner(model, max_tokens=16).forward(ids)
@@ -81,15 +80,15 @@ def test_gguf_without_kernels_dequantizes_after_loading(gguf_file: Path, select_
 
 
 @pytest.mark.parametrize("mode", ["cpu", "stream"])
-def test_offloaded_gguf_experts_match_dequantized(gguf_file: Path, select_kernels: Any,
-                                                 mode: str) -> None:
+def test_offloaded_gguf_experts_match_dequantized(gguf_file: Path, mode: str) -> None:
     """Half of each layer's experts in host memory (layers/moe_offload.py): the host set is a
     second GGUFExpertMethod (CPU: dequantized there; stream: the blocks, staged per step)."""
     reference = load_model(gguf_file).model
     # on a GPU the host set runs its CPU path (the kernels' auto choice); on CPU the interpreter
-    select_kernels(quant_kernels="triton" if DEVICE == "cpu" else "auto")
+    selection = KernelSelection(quant_kernels="triton" if DEVICE == "cpu" else "auto")
     model = load_model(gguf_file, quantization="gguf", device=DEVICE,
-                       expert_offload=ExpertOffload(experts_per_rank=2, mode=mode)).model
+                       expert_offload=ExpertOffload(experts_per_rank=2, mode=mode),
+                       kernel_selection=selection).model
     experts = model.model.layers[0].mlp.experts
     assert experts.host is not None and experts.w13.qweight_0.shape[0] == 2
     ids = [3, 17, 250, 9]

@@ -6,8 +6,6 @@ F.linear in float64; the layer runs its Triton kernels (the interpreter) or its 
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -15,7 +13,9 @@ import torch.nn.functional as F
 from gguf.quants import dequantize
 
 from kernels.gguf_dequant import Q4_K, Q6_K, Q8_0
+from kernels.selection import KernelSelection
 from services.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from services.engine.loader import bind_selection
 from services.engine.quant import GGUFConfig, QuantBytes
 from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
 from services.engine.quant.gguf_quantize import quantize_gguf
@@ -36,9 +36,8 @@ def _blocks(rows: int, qtype: int, seed: int) -> tuple[QuantBytes, torch.Tensor]
 
 
 @pytest.mark.parametrize("mode", ["kernels", "dequant"])
-def test_qkv_with_a_q6_k_v_proj_keeps_each_part_quantized(mode: str, select_kernels: Any
-                                                          ) -> None:
-    select_kernels(quant_kernels="triton" if mode == "kernels" else "torch")
+def test_qkv_with_a_q6_k_v_proj_keeps_each_part_quantized(mode: str) -> None:
+    selection = KernelSelection(quant_kernels="triton" if mode == "kernels" else "torch")
     prefix = "model.layers.0.self_attn"
     types = {f"{prefix}.q_proj.weight": Q4_K, f"{prefix}.k_proj.weight": Q4_K,
              f"{prefix}.v_proj.weight": Q6_K}
@@ -46,6 +45,7 @@ def test_qkv_with_a_q6_k_v_proj_keeps_each_part_quantized(mode: str, select_kern
     with torch.device(DEVICE):
         layer = QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=False,
                                   quant_config=config, prefix=f"{prefix}.qkv_proj")
+    bind_selection(layer, selection)
     assert isinstance(layer.quant_method, GGUFPartsLinearMethod)
     assert config.keeps_quantized(f"{prefix}.v_proj.weight")
     refs = []
@@ -69,14 +69,14 @@ def test_qkv_with_a_q6_k_v_proj_keeps_each_part_quantized(mode: str, select_kern
     assert rel_err(ours, F.linear(x.double(), dense.double())) < 1e-5
 
 
-def test_gate_up_of_two_types_runs_gated(select_kernels: Any) -> None:
-    select_kernels(quant_kernels="triton")
+def test_gate_up_of_two_types_runs_gated() -> None:
     prefix = "model.layers.0.mlp"
     types = {f"{prefix}.gate_proj.weight": Q8_0, f"{prefix}.up_proj.weight": Q4_K}
     with torch.device(DEVICE):
         layer = MergedColumnParallelLinear(HIDDEN, [64, 64], bias=False,
                                            quant_config=GGUFConfig(types, PACKED),
                                            prefix=f"{prefix}.gate_up_proj")
+    bind_selection(layer, KernelSelection(quant_kernels="triton"))
     gate, gate_ref = _blocks(64, Q8_0, 1)
     up, up_ref = _blocks(64, Q4_K, 2)
     layer.weight_loader(layer.weight, gate, 0)

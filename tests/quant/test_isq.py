@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from kernels.fp8 import FP8
 from kernels.gguf_dequant import GGUF_TYPES, Q4_1
+from kernels.selection import KernelSelection
 from services.engine.loader import load_model
 from services.engine.quant import ISQ_NAMES
 from services.engine.quant.isq import ISQ_GGUF_TYPES
@@ -40,11 +40,12 @@ def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @pytest.mark.parametrize("name", ISQ_NAMES)
 def test_isq_kernels_match_dequantized_and_stay_near_float(
-    name: str, llama256: tuple[Path, torch.Tensor], select_kernels: Any
+    name: str, llama256: tuple[Path, torch.Tensor], kernels_mode: KernelSelection,
+    dequant_mode: KernelSelection,
 ) -> None:
     path, float_logits = llama256
-    select_kernels(quant_kernels="triton")
-    quantized = load_model(path, device=DEVICE, quantization=name).model
+    quantized = load_model(path, device=DEVICE, quantization=name,
+                           kernel_selection=kernels_mode).model
     for layer in linear_layers(quantized):  # every linear layer and the LM head
         assert not isinstance(getattr(layer, "weight", None), torch.nn.Parameter)
         if name == "fp8":
@@ -53,17 +54,19 @@ def test_isq_kernels_match_dequantized_and_stay_near_float(
             t = GGUF_TYPES[ISQ_GGUF_TYPES[name]]
             assert layer.quant_method.type == t and layer.qweight.dtype == torch.uint8
             assert layer.qweight.shape[1] % t.type_size == 0
-    select_kernels(quant_kernels="torch")
-    dequantized = load_model(path, device=DEVICE, quantization=name).model
+    dequantized = load_model(path, device=DEVICE, quantization=name,
+                             kernel_selection=dequant_mode).model
     ours = SingleSequenceRunner(quantized).forward(IDS)
     ref = SingleSequenceRunner(dequantized).forward(IDS)
     assert rel_err(ours, ref) < 1e-5
     assert rel_err(ours, float_logits) < FLOAT_BOUNDS[name]
 
 
-def test_k_quants_fall_back_to_32_weight_blocks(tmp_path: Path, kernels_mode: None) -> None:
+def test_k_quants_fall_back_to_32_weight_blocks(tmp_path: Path,
+                                                kernels_mode: KernelSelection) -> None:
     save_tiny_llama(tmp_path, seed=1)  # hidden 64: no whole 256-weight blocks
-    model = load_model(tmp_path, device=DEVICE, quantization="q4k").model
+    model = load_model(tmp_path, device=DEVICE, quantization="q4k",
+                       kernel_selection=kernels_mode).model
     assert {layer.quant_method.qtype for layer in linear_layers(model)} == {Q4_1}
 
 

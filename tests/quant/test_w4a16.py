@@ -267,10 +267,10 @@ def test_checkpoint_loads_and_matches_dequantized_twin(
     tiny_llama: Path, tmp_path: Path, fmt: str, group: int, act_order: bool, mode: str,
     request: pytest.FixtureRequest,
 ) -> None:
-    request.getfixturevalue(mode)
+    selection = request.getfixturevalue(mode)
     qdir, ddir = write_pair(tiny_llama, tmp_path, fmt, group, act_order)
-    quantized = load_model(qdir, device=DEVICE).model
-    twin = load_model(ddir, device=DEVICE).model
+    quantized = load_model(qdir, device=DEVICE, kernel_selection=selection).model
+    twin = load_model(ddir, device=DEVICE, kernel_selection=selection).model
     layer = quantized.model.layers[0].self_attn.qkv_proj
     assert not hasattr(layer, "qweight") and not any(
         p.dtype.is_floating_point and p.dim() == 2 for p in layer.parameters())

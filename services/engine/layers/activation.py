@@ -13,14 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.selection import Selecting
 from services.engine.layers.linear import LinearBase
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(nn.Module, Selecting):
     """[T, 2I] -> silu(x[:, :I]) * x[:, I:]  (the SwiGLU gate of llama-family MLPs)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.silu_and_mul(x)
+        return kernels.silu_and_mul(x, selection=self.selection)
 
 
 class GeluAndMul(nn.Module):

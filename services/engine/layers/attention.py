@@ -29,12 +29,13 @@ from torch import nn
 import kernels
 from kernels.dense_attention import dense_causal_attention, dense_prefill_ok
 from kernels.kv_quant import KVScales
+from kernels.selection import Selecting
 from services.engine.distributed import get_tp_rank
 from services.engine.forward_context import get_forward_context
 from services.engine.layers.rotary import RotaryEmbedding
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, Selecting):
     supports_fp8_kv_cache = True
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
@@ -90,26 +91,29 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         plain = self.sinks is None and self.attention_chunk is None
+        sel = self.selection
         if plain and dense_prefill_ok(q, meta, self.kv_scales, self.sliding_window,
-                                      self.logit_softcap):
+                                      self.logit_softcap, sel.dense_prefill):
             # one long prompt without a cached prefix: fused attention on the fresh K/V
             if rotary is not None:
                 assert positions is not None, "rotary needs the positions"
                 q, k = kernels.rotary_embedding(positions, q, k, rotary.cos_sin_cache,
-                                                rotary.is_neox)
-            kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                                                rotary.is_neox, selection=sel)
+            kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                   selection=sel)
             out = dense_causal_attention(q, k, v, self.scale)
             return out.reshape(t, self.num_heads * self.head_dim)
         if rotary is None:
             kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                   self.kv_scales)
+                                   self.kv_scales, selection=sel)
         else:
             assert positions is not None, "a fused rotary needs the positions"
             q = kernels.rotary_write_kv_cache(positions, q, k, v, rotary.cos_sin_cache,
                                               rotary.is_neox, self.k_cache, self.v_cache,
-                                              meta.slot_mapping, self.kv_scales)
+                                              meta.slot_mapping, self.kv_scales, selection=sel)
         out = kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
                                       sliding_window=self.sliding_window,
                                       logit_softcap=self.logit_softcap, kv_scales=self.kv_scales,
-                                      sinks=self.sinks, attention_chunk=self.attention_chunk)
+                                      sinks=self.sinks, attention_chunk=self.attention_chunk,
+                                      selection=sel)
         return out.reshape(t, self.num_heads * self.head_dim)

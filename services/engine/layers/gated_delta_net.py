@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import gated_delta
+from kernels.selection import Selecting
 from services.engine.distributed import divide, get_tp_rank, get_tp_size
 from services.engine.forward_context import get_forward_context
 from services.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -111,7 +112,7 @@ class _ConvWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, width), requires_grad=False)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(nn.Module, Selecting):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str
                  ) -> None:
         super().__init__()
@@ -188,11 +189,12 @@ class GatedDeltaNet(nn.Module):
         if meta.max_query_len == 1:  # decode-only: in-place updates of every row's slot
             x = gated_delta.causal_conv1d_update(
                 mixed, weight, None, conv_state=self.conv_state,
-                state_indices=meta.state_indices)
+                state_indices=meta.state_indices, kernels=self.selection.kernels)
             q, k, v = self._heads(x)
             o = gated_delta.fused_recurrent_gated_delta_rule_update(
                 q, k, v, g, beta, scale=self.scale, state=self.recurrent_state,
-                state_indices=meta.state_indices, use_qk_l2norm=True)
+                state_indices=meta.state_indices, use_qk_l2norm=True,
+                kernels=self.selection.kernels)
         else:
             o = self._varlen(mixed, g, beta, meta.query_start_loc_cpu[-1])
         o = self.norm(o.reshape(-1, d.head_v_dim), z.reshape(-1, d.head_v_dim))
@@ -213,14 +215,14 @@ class GatedDeltaNet(nn.Module):
         x = gated_delta.causal_conv1d_varlen(
             mixed[:t], self.conv1d.weight, None, conv_state=self.conv_state,
             state_indices=meta.state_indices, cu_seqlens=meta.query_start_loc,
-            has_initial_state=meta.has_initial_state)
+            has_initial_state=meta.has_initial_state, kernels=self.selection.kernels)
         q, k, v = self._heads(x)
         slots = meta.state_indices.long()
         initial = torch.where(meta.has_initial_state[:, None, None, None],
                               self.recurrent_state[slots], 0.0)
         o, final = gated_delta.chunk_gated_delta_rule(
             q, k, v, g[:t], beta[:t], scale=self.scale, initial_state=initial,
-            cu_seqlens=meta.query_start_loc, use_qk_l2norm=True)
+            cu_seqlens=meta.query_start_loc, use_qk_l2norm=True, kernels=self.selection.kernels)
         self.recurrent_state[slots] = final.to(self.recurrent_state.dtype)
         if t < mixed.shape[0]:  # padding rows (bucketed eager steps): zero output
             o = F.pad(o, (0, 0, 0, 0, 0, mixed.shape[0] - t))

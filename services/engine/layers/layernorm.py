@@ -17,12 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.selection import Selecting
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, Selecting):
     """y = x / rms(x) * weight. With `residual`, first residual += x; returns (y, residual).
     x / rms(x) is rounded to x's dtype before the scale (HF llama's order) unless
-    `round_normed` is False (`RMSNormFp32Scale`)."""
+    `round_normed` is False (`RMSNormFp32Scale`). Runs under its kernel `selection`."""
 
     round_normed: ClassVar[bool] = True
 
@@ -35,9 +36,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps, self.round_normed)
+            return kernels.rms_norm(x, self.weight, self.eps, self.round_normed,
+                                    selection=self.selection)
         out, residual = kernels.fused_add_rms_norm(x, residual, self.weight, self.eps,
-                                                   self.round_normed)
+                                                   self.round_normed, selection=self.selection)
         return out, residual
 
 

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 import kernels
-from kernels import selection
 from kernels.kv_quant import KVScales
 from kernels.mla_attention import mla_attention_triton
 from services.engine.forward_context import AttentionMetadata, get_forward_context
@@ -84,7 +83,8 @@ class MLAAttention(Attention):
         meta = get_forward_context()
         entry = torch.cat([latent, k_pe], dim=-1).unsqueeze(1)  # [T, 1, r + rope]
         # write_kv_cache scatters K and V; MLA has K only, so both arguments are the same.
-        kernels.write_kv_cache(entry, entry, self.k_cache, self.k_cache, meta.slot_mapping)
+        kernels.write_kv_cache(entry, entry, self.k_cache, self.k_cache, meta.slot_mapping,
+                               selection=self.selection)
         w = w_kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
         if self.use_kernel(q_nope):
@@ -96,7 +96,8 @@ class MLAAttention(Attention):
         return out.reshape(q_nope.shape[0], self.num_heads * self.v_dim)
 
     def use_kernel(self, t: torch.Tensor) -> bool:
-        return selection.current().mla_kernel == "triton" and kernels.use_triton(t)
+        return (self.selection.mla_kernel == "triton"
+                and kernels.use_triton(t, self.selection.kernels))
 
     def _absorbed_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
                          w_uv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

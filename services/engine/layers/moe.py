@@ -40,6 +40,7 @@ from torch import nn
 
 import kernels
 from kernels.activation import SwigluOAI
+from kernels.selection import Selecting
 from services.engine.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from services.engine.layers.linear import ReplicatedLinear
 from services.engine.layers.moe_offload import HostExperts, placement
@@ -170,7 +171,7 @@ class ExpertStack(nn.Module):
         dst.copy_(loaded)
 
 
-class MoEExperts(nn.Module):
+class MoEExperts(nn.Module, Selecting):
     """This rank's experts, stacked: w13 (gate + up) and w2 (down); with offload, the device
     stacks hold local experts [0, D) and `host` the rest."""
 
@@ -216,7 +217,7 @@ class MoEExperts(nn.Module):
             return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return kernels.fused_moe(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids,
                                  self.w13.bias, self.w2.bias, self.swiglu, self.weight_on_input,
-                                 self.activation)
+                                 self.activation, selection=self.selection)
 
 
 class FusedMoE(nn.Module):

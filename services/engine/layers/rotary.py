@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.selection import DEFAULT_SELECTION, KernelSelection
 from services.engine.forward_context import get_forward_context
 from services.engine.layers.rope_scaling import (
     ROPE_SCALINGS,
@@ -55,9 +56,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        selection: KernelSelection = DEFAULT_SELECTION,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k = kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
+        """`selection`: the calling attention layer's (a table is shared by models, get_rope)."""
+        q, k = kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox,
+                                        selection=selection)
         return q, k
 
 
@@ -83,9 +87,10 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         return positions + long * self.max_position
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        selection: KernelSelection = DEFAULT_SELECTION,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().forward(self.table_rows(positions), q, k)
+        return super().forward(self.table_rows(positions), q, k, selection)
 
 
 _ROPES: dict[tuple[Any, ...], RotaryEmbedding] = {}

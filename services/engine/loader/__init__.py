@@ -12,6 +12,9 @@ Rules:
 - Quantization "cpu" (the engine's CPU default, `auto`) is int4 groups for a GGUF whose layer
   matmuls are all Q4_1 (int4 holds that grid exactly, quant/int4.py) and int8 per channel
   otherwise.
+- The engine's kernel selection (kernels/selection.py) is handed to every `Selecting` part of
+  the built model (layers and their quantization methods, `bind_selection`) before any weight
+  loads: post-processing already chooses by it (quant/base.py use_kernels).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kernels.gguf_dequant import Q4_1
+from kernels.selection import DEFAULT_SELECTION, KernelSelection, Selecting
 from libs.common.gguf_files import find_gguf
 from services.engine.layers.moe_offload import NO_OFFLOAD, ExpertOffload, building
 from services.engine.loader.gguf_loader import (
@@ -71,6 +76,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def bind_selection(model: nn.Module, selection: KernelSelection) -> None:
+    """Give `selection` to every `Selecting` module of `model` and to the quantization methods
+    they hold (plain attributes of a module)."""
+    for module in model.modules():
+        for part in (module, *vars(module).values()):
+            if isinstance(part, Selecting):
+                part.selection = selection
+
+
 def _hf_quant_config(path: Path, files: list[Path], quantization: str | None
                      ) -> QuantConfig | None:
     if quantization == CPU_DEFAULT:
@@ -111,10 +125,12 @@ def load_model(
     quantization: str | None = None,
     load_format: str = "auto",
     expert_offload: ExpertOffload = NO_OFFLOAD,
+    kernel_selection: KernelSelection = DEFAULT_SELECTION,
 ) -> LoadedModel:
     """load_format "dummy": only config.json is read and weights are random (benchmarks), in
     the layout its `quantization_config` names if it has one. `expert_offload`: which MoE
-    experts are built in host memory (layers/moe_offload.py)."""
+    experts are built in host memory (layers/moe_offload.py). `kernel_selection`: which
+    implementation serves each op (kernels/selection.py; the engine's, from its config)."""
     path = Path(path)
     if dtype not in SUPPORTED_MODEL_DTYPES:
         raise ValueError(f"model dtype {dtype} not supported; use one of {SUPPORTED_MODEL_DTYPES}")
@@ -129,6 +145,7 @@ def load_model(
                        get_quant_config(quantization))
         with torch.device(device), _default_dtype(dtype), building(expert_offload):
             dummy = get_model_class(config.architecture)(config, dummy_quant)
+        bind_selection(dummy, kernel_selection)
         init_dummy_weights(dummy)
         return LoadedModel(dummy.eval(), config)
     if is_hf_dir(path):
@@ -150,8 +167,9 @@ def load_model(
                                 "and *.safetensors")
     with torch.device(device), _default_dtype(dtype), building(expert_offload):
         model = model_cls(config, quant_config)
+    bind_selection(model, kernel_selection)
     load_weights(model, weights)
     return LoadedModel(model.eval(), config)
 
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "bind_selection", "load_model"]

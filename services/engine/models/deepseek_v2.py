@@ -85,7 +85,8 @@ class DeepseekV2Attention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim],
                                                               -1)
         latent = self.kv_a_layernorm(latent.contiguous())
-        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.reshape(t, 1, -1))
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.reshape(t, 1, -1),
+                                     self.attn.selection)
         out = self.attn(q_nope, q_pe, latent, k_pe.reshape(t, -1), self.kv_b_proj.weight)
         return self.o_proj(out)
 

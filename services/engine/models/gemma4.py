@@ -155,11 +155,12 @@ class SharedKVAttention(nn.Module):
         q = self.q_norm(self.query_proj(hidden).reshape(-1, self.head_dim))
         q = q.view(t, self.num_heads, self.head_dim)
         q, _ = kernels.rotary_embedding(positions, q, q[:, :1].contiguous(),
-                                        self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox)
+                                        self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox,
+                                        selection=attn.selection)
         out = kernels.paged_attention(q, attn.k_cache, attn.v_cache, get_forward_context(),
                                       attn.scale, sliding_window=attn.sliding_window,
                                       logit_softcap=attn.logit_softcap,
-                                      kv_scales=attn.kv_scales)
+                                      kv_scales=attn.kv_scales, selection=attn.selection)
         return self.o_proj(out.reshape(t, -1))
 
 

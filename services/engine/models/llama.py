@@ -98,7 +98,7 @@ class LlamaAttention(nn.Module):
 
     def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary_emb(positions, q, k)
+        return self.rotary_emb(positions, q, k, self.attn.selection)
 
     def nope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:

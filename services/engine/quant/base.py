@@ -2,7 +2,9 @@
 
 Rules:
 - A layer owns one `QuantMethod`, chosen by a `QuantConfig` when the layer is built; model code
-  never branches on the quantization scheme.
+  never branches on the quantization scheme. Methods keep the engine's kernel selection
+  (`selection`, kernels/selection.py, bound by the loader before the weights load) and hand
+  their kernels the fields they need.
 - `create_weights` registers the layer's parameters. The layer (not the method) then attaches a
   `weight_loader` to each parameter, because only the layer knows how checkpoint tensors map onto
   its tensor-parallel shard and its fused (q/k/v, gate/up) sub-blocks.
@@ -44,9 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import selection
 from kernels.gated_gemm import gated_gemm_ok, gated_gemm_triton
 from kernels.gemv import gemv_triton
+from kernels.selection import Selecting
 from kernels.triton_compat import HAVE_TRITON
 
 TRITON_GEMV_MAX_M = 8  # `triton`: decode batches the Triton GEMV serves (graph buckets 1-8)
@@ -58,7 +60,7 @@ _gated_gemm_built: bool | None = None
 log = logging.getLogger(__name__)
 
 
-class QuantMethod(ABC):
+class QuantMethod(ABC, Selecting):
     """Storage and matmul strategy of one linear-like layer (see the module rules)."""
 
     # The LM head (layers/embedding.py) calls create_weights / load for its weight (GGUF blocks)
@@ -90,7 +92,7 @@ class QuantMethod(ABC):
         """silu(x gate^T) * (x up^T) for a bias-free [gate; up] weight (a gated MLP's projection
         and activation). Methods whose decode GEMV stores the activation itself override this
         (kernels/gemv_rows.py: one launch less per layer and step)."""
-        return kernels.silu_and_mul(self.apply(layer, x))
+        return kernels.silu_and_mul(self.apply(layer, x), selection=self.selection)
 
 
 class UnquantizedLinearMethod(QuantMethod):
@@ -99,28 +101,29 @@ class UnquantizedLinearMethod(QuantMethod):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        weight = layer_tensor(layer, "weight")
-        if x.is_cuda and use_triton_gemv(x, weight):
-            return linear_2d(x, lambda x2: gemv_triton(x2, weight), bias)
+        weight, sel = layer_tensor(layer, "weight"), self.selection
+        if x.is_cuda and use_triton_gemv(x, weight, sel.gemv):
+            return linear_2d(x, lambda x2: gemv_triton(x2, weight, pdl=sel.pdl), bias)
         return F.linear(x, weight, bias)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        weight = layer_tensor(layer, "weight")
-        if x.is_cuda and use_triton_gemv(x, weight):
-            return linear_2d(x, lambda x2: gemv_triton(x2, weight, gated=True), None)
-        if use_gated_gemm(x, weight):
+        weight, sel = layer_tensor(layer, "weight"), self.selection
+        if x.is_cuda and use_triton_gemv(x, weight, sel.gemv):
+            return linear_2d(x, lambda x2: gemv_triton(x2, weight, gated=True, pdl=sel.pdl),
+                             None)
+        if use_gated_gemm(x, weight, sel.gated_gemm):
             out = _gated_gemm(x, weight)
             if out is not None:
                 return out
         return super().apply_gated(layer, x)
 
 
-def use_gated_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def use_gated_gemm(x: torch.Tensor, weight: torch.Tensor, mode: str = "auto") -> bool:
     """Whether a gated projection runs kernels/gated_gemm.py (SiLU·mul in the GEMM's epilogue).
-    The selection's gated_gemm (FLOTILLA_GATED_GEMM): auto (default) for 16-bit inputs of at least
-    GATED_GEMM_MIN_ROWS rows on Hopper or later GPUs; 1 for any CUDA input the kernel takes; 0
-    never. Off for the process once its kernel fails to build here (`_gated_gemm_built`)."""
-    mode = selection.current().gated_gemm
+    `mode`, the selection's gated_gemm (FLOTILLA_GATED_GEMM): auto (default) for 16-bit inputs of
+    at least GATED_GEMM_MIN_ROWS rows on Hopper or later GPUs; 1 for any CUDA input the kernel
+    takes; 0 never. Off for the process once its kernel fails to build here
+    (`_gated_gemm_built`)."""
     if mode == "0" or _gated_gemm_built is False or not x.is_cuda or not HAVE_TRITON:
         return False
     if mode == "auto" and (x.numel() // max(1, x.shape[-1]) < GATED_GEMM_MIN_ROWS
@@ -146,9 +149,9 @@ def _gated_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def use_triton_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether an unquantized x @ weight.T runs kernels/gemv.py (see the module rules)."""
-    backend = selection.current().gemv
+def use_triton_gemv(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether an unquantized x @ weight.T runs kernels/gemv.py under the selection's gemv
+    `backend` (see the module rules)."""
     if backend == "cublas" or not HAVE_TRITON or x.dtype not in (torch.float16, torch.bfloat16):
         return False
     rows = x.numel() // max(1, x.shape[-1])
@@ -157,7 +160,7 @@ def use_triton_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows <= (TRITON_GEMV_MAX_M if backend == "triton" else AUTO_GEMV_MAX_M)
 
 
-class ExpertQuantMethod(ABC):
+class ExpertQuantMethod(ABC, Selecting):
     """Storage and compute of a MoE layer's stacked experts (layers/moe.py MoEExperts) in a
     quantized format: `create_weights` registers the parameters of one stack (w13 or w2; the
     stack attaches its per-expert weight_loader to each), `process_after_loading` runs once
@@ -213,9 +216,9 @@ def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
     return cast(torch.Tensor, getattr(layer, name))
 
 
-def use_kernels(device: torch.device) -> bool:
-    """Whether quantized layers on `device` run their Triton kernels (see the module rules)."""
-    mode = selection.current().quant_kernels
+def use_kernels(device: torch.device, mode: str = "auto") -> bool:
+    """Whether quantized layers on `device` run their Triton kernels under the selection's
+    quant_kernels `mode` (see the module rules)."""
     return HAVE_TRITON and (mode == "triton" or (mode == "auto" and device.type == "cuda"))
 
 

@@ -119,7 +119,7 @@ class FP8LinearMethod(QuantMethod):
         self.finish(layer, weight, scale)
 
     def finish(self, layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> None:
-        self.kernels = use_kernels(weight.device)
+        self.kernels = use_kernels(weight.device, self.selection.quant_kernels)
         if self.kernels:
             layer.register_buffer("weight_fp8", weight.contiguous(), persistent=False)
             layer.register_buffer("weight_scale", scale.float().contiguous(), persistent=False)
@@ -133,13 +133,18 @@ class FP8LinearMethod(QuantMethod):
         if not self.kernels:
             return F.linear(x, layer_tensor(layer, "weight_dequant"), bias)
         weight, scale = layer_tensor(layer, "weight_fp8"), layer_tensor(layer, "weight_scale")
-        return linear_2d(x, lambda x2: fp8_matmul_triton(x2, weight, scale), bias)
+        sel = self.selection
+        return linear_2d(x, lambda x2: fp8_matmul_triton(x2, weight, scale, fp8_gemv=sel.fp8_gemv,
+                                                         pdl=sel.pdl), bias)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not self.kernels:
             return super().apply_gated(layer, x)
         weight, scale = layer_tensor(layer, "weight_fp8"), layer_tensor(layer, "weight_scale")
-        return linear_2d(x, lambda x2: fp8_matmul_triton(x2, weight, scale, gated=True), None)
+        sel = self.selection
+        return linear_2d(x, lambda x2: fp8_matmul_triton(x2, weight, scale, gated=True,
+                                                         fp8_gemv=sel.fp8_gemv, pdl=sel.pdl),
+                         None)
 
 
 class FP8Config(QuantConfig):

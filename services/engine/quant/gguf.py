@@ -95,7 +95,7 @@ class GGUFLinearMethod(QuantMethod):
 
     def finish(self, layer: nn.Module, qweight: torch.Tensor) -> None:
         """Keep `qweight` for the kernels, or (off CUDA) replace it by float weights."""
-        self.kernels = use_kernels(qweight.device)
+        self.kernels = use_kernels(qweight.device, self.selection.quant_kernels)
         if hasattr(layer, "weight"):
             del layer.weight
         if self.kernels:
@@ -110,14 +110,15 @@ class GGUFLinearMethod(QuantMethod):
         if not self.kernels:
             return F.linear(x, layer_tensor(layer, "weight_dequant"), bias)
         qweight = layer_tensor(layer, "qweight")
-        return linear_2d(x, lambda x2: gguf_matmul_triton(x2, qweight, self.qtype), bias)
+        return linear_2d(x, lambda x2: gguf_matmul_triton(x2, qweight, self.qtype,
+                                                          pdl=self.selection.pdl), bias)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not self.kernels:
             return super().apply_gated(layer, x)
         qweight = layer_tensor(layer, "qweight")
-        return linear_2d(x, lambda x2: gguf_matmul_triton(x2, qweight, self.qtype, gated=True),
-                         None)
+        return linear_2d(x, lambda x2: gguf_matmul_triton(x2, qweight, self.qtype, gated=True,
+                                                          pdl=self.selection.pdl), None)
 
 
 class GGUFConfig(QuantConfig):

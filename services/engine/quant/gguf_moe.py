@@ -122,7 +122,8 @@ class GGUFExpertMethod(ExpertQuantMethod):
 
     def process_after_loading(self, experts: nn.Module) -> None:
         moe = cast("MoEExperts", experts)
-        self.kernels = use_kernels(layer_tensor(moe.w13, "weight").device)
+        self.kernels = use_kernels(layer_tensor(moe.w13, "weight").device,
+                                   self.selection.quant_kernels)
         for stack in (moe.w13, moe.w2):
             count = self._count(stack)
             parts = self._parts(stack)
@@ -145,7 +146,8 @@ class GGUFExpertMethod(ExpertQuantMethod):
         moe = cast("MoEExperts", experts)
         if not self.kernels:
             return kernels.fused_moe(x, layer_tensor(moe.w13, "weight"),
-                                     layer_tensor(moe.w2, "weight"), topk_weights, topk_ids)
+                                     layer_tensor(moe.w2, "weight"), topk_weights, topk_ids,
+                                     selection=self.selection)
         return fused_moe_gguf_triton(x, self.quant_parts(moe.w13, 2),
                                      self.quant_parts(moe.w2, 1), topk_weights, topk_ids)
 

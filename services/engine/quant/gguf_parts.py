@@ -82,7 +82,7 @@ class GGUFPartsLinearMethod(QuantMethod):
         padded = layer_tensor(layer, "weight").data
         del layer.weight
         del self.weight
-        self.kernels = use_kernels(padded.device)
+        self.kernels = use_kernels(padded.device, self.selection.quant_kernels)
         blocks = []
         for first, rows, qtype in parts:
             t = GGUF_TYPES[qtype]
@@ -97,7 +97,8 @@ class GGUFPartsLinearMethod(QuantMethod):
             layer.register_buffer("weight_dequant", dense, persistent=False)
 
     def _matmul(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
-        return torch.cat([gguf_matmul_triton(x2, layer_tensor(layer, f"qweight_{i}"), qtype)
+        return torch.cat([gguf_matmul_triton(x2, layer_tensor(layer, f"qweight_{i}"), qtype,
+                                             pdl=self.selection.pdl)
                           for i, (_, _, qtype) in enumerate(self.parts)], dim=-1)
 
     def apply(
@@ -108,7 +109,7 @@ class GGUFPartsLinearMethod(QuantMethod):
         return linear_2d(x, lambda x2: self._matmul(layer, x2), bias)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return kernels.silu_and_mul(self.apply(layer, x))
+        return kernels.silu_and_mul(self.apply(layer, x), selection=self.selection)
 
 
 __all__ = ["GGUFPartsLinearMethod"]

@@ -91,6 +91,7 @@ class Int4ExpertMethod(ExpertQuantMethod):
                 w2.bias,
                 moe.swiglu,
                 moe.weight_on_input,
+                selection=self.selection,
             )
         num_experts, top_k = _num_experts(w13), topk_ids.shape[1]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)

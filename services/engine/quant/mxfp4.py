@@ -66,7 +66,8 @@ class Mxfp4ExpertMethod(ExpertQuantMethod):
 
     def process_after_loading(self, experts: nn.Module) -> None:
         moe = cast("MoEExperts", experts)
-        self.kernels = use_kernels(layer_tensor(moe.w13, "blocks").device)
+        self.kernels = use_kernels(layer_tensor(moe.w13, "blocks").device,
+                                   self.selection.quant_kernels)
         if self.kernels:
             return
         for stack in (moe.w13, moe.w2):
@@ -82,7 +83,8 @@ class Mxfp4ExpertMethod(ExpertQuantMethod):
         w13, w2 = moe.w13, moe.w2
         if not self.kernels:
             return kernels.fused_moe(x, layer_tensor(w13, "weight"), layer_tensor(w2, "weight"),
-                                     topk_weights, topk_ids, w13.bias, w2.bias, moe.swiglu)
+                                     topk_weights, topk_ids, w13.bias, w2.bias, moe.swiglu,
+                                     selection=self.selection)
         return fused_moe_mxfp4_triton(
             x, layer_tensor(w13, "blocks"), layer_tensor(w13, "scales"),
             layer_tensor(w2, "blocks"), layer_tensor(w2, "scales"), topk_weights, topk_ids,

@@ -108,7 +108,7 @@ class W4A16LinearMethod(QuantMethod):
         for name in ("qweight", "qzeros", "scales", "weight"):
             delattr(layer, name)
         qweight = pack_int4(codes)
-        self.kernels = use_kernels(qweight.device)
+        self.kernels = use_kernels(qweight.device, self.selection.quant_kernels)
         if self.kernels:
             layer.register_buffer("w4_qweight", qweight, persistent=False)
             layer.register_buffer("w4_scales", scales.contiguous(), persistent=False)
@@ -139,7 +139,8 @@ class W4A16LinearMethod(QuantMethod):
         q, s = layer_tensor(layer, "w4_qweight"), layer_tensor(layer, "w4_scales")
         z, perm = layer_tensor(layer, "w4_zeros"), layer.w4_perm
         assert perm is None or isinstance(perm, torch.Tensor)
-        return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm), bias)
+        return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm,
+                                                           pdl=self.selection.pdl), bias)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not self.kernels:
@@ -148,7 +149,8 @@ class W4A16LinearMethod(QuantMethod):
         z, perm = layer_tensor(layer, "w4_zeros"), layer.w4_perm
         assert perm is None or isinstance(perm, torch.Tensor)
         return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm,
-                                                           gated=True), None)
+                                                           gated=True, pdl=self.selection.pdl),
+                         None)
 
 
 __all__ = ["W4A16LinearMethod", "unpack_cols", "unpack_rows"]
