@@ -126,8 +126,7 @@ REFUSALS = textwrap.dedent("""
         out["launch"] = None
     except TritonMissingError as exc:
         out["launch"] = str(exc)
-    with selection.using(selection.KernelSelection(quant_kernels="triton")):
-        out["quant_dispatch"] = use_kernels(torch.device("cpu"))
+    out["quant_dispatch"] = use_kernels(torch.device("cpu"), mode="triton")
     print("RESULT " + json.dumps(out))
 """)
 
