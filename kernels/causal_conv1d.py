@@ -7,8 +7,9 @@ causal_conv1d_fn (F.conv1d with padding W-1, cut to L) and causal_conv1d_update.
 
 conv_state [S, C, W-1] keeps each sequence's last W-1 inputs, oldest first, in channels-major
 order as transformers' cache does (its layer keeps W columns: ours = theirs[..., 1:], and theirs =
-F.pad(ours, (1, 0)) since the oldest of its W columns never reaches an output). Math in fp32;
-y in x's dtype; the state in its own dtype.
+F.pad(ours, (1, 0)) since the oldest of its W columns never reaches an output). Math in fp32,
+with transformers' two roundings to x's dtype: the conv output (its F.conv1d runs in the model
+dtype) and silu's; the state in its own dtype.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def causal_conv1d_varlen_torch(
         else:
             prev = torch.zeros(channels, width - 1, dtype=torch.float32, device=x.device)
         ext = torch.cat([prev, x[lo:hi].T.float()], dim=1)
-        y[lo:hi] = F.silu(F.conv1d(ext[None], w, b, groups=channels)[0]).T.to(x.dtype)
+        pre = F.conv1d(ext[None], w, b, groups=channels)[0].to(x.dtype)
+        y[lo:hi] = F.silu(pre.float()).T.to(x.dtype)
         if idx >= 0:
             conv_state[idx] = ext[:, ext.shape[1] - (width - 1) :].to(conv_state.dtype)
     return y
@@ -66,7 +68,7 @@ def causal_conv1d_update_torch(
     if bias is not None:
         out = out + bias.float()
     y = torch.zeros_like(x)
-    y[rows] = F.silu(out).to(x.dtype)
+    y[rows] = F.silu(out.to(x.dtype).float()).to(x.dtype)
     conv_state[idx] = ext[..., 1:].to(conv_state.dtype)
     return y
 
@@ -123,6 +125,7 @@ def _conv_varlen_kernel(
         ).to(tl.float32)
         wt = tl.load(w_ptr + offs_c * W + tap, mask=mask_c, other=0.0).to(tl.float32)
         acc += (xv + sv) * wt[None, :]
+    acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv output's rounding
     y = acc * tl.sigmoid(acc)
     tl.store(
         y_ptr + rows.to(tl.int64)[:, None] * C + offs_c[None, :],
@@ -193,6 +196,7 @@ def _conv_update_kernel(
     acc = tl.sum(window * wt, axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv output's rounding
     tl.store(
         y_ptr + n * C + offs_c, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=mask_c
     )

@@ -5,7 +5,9 @@ next to transformers' bf16 error (the noise floor). Where transformers rounds le
 our error sits above that floor on every token and MoE routers see a noisier input (more
 routing flips). The cheapest place to see it is the layer itself: on the same bf16 input, each
 of our RMSNorms must give transformers' bf16 output bit for bit (gpt-oss and Gemma 4 scale the
-fp32 normalised row and round once; llama-style norms round before the scale), and each router
+fp32 normalised row and round once, as do the hybrids' (1 + w) norms; llama-style norms round
+before the scale), a hybrid's first Gated DeltaNet layer must give transformers' bf16 output bit
+for bit (its conv rounds twice, as transformers' bf16 F.conv1d and silu do), and each router
 must choose transformers' experts with transformers' weights (to bf16 rounding: transformers
 rounds gpt-oss's softmax and llama4's sigmoid to bf16, we keep fp32).
 """
@@ -21,18 +23,25 @@ import torch
 from services.engine.layers.moe import Router
 from services.engine.loader import load_model
 from services.engine.models.gemma4_moe import Gemma4Router
-from tests.engine.test_recent_families import FAMILIES, save_tiny
+from tests.engine.conftest import SingleSequenceRunner
+from tests.engine.test_hybrid_models import FAMILIES as HYBRIDS
+from tests.engine.test_recent_families import FAMILIES, Family, save_tiny
 
 NAMES = ["smollm3", "glm4_moe", "gpt_oss", "llama4_text", "gemma4_text", "gemma4_moe",
          "minimax_m2"]
 MOE = ["glm4_moe", "gpt_oss", "llama4_text", "gemma4_moe", "minimax_m2"]
 
 
-def _models(tmp_path: Path, name: str) -> tuple[Any, torch.nn.Module]:
+def _models(tmp_path: Path, name: str, family: Family | None = None
+            ) -> tuple[Any, torch.nn.Module]:
+    """transformers' and our model of a tiny checkpoint, both in bf16; a `family` (the hybrids)
+    is saved in bf16 too, so its (1 + w) norms start from the same rounded w on both sides."""
     from transformers import AutoModelForCausalLM
 
-    save_tiny(tmp_path, FAMILIES[name])
+    save_tiny(tmp_path, family or FAMILIES[name])
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    if family is not None:
+        hf.save_pretrained(tmp_path)
     ours, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cpu")
     return hf, ours
 
@@ -40,6 +49,10 @@ def _models(tmp_path: Path, name: str) -> tuple[Any, torch.nn.Module]:
 @pytest.mark.parametrize("name", NAMES)
 def test_rms_norms_round_as_transformers_bf16(tmp_path: Path, name: str) -> None:
     hf, ours = _models(tmp_path, name)
+    _check_norms(name, hf, ours)
+
+
+def _check_norms(name: str, hf: Any, ours: torch.nn.Module) -> None:
     modules = dict(ours.named_modules())
     checked = 0
     gen = torch.Generator().manual_seed(0)
@@ -89,3 +102,24 @@ def test_routers_choose_as_transformers_bf16(tmp_path: Path, name: str) -> None:
         order = got_ids.argsort(-1)
         assert torch.equal(got_ids.gather(1, order), want_ids)
         torch.testing.assert_close(got_w.gather(1, order), want_w, rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_hybrid_norms_and_linear_attention_round_as_transformers_bf16(
+        tmp_path: Path, name: str) -> None:
+    """The (1 + w) norms on a bf16 input, and the first Gated DeltaNet layer (projections, conv,
+    delta rule in fp32, gated norm) on the prompt's embeddings, equal transformers' bf16."""
+    hf, ours = _models(tmp_path, name, HYBRIDS[name])
+    _check_norms(name, hf, ours)
+    got: dict[str, torch.Tensor] = {}
+    hooks = [m.get_submodule("model.layers.0.linear_attn").register_forward_hook(
+        lambda _m, _i, out, key=key: got.__setitem__(key, out.reshape(-1, out.shape[-1])))
+        for key, m in (("hf", hf), ("ours", ours))]
+    prompt = torch.randint(3, 200, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        hf(torch.tensor([prompt]))
+        SingleSequenceRunner(ours).forward(prompt)
+    for hook in hooks:
+        hook.remove()
+    assert got["ours"].dtype == torch.bfloat16
+    torch.testing.assert_close(got["ours"], got["hf"], rtol=0, atol=0)

@@ -21,7 +21,9 @@ Families of tests/engine/test_recent_families.py: glm4_moe (arch "glm4moe", its 
 converted as an extra block the loader drops; its GLM tokenizer path is pointed at
 sentencepiece too); gpt-oss from float experts and from an MXFP4 checkpoint (llama.cpp keeps
 the experts MXFP4: dequantized on the CPU path, kept and repacked where the kernels run);
-llama4 (arch "llama4", with llama.cpp's hard-coded chunk size and temperature tuning).
+llama4 (arch "llama4", with llama.cpp's hard-coded chunk size and temperature tuning);
+minimax_m2 (arch "minimax-m2": all-heads q/k norms, partial rotary, sigmoid routing with its
+correction bias stored as `exp_probs_b`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ RECENT_CASES: dict[str, tuple[Family, str, float, bool]] = {
     "gpt_oss": (GPT_OSS, "f32", 1e-5, False),
     "gpt_oss_mxfp4": (GPT_OSS, "f32", 1e-5, True),
     "llama4_text": (LLAMA4, "f32", 1e-5, False),
+    "minimax_m2": (FAMILIES["minimax_m2"], "f32", 1e-5, False),
 }
 
 

@@ -21,6 +21,10 @@ Rules:
   8192 with an L2 q/k norm unless the model has 128 experts (Maverick), temperature tuning on
   the NoPE layers (scale 0.1, floor 8192). `feed_forward_length` is the dense layers' width,
   `expert_feed_forward_length` the experts' and the shared expert's.
+- minimax-m2: every layer is MoE, `expert_feed_forward_length` the experts' width; the
+  routing (sigmoid, `exp_probs_b` correction bias for the choice, renormalised top-k) and the
+  all-heads q/k norms are the model's own (models/minimax_m2.py), the rotary width
+  `rope.dimension_count`.
 """
 
 from __future__ import annotations
@@ -95,11 +99,23 @@ def llama4_config(config: ModelConfig, meta: dict[str, Any], names: set[str]) ->
         layer_types=["chunked_attention" if r else "full_attention" for r in rope], hf_config=hf)
 
 
+def minimax_m2_config(config: ModelConfig, meta: dict[str, Any], names: set[str]
+                      ) -> ModelConfig:
+    get = _getter(meta)
+    hf = {"num_local_experts": int(get("expert_count")),
+          "num_experts_per_tok": int(get("expert_used_count"))}
+    return dataclasses.replace(
+        config, architecture="MiniMaxM2ForCausalLM",
+        intermediate_size=int(get("expert_feed_forward_length", config.intermediate_size)),
+        hf_config=hf)
+
+
 # llama.cpp arch -> its config function
 GGUF_ARCH_CONFIGS: dict[str, Callable[[ModelConfig, dict[str, Any], set[str]], ModelConfig]] = {
     "glm4moe": glm4moe_config,
     "gpt-oss": gpt_oss_config,
     "llama4": llama4_config,
+    "minimax-m2": minimax_m2_config,
     "gemma2": gemma_config,
     "gemma3": gemma_config,
 }

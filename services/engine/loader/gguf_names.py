@@ -18,8 +18,10 @@ shared_experts; both halves of its split kv_b_proj (KV_B_PARTS) map to kv_b_proj
 loader joins. An entry keyed "part.kind" names the whole HF suffix (V3's router correction bias
 is a buffer, `e_score_correction_bias`, not a `.bias`). glm4moe names deepseek's shared experts
 and correction bias the same way, and its second norm `post_attention_norm`; its MTP layers'
-`nextn.*` tensors are not mapped. gpt-oss names its sinks `attn_sinks` and its biased router
-`ffn_gate_inp`; its expert biases are stacked like the weights (`ffn_*_exps.bias`).
+`nextn.*` tensors are not mapped. minimax-m2 keeps Mixtral's HF names (block_sparse_moe, w1 /
+w3 / w2) and stores its correction bias as `exp_probs_b.bias`. gpt-oss names its sinks
+`attn_sinks` and its biased router `ffn_gate_inp`; its expert biases are stacked like the
+weights (`ffn_*_exps.bias`).
 The hybrid archs (qwen3next, qwen35, qwen35moe: gguf_qwen3next.py) name the Gated DeltaNet's
 tensors `attn_qkv` / `attn_gate` / `ssm_*` (qwen3next's fused `ssm_ba`, qwen35's `ssm_alpha` /
 `ssm_beta`); `ssm_a` has no `.weight` suffix.
@@ -106,6 +108,13 @@ ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
     } for arch in ("qwen3next", "qwen35", "qwen35moe")},
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS,
+    "minimax-m2": {
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        "ffn_gate_exps": f"block_sparse_moe.experts.{EXPERT}.w1",
+        "ffn_up_exps": f"block_sparse_moe.experts.{EXPERT}.w3",
+        "ffn_down_exps": f"block_sparse_moe.experts.{EXPERT}.w2",
+        "exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias",
+    },
     "gpt-oss": {
         "attn_sinks.weight": "self_attn.sinks",
         "post_attention_norm": "post_attention_layernorm",
@@ -117,7 +126,7 @@ KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 # Architectures with a verified map (the loader refuses others rather than guess).
 MAPPED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe",
                          "deepseek2", "smollm3", "glm4moe", "gpt-oss", "llama4", "gemma2",
-                         "gemma3", "qwen3next", "qwen35", "qwen35moe"})
+                         "gemma3", "qwen3next", "qwen35", "qwen35moe", "minimax-m2"})
 # block tensors stored without a .weight / .bias suffix -> HF suffix
 BARE_BLOCK_NAMES = {"ssm_a": "linear_attn.A_log"}
 
