@@ -9,8 +9,11 @@ tokens flip, and how many, differs between two correct bf16 runs. So a MoE famil
 logits pass when all three hold:
 
 1. `routed`: our error against the truth over the tokens our run routes as the truth does (the
-   same top-k expert *set* in every MoE layer) is below LOGITS_TOL: the arithmetic, with the
-   dense bar;
+   same top-k expert *set* in every MoE layer) is below LOGITS_TOL, or at most X_HF x
+   transformers' bf16 error over the tokens *its* run routes as the truth does: the arithmetic,
+   with the dense bar where the model's shape allows it (at the hybrid MoE families' real sizes,
+   64 tokens through 512 experts and DeltaNet layers, transformers' own routed error is
+   ~2.6-4.3e-2: an absolute bar would fail the reference itself);
 2. `flips`: our flipped-token count is at most transformers' bf16 count + max(FLIP_SLACK,
    ceil(FLIP_SLACK_FRACTION x that count)): our bf16 routing is no more fragile than
    transformers';
@@ -92,7 +95,9 @@ def moe_verdict(ours: TokenSplit, hf: TokenSplit, err_fp32: float,
     error against the truth over all prompt tokens."""
     allowance = flip_allowance(hf.flips)
     return MoeVerdict(
-        routed=ours.err_routed is not None and ours.err_routed < LOGITS_TOL,
+        routed=ours.err_routed is not None and (
+            ours.err_routed < LOGITS_TOL
+            or (hf.err_routed is not None and ours.err_routed <= X_HF * hf.err_routed)),
         flips=ours.flips <= allowance,
         overall=err_fp32 < LOGITS_TOL or err_fp32 <= X_HF * hf_err_fp32,
         flip_allowance=allowance)

@@ -129,6 +129,15 @@ def test_overall_condition() -> None:
     assert not moe_verdict(_split(P, None), hf, 1e-2, 1e-2).routed  # no token routed as truth
 
 
+def test_routed_condition_is_relative_where_the_reference_misses_the_dense_bar() -> None:
+    hf = _split(9, 2.57e-2)  # transformers' own routed error above LOGITS_TOL (Qwen3-Next size)
+    assert moe_verdict(_split(9, 2.56e-2), hf, 3e-2, 3e-2).routed
+    assert moe_verdict(_split(9, 3.2e-2), hf, 3e-2, 3e-2).routed  # <= 1.25 x transformers'
+    assert not moe_verdict(_split(9, 3.3e-2), hf, 3e-2, 3e-2).routed
+    assert not moe_verdict(_split(9, 2.1e-2), _split(9, 1e-2), 3e-2, 3e-2).routed
+    assert not moe_verdict(_split(9, 2.1e-2), _split(9, None), 3e-2, 3e-2).routed
+
+
 def test_split_counts_expert_sets_not_their_order() -> None:
     truth, routing = _truth()
     shuffled = routing[0][:P].flip(-1)
