@@ -105,12 +105,16 @@ def dequant_planes(qq, z, USE_ASM: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _plane_dot(acc, w, x_rows, xk, perm_ptr, m_ok, HAS_PERM: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """acc += x[:, xk] . w^T (act-order: x[:, perm[xk]])."""
+               PRECISION: tl.constexpr, SWAP: tl.constexpr):
+    """acc += x[:, xk] . w^T (act-order: x[:, perm[xk]]); SWAP: acc^T += w . x[:, xk]^T."""
     if HAS_PERM:
         xk = tl.load(perm_ptr + xk)
     x = tl.load(x_rows + xk[None, :], mask=m_ok[:, None], other=0.0)
-    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if SWAP:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -126,6 +130,7 @@ def _marlin_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # 64, 128 or 256
     SPLIT_K: tl.constexpr,
+    SWAP: tl.constexpr = False,  # weight rows as the MMA's M
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -146,7 +151,10 @@ def _marlin_kernel(
     c = tl.arange(0, BQ)
     xk = 64 * (c // 16) + c % 16  # plane 0's k of operand column c (plane j: + 16 j)
     DT = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(first, last):
         q = tl.load(q_rows + step * BW)
         k0 = step * BLOCK_K
@@ -155,26 +163,44 @@ def _marlin_kernel(
         z = tl.load(z_ptr + grp).to(tl.int32)[:, None]
         qq = tl.reshape(tl.join(q, q), [BLOCK_N, BQ])  # column c: word c // 2
         w0, w1, w2, w3 = dequant_planes(qq, z, USE_ASM, DT)
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        part = _plane_dot(part, w0, x_rows, k0 + xk, perm_ptr, m_ok, HAS_PERM, PRECISION)
-        part = _plane_dot(part, w1, x_rows, k0 + xk + 16, perm_ptr, m_ok, HAS_PERM, PRECISION)
-        part = _plane_dot(part, w2, x_rows, k0 + xk + 32, perm_ptr, m_ok, HAS_PERM, PRECISION)
-        part = _plane_dot(part, w3, x_rows, k0 + xk + 48, perm_ptr, m_ok, HAS_PERM, PRECISION)
-        acc += part * s[None, :]
-    offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
+        part = tl.zeros_like(acc)
+        part = _plane_dot(part, w0, x_rows, k0 + xk, perm_ptr, m_ok, HAS_PERM, PRECISION,
+                           SWAP)
+        part = _plane_dot(part, w1, x_rows, k0 + xk + 16, perm_ptr, m_ok, HAS_PERM, PRECISION,
+                           SWAP)
+        part = _plane_dot(part, w2, x_rows, k0 + xk + 32, perm_ptr, m_ok, HAS_PERM, PRECISION,
+                           SWAP)
+        part = _plane_dot(part, w3, x_rows, k0 + xk + 48, perm_ptr, m_ok, HAS_PERM, PRECISION,
+                           SWAP)
+        if SWAP:
+            acc += part * s[:, None]
+        else:
+            acc += part * s[None, :]
+    if SWAP:
+        offs = rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+        mask = m_ok[None, :] & n_ok[:, None]
+    else:
+        offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
     tile = pid_m * tl.num_programs(0) + pid_n
     split_k_store(acc, ws_ptr + offs, out_ptr + offs, mask, lock_ptr + tile, pid_k, M * N,
                   SPLIT_K)
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages); BLOCK_M is the rows rounded up (16 .. 64)
-_TILES = [(bn, bk, sk, w, 3) for bn, w in ((64, 4), (128, 4), (128, 8))
-          for bk in (64, 128, 256) for sk in (1, 2, 4, 8) if not (bk == 256 and bn == 128)]
-_FALLBACK = triton.Config({"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}, num_warps=4,
-                          num_stages=3)
-MARLIN_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk},
-                                num_warps=w, num_stages=st) for bn, bk, sk, w, st in _TILES]
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP); BLOCK_M is the rows rounded up (16 .. 64).
+# SWAP (weight rows as the MMA's M): on sm_90 a 64-row weight tile a warpgroup becomes wgmma
+# with the dequantized planes as its register operand A and x read from shared memory by the
+# MMA; sm_90 SASS of the loop (tests/quant/sm90_compile.py marlinloop): 2.6 instructions a
+# weight at BLOCK_K 256 (LOP3/SHF/HSUB2 1.4 of them), against 4.2-5.6 with x as the MMA's M.
+_TILES = [(bn, bk, sk, 4, 3, True) for bn in (64, 128) for bk in (128, 256)
+          for sk in (1, 2, 4, 8)]
+_TILES += [(64, 64, sk, 4, 3, True) for sk in (2, 4, 8)]  # groups of 64
+_TILES += [(64, 128, 8, 4, 3, False), (64, 64, 8, 4, 3, False)]
+_FALLBACK = triton.Config({"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP": True},
+                          num_warps=4, num_stages=3)
+MARLIN_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "SWAP": swap},
+                                num_warps=w, num_stages=st)
+                  for bn, bk, sk, w, st, swap in _TILES]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object
@@ -201,14 +227,16 @@ def w4a16_marlin(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None,
                  config: dict | None = None) -> torch.Tensor:
     """x2 [M, K] -> [M, N] in x2's dtype over marlin_pack'ed qweight (scales / zeros / perm as
-    kernels/w4a16.py). On CUDA without `config` the tile is autotuned; `config` (BLOCK_N,
-    BLOCK_K, SPLIT_K, num_warps, num_stages) pins one (tests, the interpreter, benchmarks)."""
+    kernels/w4a16.py). On CUDA without `config` the tile is autotuned (up to MAX_TUNED_M rows);
+    `config` (BLOCK_N, BLOCK_K, SPLIT_K, SWAP, num_warps, num_stages) pins one (tests, the
+    interpreter, benchmarks)."""
     m, k = x2.shape
     n = qweight.shape[0]
     bm = min(64, max(16, triton.next_power_of_2(m)))
     tune = x2.is_cuda and not INTERPRET and config is None and m <= MAX_TUNED_M
     if x2.is_cuda and not INTERPRET and config is None and not tune:  # prefill: one tile
-        config = {"BLOCK_N": 128, "BLOCK_K": 128 if group_size % 128 == 0 else 64}
+        config = {"BLOCK_N": 128, "BLOCK_K": 128 if group_size % 128 == 0 else 64,
+                  "SWAP": True}
     split = SPLIT_MAX if tune else (config or {}).get("SPLIT_K", 1)
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x2.device)
@@ -224,12 +252,12 @@ def w4a16_marlin(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         _tuned[grid](*args, **meta)
         return out
     c = {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3,
-         **(config or {})}
+         "SWAP": True, **(config or {})}
     if group_size % c["BLOCK_K"] or k % c["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {c['BLOCK_K']} must divide the group {group_size} and K={k}")
     if c["SPLIT_K"] > 1 and triton.cdiv(n, c["BLOCK_N"]) * triton.cdiv(m, bm) > LOCKS:
         raise ValueError("too many output tiles for the split-K counters")
     _marlin_kernel[(triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"], triton.cdiv(m, bm))](
         *args, **meta, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=c["SPLIT_K"],
-        num_warps=c["num_warps"], num_stages=c["num_stages"])
+        SWAP=c["SWAP"], num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out

@@ -64,7 +64,9 @@ def test_repack_round_trip_and_placement() -> None:
 
 @pytest.mark.parametrize("m,k,group,config", [
     (2, 256, 64, {}),  # two rows padded to a 16-row tile; a group a step
+    (2, 256, 64, {"SWAP": False}),  # x rows as the MMA's M
     (5, 512, 128, {"BLOCK_K": 128, "SPLIT_K": 2}),  # split-K finished in the launch
+    (5, 512, 128, {"BLOCK_K": 128, "SPLIT_K": 2, "SWAP": False}),
     (16, 512, 256, {"BLOCK_K": 256, "BLOCK_N": 32}),  # rows past N clamped, never stored
     (37, 256, 128, {"BLOCK_K": 64, "SPLIT_K": 4}),  # several steps a group
     (3, 384, 384, {"BLOCK_K": 128, "SPLIT_K": 3}),  # one group per row (per-channel)
