@@ -236,7 +236,7 @@ def w4a16_marlin(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     tune = x2.is_cuda and not INTERPRET and config is None and m <= MAX_TUNED_M
     if x2.is_cuda and not INTERPRET and config is None and not tune:  # prefill: one tile
         config = {"BLOCK_N": 128, "BLOCK_K": 128 if group_size % 128 == 0 else 64,
-                  "SWAP": True}
+                  "SWAP": True, "num_warps": 8}
     split = SPLIT_MAX if tune else (config or {}).get("SPLIT_K", 1)
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x2.device)
