@@ -153,3 +153,22 @@ def test_dequant_asm_matches_interpreter_form(asm: object, bf16: bool) -> None:
                 got = half.astype(np.uint16).view(np.float16).astype(np.float64)
             code = (q >> np.uint32(4 * nib)) & np.uint32(15)
             np.testing.assert_array_equal(got, code.astype(np.float64) - z)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 16, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_marlin_real_sizes(m: int, dtype: torch.dtype) -> None:
+    """Llama-3-8B's down_proj shape on a GPU (inline PTX, autotuned tiles, wgmma): the GEMV
+    (one row), the autotuned GEMM (2..64) and the prefill tile (300), plain and act-order."""
+    n, k, group = 4096, 14336, 128
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(n, k // group, device="cuda") * 0.01).half()
+    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, device="cuda")
+    q = marlin_pack(codes)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = w4a16_dequantize_ref(pack_int4(codes), scales, zeros, group).double()
+    for perm in (None, torch.randperm(k, device="cuda").int()):
+        ref = (x.double() if perm is None else x.double()[:, perm.long()]) @ w.T
+        out = w4a16_matmul_triton(x, q, scales, zeros, group, perm, marlin=True)
+        assert rel_err(out, ref) < 1e-2
