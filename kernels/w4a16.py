@@ -1,6 +1,8 @@
 """4-bit weight x 16-bit activation matmul (GPTQ / AWQ checkpoints after loading).
 
-Layout (both formats are repacked into it at load time, services/engine/quant/w4a16.py):
+Layout (both formats are repacked into it at load time, services/engine/quant/w4a16.py, where
+K or the group is not a multiple of 64; otherwise into kernels/w4a16_marlin.py's re-packed
+layout, which `w4a16_matmul_triton(..., marlin=True)` serves):
 - qweight int32 [N, K // 8]: word w of row n holds weights k = 8w .. 8w+7, weight 8w+i in bits
   4i .. 4i+3 (the GPTQ order along K, transposed so each output row is contiguous);
 - scales fp16 [N, K // G] and zeros uint8 [N, K // G]: w[n, k] = (q - zero) * scale of group k // G;
