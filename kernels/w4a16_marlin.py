@@ -190,8 +190,9 @@ def _marlin_kernel(
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP); BLOCK_M is the rows rounded up (16 .. 64).
 # SWAP (weight rows as the MMA's M): on sm_90 a 64-row weight tile a warpgroup becomes wgmma
 # with the dequantized planes as its register operand A and x read from shared memory by the
-# MMA; sm_90 SASS of the loop (tests/quant/sm90_compile.py marlinloop): 2.6 instructions a
-# weight at BLOCK_K 256 (LOP3/SHF/HSUB2 1.4 of them), against 4.2-5.6 with x as the MMA's M.
+# MMA; sm_90 SASS of the loop at M = 16 (`python -m tests.quant.sm90_compile w4gemmloop`):
+# 2.2-2.6 instructions a weight at BLOCK_K 256, 2.7-3.5 at 128 (LOP3/SHF/HSUB2 1.4 of them),
+# against 4.2-5.3 with x as the MMA's M and 4.6-6.5 for kernels/w4a16_mma.py.
 _TILES = [(bn, bk, sk, 4, 3, True) for bn in (64, 128) for bk in (128, 256)
           for sk in (1, 2, 4, 8)]
 _TILES += [(64, 64, sk, 4, 3, True) for sk in (2, 4, 8)]  # groups of 64
