@@ -6,6 +6,8 @@ dummy model directory, load_format="dummy"):
   q4k   --isq q4k (GGUF Q4_K blocks, kernels/gguf_*.py)
   gptq  4-bit, group 128, symmetric (kernels/w4a16.py); codes randomized after loading
   awq   4-bit, group 128, zero points (same kernel; random zeros)
+  gptq-plain / awq-plain  the same with the K-order layout (kernels/w4a16.py, w4a16_mma.py)
+        instead of the load-time re-packed one (kernels/w4a16_marlin.py): the A/B of issue 26
   fp8   --isq fp8 (e4m3, per-channel scales, kernels/fp8.py)
 Measured per format:
   B1   batch-1 decode tok/s (128 prompt tokens, 256 generated)
@@ -38,11 +40,12 @@ from bench.engine_bench import LLAMA3_8B, copy_bandwidth, model_dir, rand_prompt
 from libs.common.settings import EngineSettings  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.factory import kernel_selection  # noqa: E402
+from services.engine.quant.w4a16 import W4A16LinearMethod  # noqa: E402
 
 TARGETS = {"q4k": 300, "gptq": 350, "awq": 350, "fp8": 280}
 FORMATS = {  # name -> (EngineConfig quantization, isq)
     "q4k": (None, "q4k"), "gptq": ("gptq", None), "fp8": (None, "fp8"), "bf16": (None, None),
-    "awq": ("awq", None),
+    "awq": ("awq", None), "gptq-plain": ("gptq", None), "awq-plain": ("awq", None),
 }
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -108,9 +111,18 @@ def gemv_bandwidth(model: torch.nn.Module, copy_gbps: float, dtype: torch.dtype)
 
 def tuned_picks() -> dict[str, dict[str, str]]:
     """The decode GEMVs' autotuned tiles so far in this process ({kernel: {key: config}})."""
-    from kernels import fp8_gemv_fma, gemv, gguf_kquant_gemv, w4a16_gemv
+    from kernels import (
+        fp8_gemv_fma,
+        gemv,
+        gguf_kquant_gemv,
+        w4a16_gemv,
+        w4a16_marlin,
+        w4a16_mma,
+    )
 
     tuners = {"w4a16": w4a16_gemv._tuned, "w4a16_perm": w4a16_gemv._tuned_perm,
+              "w4a16_repacked": w4a16_gemv._TUNED[False, True], "w4_mma": w4a16_mma._tuned,
+              "w4_marlin": w4a16_marlin._tuned,
               "q4k": gguf_kquant_gemv._tuned_q4, "fp8_fma": fp8_gemv_fma._tuned,
               "bf16": gemv._gemv_tuned}
     return {name: {str(key): str(config) for key, config in t.cache.items()}
@@ -120,14 +132,16 @@ def tuned_picks() -> dict[str, dict[str, str]]:
 def bench_format(name: str, layers: int, copy_gbps: float, repeat: int = 1) -> dict:
     quantization, isq = FORMATS[name]
     t = time.perf_counter()
+    W4A16LinearMethod.repack = not name.endswith("-plain")  # read at load time only
     engine = Engine(EngineConfig(model=model_dir(layers), load_format="dummy", dtype="bfloat16",
                                  device="cuda", quantization=quantization, isq=isq,
                                  kvcache_mem_mib=4096, max_num_seqs=32,
                                  max_num_batched_tokens=4096,
                                  kernel_selection=kernel_selection(EngineSettings())))
+    W4A16LinearMethod.repack = True
     model = engine.runner.model
-    if name in ("gptq", "awq"):
-        randomize_w4(model, zero_points=name == "awq")
+    if quantization in ("gptq", "awq"):
+        randomize_w4(model, zero_points=quantization == "awq")
     res: dict = {"startup_s": time.perf_counter() - t,
                  "weights_GB": sum(weight_bytes_of(m) for m in model.modules()
                                    if hasattr(m, "quant_method")) / 1e9}
@@ -166,16 +180,16 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"\n{gpu}  {res['date']}  torch {torch.__version__}  layers {args.layers}  "
           f"copy {copy_gbps:.0f} GB/s")
-    print(f"{'format':6s} {'GB':>6s} {'B1 tok/s':>9s} {'target':>7s} {'B16 tok/s':>10s}  "
+    print(f"{'format':10s} {'GB':>6s} {'B1 tok/s':>9s} {'target':>7s} {'B16 tok/s':>10s}  "
           f"GEMV % of copy BW ({', '.join(PROJECTIONS)})")
     for name, r in res["formats"].items():
         if "error" in r:
-            print(f"{name:6s} error: {r['error'][:100]}")
+            print(f"{name:10s} error: {r['error'][:100]}")
             continue
         gemv = " ".join(f"{v['pct_copy']:.0%}({v['us']:.0f}us)" for v in r["gemv"].values())
         target = TARGETS.get(name)
         runs = "/".join(f"{v:.0f}" for v in r["B1"].get("runs_decode_tok_s", []))
-        print(f"{name:6s} {r['weights_GB']:6.2f} {r['B1']['decode_tok_s']:9.1f} "
+        print(f"{name:10s} {r['weights_GB']:6.2f} {r['B1']['decode_tok_s']:9.1f} "
               f"{(str(target) if target else '-'):>7s} {r['B16']['output_tok_s']:10.1f}  {gemv}"
               f"  B1 runs {runs}")
 

@@ -60,9 +60,10 @@ SUITE: dict[str, Benchmark] = {
         "experts; the float-expert fused MoE's time"),
     "w4batch": Benchmark(
         "w4a16_batched.py", "quantization", "gpu",
-        "4-bit GEMMs at batched-decode rows (M = 2..64) per Llama-3-8B projection "
-        "(--sweep: a grid of pinned tiles)", "cuBLAS bf16 on the same shapes and the copy "
-        "bandwidth, in the same run"),
+        "4-bit GEMMs at batched-decode rows (M = 2..64; M = 1: the GEMV) per Llama-3-8B "
+        "projection, on the K-order and the load-time re-packed layout (--sweep: a grid of "
+        "pinned tiles)", "cuBLAS bf16 on the same shapes and the copy bandwidth, in the same "
+        "run"),
     "suite": Benchmark(
         "suite_bench.py", "suite", "gpu",
         "gateway -> NATS -> tokenizer -> engine: a burst of streams, time to first token and "

@@ -1,15 +1,15 @@
 """4-bit batched decode GEMMs against bf16 and the copy bandwidth (issue 26), on a GPU.
 
 For each Llama-3-8B projection (qkv, o, gate_up, down) and each row count M, in one run:
-  bf16   torch's F.linear on the bf16 weight (cuBLAS), the peer
-  gemm   kernels/w4a16.py's K-order GEMM (kernel="gemm"), what served M >= 2 before
-  mma    kernels/w4a16_mma.py (autotuned; the chosen tile printed)
-  gemv   the M=1 GEMV (M = 1 rows only)
+  bf16    torch's F.linear on the bf16 weight (cuBLAS), the peer
+  mma     kernels/w4a16_mma.py over the K-order layout (autotuned), what served 2-64 rows before
+  marlin  kernels/w4a16_marlin.py over the same codes re-packed at load (autotuned; tile printed)
+  gemv    the M=1 GEMV over the K-order layout / gemv_m the same GEMV over the re-packed one
 Weights cycle over 8 copies (> L2) so every call streams them from HBM. Each kernel's time is
 also given as the copy-bandwidth floor for its weight bytes divided by its time (% of copy).
 The table's last rows sum the four projections: a layer's matmul time, and the ratio bf16 / 4-bit.
 
-    python bench/w4a16_batched.py [--m 2,4,8,16,32,64] [--out FILE]
+    python bench/w4a16_batched.py [--m 1,2,8,16,32,64] [--out FILE] [--sweep]
 """
 
 from __future__ import annotations
@@ -26,16 +26,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.w4a16 import w4a16_dequantize_ref, w4a16_matmul_triton  # noqa: E402
-from kernels.w4a16_mma import _tuned, w4a16_mma  # noqa: E402
+from kernels.w4a16 import unpack_int4, w4a16_dequantize_ref, w4a16_matmul_triton  # noqa: E402
+from kernels.w4a16_marlin import MARLIN_CONFIGS, marlin_pack, w4a16_marlin  # noqa: E402
+from kernels.w4a16_marlin import _tuned as _marlin_tuned  # noqa: E402
+from kernels.w4a16_mma import w4a16_mma  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
 COPIES = 8
-SWEEP = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w, "num_stages": st,
-          "SWAP": False, "X_TILE": xt}
-         for xt in (False, True) for bn, w in ((64, 4), (128, 8), (32, 4)) for bk in (128, 256)
-         for sk in (1, 2, 4, 8) for st in (3,) if not (bn == 128 and bk == 256)]
+SWEEP = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in MARLIN_CONFIGS]
 
 
 def copy_bandwidth() -> float:
@@ -88,7 +87,7 @@ def graph_time(fns: list, rounds: int = 4, replays: int = 10) -> float:  # noqa:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", default="1,2,4,8,16,32,64")
+    ap.add_argument("--m", default="1,2,8,16,32,64")
     ap.add_argument("--out")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of pinned tiles")
     args = ap.parse_args()
@@ -108,6 +107,7 @@ def main() -> None:
                             dtype=torch.int32).to(torch.uint8) for _ in range(COPIES)]
         ws = [w4a16_dequantize_ref(qs[i], ss[i], zs[i], GROUP).to(torch.bfloat16)
               for i in range(COPIES)]
+        ms_ = [marlin_pack(unpack_int4(q)) for q in qs]  # the same codes, re-packed
         q4_bytes = n * k // 2 + 3 * n * (k // GROUP)
         for m in ms:
             x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -117,19 +117,23 @@ def main() -> None:
             if m == 1:
                 row["gemv"] = graph_time([functools.partial(
                     w4a16_matmul_triton, x, qs[i], ss[i], zs[i], GROUP) for i in range(COPIES)])
+                row["gemv_m"] = graph_time([functools.partial(
+                    w4a16_matmul_triton, x, ms_[i], ss[i], zs[i], GROUP, marlin=True)
+                    for i in range(COPIES)])
             else:
-                out = w4a16_mma(x, qs[0], ss[0], zs[0], GROUP, None)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                worst = max(worst, err)
-                row["mma_err"] = err
-                row["mma"] = graph_time([functools.partial(
-                    w4a16_mma, x, qs[i], ss[i], zs[i], GROUP, None) for i in range(COPIES)])
+                for key, fn, q in (("mma", w4a16_mma, qs), ("marlin", w4a16_marlin, ms_)):
+                    out = fn(x, q[0], ss[0], zs[0], GROUP, None)
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    worst = max(worst, err)
+                    row[f"{key}_err"] = err
+                    row[key] = graph_time([functools.partial(fn, x, q[i], ss[i], zs[i], GROUP,
+                                                             None) for i in range(COPIES)])
                 if args.sweep and m == 16:
                     sweep = []
                     for cfg in SWEEP:
                         try:
                             t = graph_time([functools.partial(
-                                w4a16_mma, x, qs[i], ss[i], zs[i], GROUP, None, config=cfg)
+                                w4a16_marlin, x, ms_[i], ss[i], zs[i], GROUP, None, config=cfg)
                                 for i in range(COPIES)], rounds=2, replays=5)
                         except Exception as e:  # noqa: BLE001 (a tile that does not compile)
                             print(f"  {name} M={m} {cfg}: {type(e).__name__}")
@@ -140,33 +144,33 @@ def main() -> None:
                         print(f"  sweep {name} M={m}: {t * 1e6:6.1f} us "
                               f"({100 * q4_bytes / bw / t:.0f}% copy) {cfg}")
                     row["sweep_best"] = [sweep[0][0], sweep[0][1]] if sweep else None
-                best = _tuned.cache.get(next((key for key in _tuned.cache if key[0] == n
-                                              and key[1] == k and key[3] == m), None))
-                row["mma_config"] = str(best)
-                row["gemm"] = graph_time([functools.partial(
-                    w4a16_matmul_triton, x, qs[i], ss[i], zs[i], GROUP, kernel="gemm")
-                    for i in range(COPIES)])
+                best = _marlin_tuned.cache.get(next((key for key in _marlin_tuned.cache
+                                                     if key[0] == n and key[1] == k
+                                                     and key[2] == m), None))
+                row["marlin_config"] = str(best)
             row["floor_4bit"] = q4_bytes / bw
             row["floor_bf16"] = 2 * n * k / bw
             rows.append(row)
-    print(f"{'shape':8} {'M':>3} {'bf16 us':>8} {'gemm us':>8} {'4bit us':>8} {'%copy':>6} "
-          f"{'bf16/4bit':>9}  tile")
+    print(f"{'shape':8} {'M':>3} {'bf16 us':>8} {'mma us':>8} {'%copy':>6} {'new us':>8} "
+          f"{'%copy':>6} {'bf16/new':>8} {'mma/new':>8}  tile (M=1: the GEMV, K-order / "
+          "re-packed)")
     for r in rows:
-        q4 = r.get("mma", r.get("gemv"))
-        print(f"{r['shape']:8} {r['M']:>3} {r['bf16'] * 1e6:8.1f} "
-              f"{r.get('gemm', float('nan')) * 1e6:8.1f} {q4 * 1e6:8.1f} "
-              f"{100 * r['floor_4bit'] / q4:5.0f}% {r['bf16'] / q4:8.2f}x  "
-              f"{r.get('mma_config', '')}")
+        old_t, new_t = r.get("mma", r.get("gemv")), r.get("marlin", r.get("gemv_m"))
+        print(f"{r['shape']:8} {r['M']:>3} {r['bf16'] * 1e6:8.1f} {old_t * 1e6:8.1f} "
+              f"{100 * r['floor_4bit'] / old_t:5.0f}% {new_t * 1e6:8.1f} "
+              f"{100 * r['floor_4bit'] / new_t:5.0f}% {r['bf16'] / new_t:7.2f}x "
+              f"{old_t / new_t:7.2f}x  {r.get('marlin_config', '')}")
     print("layer (4 projections summed):")
     for m in ms:
         sel = [r for r in rows if r["M"] == m]
         b = sum(r["bf16"] for r in sel)
-        q = sum(r.get("mma", r.get("gemv")) for r in sel)
-        old = sum(r.get("gemm", r.get("gemv")) for r in sel)
-        print(f"  M={m:>2}: bf16 {b * 1e6:7.1f} us, 4-bit {q * 1e6:7.1f} us ({b / q:.2f}x bf16, "
-              f"{100 * sum(r['floor_4bit'] for r in sel) / q:.0f}% of copy), old GEMM "
-              f"{old * 1e6:7.1f} us ({b / old:.2f}x)")
-    print(f"worst relative error of the MMA kernel vs the bf16-weight fp32 product: {worst:.2e}")
+        old_t = sum(r.get("mma", r.get("gemv")) for r in sel)
+        new_t = sum(r.get("marlin", r.get("gemv_m")) for r in sel)
+        floor = sum(r["floor_4bit"] for r in sel)
+        print(f"  M={m:>2}: bf16 {b * 1e6:7.1f} us | current {old_t * 1e6:7.1f} us "
+              f"({b / old_t:.2f}x bf16, {100 * floor / old_t:.0f}% of copy) | re-packed "
+              f"{new_t * 1e6:7.1f} us ({b / new_t:.2f}x bf16, {100 * floor / new_t:.0f}% of copy)")
+    print(f"worst relative error of the 4-bit GEMMs vs the bf16-weight fp32 product: {worst:.2e}")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": dev, "date": str(datetime.date.today()),
                                               "copy_GBps": bw / 1e9, "rows": rows}, indent=1))

@@ -1,6 +1,8 @@
 """4-bit weight x 16-bit activation matmul (GPTQ / AWQ checkpoints after loading).
 
-Layout (both formats are repacked into it at load time, services/engine/quant/w4a16.py):
+Layout (both formats are repacked into it at load time, services/engine/quant/w4a16.py, where
+K or the group is not a multiple of 64; otherwise into kernels/w4a16_marlin.py's re-packed
+layout, which `w4a16_matmul_triton(..., marlin=True)` serves):
 - qweight int32 [N, K // 8]: word w of row n holds weights k = 8w .. 8w+7, weight 8w+i in bits
   4i .. 4i+3 (the GPTQ order along K, transposed so each output row is contiguous);
 - scales fp16 [N, K // G] and zeros uint8 [N, K // G]: w[n, k] = (q - zero) * scale of group k // G;
@@ -32,6 +34,7 @@ from kernels.gemv_rows import check_gated
 from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
 from kernels.triton_compat import tl, triton
 from kernels.w4a16_gemv import gemv_ok, w4a16_gemv
+from kernels.w4a16_marlin import marlin_ok, w4a16_marlin
 from kernels.w4a16_mma import mma_ok, w4a16_mma
 
 
@@ -163,8 +166,11 @@ def w4a16_matmul_triton(
     split_k: int | None = None,
     gated: bool = False,
     pdl: str = "auto",
+    marlin: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype (see the module docstring for the layout). kernel:
+    """x [..., K] -> [..., N] in x's dtype (see the module docstring for the layout; marlin:
+    qweight in kernels/w4a16_marlin.py's re-packed layout instead, served by that GEMM for
+    every row count but one, and by the GEMV reading the same layout for one). kernel:
     None (CUDA: the GEMV for one row, kernels/w4a16_mma.py for 2-64, the GEMM for more;
     the interpreter: the GEMM), or "gemv" / "mma" / "gemm" to force one. gated: the weight is
     [gate; up] and the result silu(gate) * up [..., N / 2], fused into the GEMV
@@ -178,6 +184,18 @@ def w4a16_matmul_triton(
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], n // 2 if gated else n)
+    if marlin:
+        if use_gemv(x, m, kernel) and (m == 1 or kernel == "gemv") and gemv_ok(
+                x2, qweight, scales, group_size, perm):
+            out = w4a16_gemv(x2, qweight, scales, zeros, group_size, perm, block_n=block_n,
+                             gated=gated, pdl=pdl, marlin=True)
+            return out.reshape(*x.shape[:-1], -1)
+        if not marlin_ok(k, group_size):
+            raise ValueError(f"the re-packed 4-bit layout needs K={k} and the group "
+                             f"{group_size} multiples of 64")
+        out = w4a16_marlin(x2, qweight, scales, zeros, group_size, perm)
+        out = out.reshape(*x.shape[:-1], n)
+        return silu_and_mul_triton(out) if gated else out
     perm_arg = perm if perm is not None else qweight  # never read without HAS_PERM
     # 2..64 rows (batched decode) on a GPU: the nibble-plane tensor-core GEMM
     if (kernel == "mma" or (kernel is None and x.is_cuda and not INTERPRET)) and mma_ok(

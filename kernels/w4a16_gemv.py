@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.code_floats import INTERPRET, codes4
+from kernels.code_floats import INTERPRET, bf16_pair, codes4
 from kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
 from kernels.pdl import pdl_wait_after
 from kernels.triton_compat import tl, triton
 from kernels.tuning import warmup_autotune
-from kernels.vector_loads import load16, load_run, load_scalars, x8
+from kernels.vector_loads import _f16_pair, load16, load_run, load_scalars, x8
 
 RUN = 64  # weights per (row, run) element: the group size must be a multiple of it
 
@@ -45,16 +45,40 @@ def _x8_perm(x_row, perm_ptr, k0, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _dot_word(d, s, q, x_row, perm_ptr, r, j: tl.constexpr, HAS_PERM: tl.constexpr,
-              X_WORDS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Adds word j of run r: sum f * x to d, sum x to s."""
+def _x_pair(x_row, perm_ptr, k, HAS_PERM: tl.constexpr, X_WORDS: tl.constexpr):
+    """x[k], x[k + 1] as float32 (k even; act-order: x[perm[k]], x[perm[k + 1]])."""
     if HAS_PERM:
+        return (tl.load(x_row + tl.load(perm_ptr + k)).to(tl.float32),
+                tl.load(x_row + tl.load(perm_ptr + k + 1)).to(tl.float32))
+    elif X_WORDS:
+        w = tl.load(x_row.to(tl.pointer_type(tl.int32), bitcast=True) + k // 2)
+        if x_row.dtype.element_ty == tl.float16:
+            return _f16_pair(w)
+        else:
+            return bf16_pair(w)
+    else:
+        return tl.load(x_row + k).to(tl.float32), tl.load(x_row + k + 1).to(tl.float32)
+
+
+@triton.jit
+def _dot_word(d, s, q, x_row, perm_ptr, r, j: tl.constexpr, HAS_PERM: tl.constexpr,
+              X_WORDS: tl.constexpr, USE_ASM: tl.constexpr, MARLIN: tl.constexpr):
+    """Adds word j of run r: sum f * x to d, sum x to s. MARLIN (kernels/w4a16_marlin.py's
+    re-packed layout): nibble i + 4h of the word is weight 16i + 2j + h of the run, so the
+    word's x values are four bf16 pairs 16 apart instead of eight consecutive ones."""
+    if MARLIN:
+        k = r * 64 + 2 * j
+        x0, x4 = _x_pair(x_row, perm_ptr, k, HAS_PERM, X_WORDS)  # nibbles 0 and 4
+        x1, x5 = _x_pair(x_row, perm_ptr, k + 16, HAS_PERM, X_WORDS)
+        x2, x6 = _x_pair(x_row, perm_ptr, k + 32, HAS_PERM, X_WORDS)
+        x3, x7 = _x_pair(x_row, perm_ptr, k + 48, HAS_PERM, X_WORDS)
+    elif HAS_PERM:
         x0, x1, x2, x3, x4, x5, x6, x7 = _x8_perm(x_row, perm_ptr, r * 64 + 8 * j, USE_ASM)
     else:
         x0, x1, x2, x3, x4, x5, x6, x7 = x8(x_row, r * 32 + 4 * j, X_WORDS, USE_ASM)
     s += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-    a0, a1, a2, a3 = codes4(q & 0x0F0F0F0F, USE_ASM)
-    b0, b1, b2, b3 = codes4((q >> 4) & 0x0F0F0F0F, USE_ASM)
+    a0, a1, a2, a3 = codes4(q & 0x0F0F0F0F, USE_ASM)  # nibbles 0, 2, 4, 6
+    b0, b1, b2, b3 = codes4((q >> 4) & 0x0F0F0F0F, USE_ASM)  # nibbles 1, 3, 5, 7
     d = d + a0 * x0 + b0 * x1 + a1 * x2 + b1 * x3 + a2 * x4 + b2 * x5 + a3 * x6 + b3 * x7
     return d, s
 
@@ -83,6 +107,7 @@ def _gemv_kernel(
     NSB: tl.constexpr,  # 256-weight blocks per loop step
     PREFETCH: tl.constexpr,  # load step i + 1 before the arithmetic of step i
     USE_PDL: tl.constexpr = False,  # launched with PDL (kernels/pdl.py)
+    MARLIN: tl.constexpr = False,  # the re-packed layout of kernels/w4a16_marlin.py
 ):
     STEP: tl.constexpr = NSB * 4  # runs per loop step
     pid_n = tl.program_id(0)
@@ -111,14 +136,22 @@ def _gemv_kernel(
             else:
                 w_next = w
         q0, q1, q2, q3, q4, q5, q6, q7 = w
-        d, s = _dot_word(0.0, 0.0, q0, x_row, perm_ptr, r, 0, HAS_PERM, X_WORDS, USE_ASM)
-        d, s = _dot_word(d, s, q1, x_row, perm_ptr, r, 1, HAS_PERM, X_WORDS, USE_ASM)
-        d, s = _dot_word(d, s, q2, x_row, perm_ptr, r, 2, HAS_PERM, X_WORDS, USE_ASM)
-        d, s = _dot_word(d, s, q3, x_row, perm_ptr, r, 3, HAS_PERM, X_WORDS, USE_ASM)
-        d, s = _dot_word(d, s, q4, x_row, perm_ptr, r, 4, HAS_PERM, X_WORDS, USE_ASM)
-        d, s = _dot_word(d, s, q5, x_row, perm_ptr, r, 5, HAS_PERM, X_WORDS, USE_ASM)
-        d, s = _dot_word(d, s, q6, x_row, perm_ptr, r, 6, HAS_PERM, X_WORDS, USE_ASM)
-        d, s = _dot_word(d, s, q7, x_row, perm_ptr, r, 7, HAS_PERM, X_WORDS, USE_ASM)
+        d, s = _dot_word(0.0, 0.0, q0, x_row, perm_ptr, r, 0, HAS_PERM, X_WORDS, USE_ASM,
+                        MARLIN)
+        d, s = _dot_word(d, s, q1, x_row, perm_ptr, r, 1, HAS_PERM, X_WORDS, USE_ASM,
+                        MARLIN)
+        d, s = _dot_word(d, s, q2, x_row, perm_ptr, r, 2, HAS_PERM, X_WORDS, USE_ASM,
+                        MARLIN)
+        d, s = _dot_word(d, s, q3, x_row, perm_ptr, r, 3, HAS_PERM, X_WORDS, USE_ASM,
+                        MARLIN)
+        d, s = _dot_word(d, s, q4, x_row, perm_ptr, r, 4, HAS_PERM, X_WORDS, USE_ASM,
+                        MARLIN)
+        d, s = _dot_word(d, s, q5, x_row, perm_ptr, r, 5, HAS_PERM, X_WORDS, USE_ASM,
+                        MARLIN)
+        d, s = _dot_word(d, s, q6, x_row, perm_ptr, r, 6, HAS_PERM, X_WORDS, USE_ASM,
+                        MARLIN)
+        d, s = _dot_word(d, s, q7, x_row, perm_ptr, r, 7, HAS_PERM, X_WORDS, USE_ASM,
+                        MARLIN)
         grp = sz_rows + (r * 64) // group_size
         scale = load_scalars(s_ptr + grp, USE_ASM)
         zero = load_scalars(z_ptr + grp, USE_ASM)
@@ -148,8 +181,10 @@ _TILES = ((16, 8, 4, False), (32, 8, 4, False), (8, 8, 4, False), (4, 8, 1, Fals
 GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "NSB": nsb, "PREFETCH": pf}, num_warps=w)
                 for bn, nsb, w, pf in _TILES]
 _EVEN = triton.heuristics({"EVEN": lambda a: a["K"] % (256 * a["NSB"]) == 0})
-_tuned, _tuned_perm = (warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size", "GATED"])(
-    _EVEN(_gemv_kernel)) for _ in range(2))
+# one autotuner per (act-order, re-packed layout): each keeps its own tile per shape
+_TUNED = {(perm, marlin): warmup_autotune(GEMV_CONFIGS, ["N", "K", "group_size", "GATED"])(
+    _EVEN(_gemv_kernel)) for perm in (False, True) for marlin in (False, True)}
+_tuned, _tuned_perm = _TUNED[False, False], _TUNED[True, False]
 
 
 def gemv_ok(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -167,14 +202,17 @@ def gemv_ok(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group
 def w4a16_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None,
                block_n: int | None = None, nsb: int = 8, prefetch: bool = False,
-               num_warps: int = 4, gated: bool = False, pdl: str = "auto") -> torch.Tensor:
+               num_warps: int = 4, gated: bool = False, pdl: str = "auto",
+               marlin: bool = False) -> torch.Tensor:
     """x2 [M, K] (a few rows: one program row each) -> [M, N] in x2's dtype, or gated (weight
     rows [gate; up]) silu(gate) * up [M, N / 2]; arguments checked by kernels/w4a16.py. On CUDA
-    without a pinned block_n the tile is autotuned (before any CUDA-graph capture)."""
+    without a pinned block_n the tile is autotuned (before any CUDA-graph capture). marlin:
+    qweight is in kernels/w4a16_marlin.py's re-packed layout."""
     n = qweight.shape[0]
     return lane_gemv(
-        _tuned if perm is None else _tuned_perm, _gemv_kernel, x2, n, gated,
+        _TUNED[perm is not None, marlin], _gemv_kernel, x2, n, gated,
         lambda out: (x2, qweight, scales, zeros, qweight if perm is None else perm, out, n,
                      x2.shape[1], x2.stride(0), qweight.stride(0), scales.stride(0),
                      out.stride(0), group_size),
-        dict(HAS_PERM=perm is not None), 256, block_n, nsb, prefetch, num_warps, pdl)
+        dict(HAS_PERM=perm is not None, MARLIN=marlin), 256, block_n, nsb, prefetch, num_warps,
+        pdl)

@@ -2,8 +2,9 @@
 interpreter cannot run inline asm, so without this the asm would first run on a GPU).
 
 Supports the instructions those blocks use, on uint32 numpy arrays: mov, and, or, xor, shl,
-shr, prmt (default mode), lop3, add. Operands: `$N` (Triton's numbered operands), declared
-`.reg` names, and integer immediates.
+shr, prmt (default mode), lop3, add, and the packed-half subtractions sub.rn.bf16x2 /
+sub.rn.f16x2 (round to nearest even, finite values). Operands: `$N` (Triton's numbered
+operands), declared `.reg` names, and integer immediates.
 """
 
 from __future__ import annotations
@@ -43,6 +44,29 @@ def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: np.ndarray) -> np.nd
     return out
 
 
+def _halves(v: np.ndarray, bf16: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The two 16-bit floats of each word (low, high) as float64."""
+    def one(h: np.ndarray) -> np.ndarray:
+        if bf16:
+            return (h.astype(U32) << U32(16)).view(np.float32).astype(np.float64)
+        return h.astype(np.uint16).view(np.float16).astype(np.float64)
+    return one(v & U32(0xFFFF)), one(v >> U32(16))
+
+
+def _to_half_bits(f: np.ndarray, bf16: bool) -> np.ndarray:
+    if bf16:  # float32 bits rounded to nearest even in the top 16
+        b = f.astype(np.float32).view(U32).astype(np.uint64)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(U32)
+    return f.astype(np.float16).view(np.uint16).astype(U32)
+
+
+def _sub_x2(bf16: bool) -> Callable[..., Any]:
+    def sub(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        (al, ah), (bl, bh) = _halves(a, bf16), _halves(b, bf16)
+        return _to_half_bits(al - bl, bf16) | (_to_half_bits(ah - bh, bf16) << U32(16))
+    return sub
+
+
 OPS: dict[str, Callable[..., Any]] = {
     "mov": lambda a: a,
     "and": lambda a, b: a & b,
@@ -53,6 +77,8 @@ OPS: dict[str, Callable[..., Any]] = {
     "add": lambda a, b: (a.astype(np.uint64) + b).astype(U32),
     "prmt": _prmt,
     "lop3": _lop3,
+    "sub.rn.bf16x2": _sub_x2(bf16=True),
+    "sub.rn.f16x2": _sub_x2(bf16=False),
 }
 
 
@@ -77,7 +103,7 @@ def run_ptx(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         op, _, args = line.partition(" ")
         name = op.split(".")[0]
         dst, *srcs = [a.strip() for a in args.split(",")]
-        regs[dst] = OPS[name](*(value(s) for s in srcs))
+        regs[dst] = OPS[op if op in OPS else name](*(value(s) for s in srcs))
         if dst.startswith("$"):
             written[int(dst[1:])] = regs[dst]
     return written

@@ -4,7 +4,8 @@ Run as `python -m tests.quant.sm90_compile [ggml type ids]` without TRITON_INTER
 JSON object {config: spill bytes} (every GGUF type by default). Needs no GPU (triton ships
 ptxas). Used by test_compile_sm90.py. `... sm90_compile fp8loop` / `gemvloop` / `kquantgemm`:
 SASS instructions per weight in the hot loop of every tensor-core fp8 GEMV config / of every
-lanes-along-K GEMV config (Q4_K, Q5_K, 4-bit, fp8) / of the Q4_K and Q5_K GEMM instead.
+lanes-along-K GEMV config (Q4_K, Q5_K, 4-bit, fp8) / of the Q4_K and Q5_K GEMM instead;
+`w4gemmloop`: of the 4-bit batched-decode GEMMs (re-packed layout and nibble planes).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def configs(qtypes: list[int] | None = None
         out.append(("w4a16", "_gemm_kernel", W4 | {"out_ptr": "*fp32"},
                     dict(HAS_PERM=perm, USE_ASM=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
                          ATOMIC=True, DOT_PRECISION="tf32"), 4))
+    for perm in (False, True):  # the re-packed layout's GEMM, 16 rows, its widest default tile
+        out.append(("w4a16_marlin", "_marlin_kernel", W4 | {"ws_ptr": "*fp32",
+                                                             "lock_ptr": "*i32"},
+                    dict(HAS_PERM=perm, USE_ASM=True, PRECISION="tf32", BLOCK_M=16, BLOCK_N=128,
+                         BLOCK_K=256, SPLIT_K=8, SWAP=True, GROUP=128), 4))
     fp8 = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     for gated in (False, True):
         out.append(("fp8_gemv_fma", "_gemv_kernel", fp8,
@@ -98,6 +104,32 @@ def kquant_gemm_loop_report() -> dict[str, float]:
             body = hot_loop(sass_sm90(module, kernel, types, constexprs, warps), containing="PRMT")
             name = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" w{warps}"
             report[name] = round(len(body) / (constexprs["BLOCK_N"] * 256 / (32 * warps)), 3)
+    return report
+
+
+def w4_gemm_loop_report() -> dict[str, float]:
+    """{config: SASS instructions per weight in the loop of the 4-bit batched-decode GEMMs}
+    (M = 16 bf16 rows, groups of 128): every autotune config of the re-packed layout's GEMM
+    (kernels/w4a16_marlin.py) and of the nibble-plane GEMM it replaces (kernels/w4a16_mma.py):
+    the loop's instructions / (BLOCK_N * BLOCK_K / threads)."""
+    from kernels import w4a16_marlin, w4a16_mma
+
+    types = W4 | {"ws_ptr": "*fp32", "lock_ptr": "*i32"}
+    common = dict(HAS_PERM=False, USE_ASM=True, PRECISION="tf32", BLOCK_M=16, SPLIT_K=8)
+    jobs = [("w4a16_marlin", "_marlin_kernel", common | {"GROUP": 128} | c.kwargs | {
+        "SPLIT_K": 8}, c.num_warps, c.num_stages) for c in w4a16_marlin.MARLIN_CONFIGS
+        if c.kwargs["SPLIT_K"] == 8]
+    jobs += [("w4a16_mma", "_mma_kernel", common | {"SCALE_PER_WORD": False} | c.kwargs | {
+        "SPLIT_K": 8}, c.num_warps, c.num_stages) for c in w4a16_mma.MMA_CONFIGS
+        if c.kwargs["SPLIT_K"] == 8]
+    report = {}
+    for module, kernel, constexprs, warps, stages in jobs:
+        body = hot_loop(sass_sm90(module, kernel, types, constexprs, warps, stages),
+                        containing="MMA")
+        per_thread = constexprs["BLOCK_N"] * constexprs["BLOCK_K"] / (32 * warps)
+        name = f"{module} " + " ".join(f"{k}={constexprs[k]}" for k in (
+            "BLOCK_N", "BLOCK_K", "SWAP", "X_TILE") if k in constexprs) + f" w{warps}"
+        report[name] = round(len(body) / per_thread, 3)
     return report
 
 
@@ -148,9 +180,10 @@ def lane_gemv_jobs() -> list[tuple[str, str, dict[str, str], dict[str, Any], int
                                           TYPE_SIZE=GGUF_TYPES[qtype].type_size, **c.kwargs),
                          c.num_warps, 256))
     for c in w4a16_gemv.GEMV_CONFIGS:
-        for perm in (False, True):
+        for perm, marlin in ((False, False), (True, False), (False, True)):  # marlin: re-packed
             jobs.append(("w4a16_gemv", "_gemv_kernel", W4,
-                         LANE_GEMV | dict(HAS_PERM=perm, **c.kwargs), c.num_warps, 256))
+                         LANE_GEMV | dict(HAS_PERM=perm, MARLIN=marlin, **c.kwargs),
+                         c.num_warps, 256))
     for c in fp8_gemv_fma.GEMV_CONFIGS:
         for per_channel in (True, False):
             jobs.append(("fp8_gemv_fma", "_gemv_kernel", fp8,
@@ -209,6 +242,9 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1:] == ["kquantgemm"]:
         print(json.dumps(kquant_gemm_loop_report()))
+        sys.exit(0)
+    if sys.argv[1:] == ["w4gemmloop"]:
+        print(json.dumps(w4_gemm_loop_report()))
         sys.exit(0)
     if sys.argv[1:] == ["fp8loop"]:
         print(json.dumps(fp8_gemv_loop_report()))

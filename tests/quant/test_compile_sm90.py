@@ -20,9 +20,9 @@ def test_quant_kernels_compile_for_sm90_without_spills() -> None:
     types = [str(q) for q in (Q4_1, Q4_K, Q6_K)]
     spills = sm90_report("tests.quant.sm90_compile", *types, timeout=900)
     # GGUF GEMV + 2 GEMMs per type, Q4_K GEMM (2 tiles), k-quant GEMVs (Q4_K, Q5_K, gated Q4_K),
-    # w4a16 (GEMV plain / act-order / gated, GEMM plain / act-order), fp8 GEMV (plain, gated) +
-    # GEMM, tensor-core fp8 GEMV
-    assert len(spills) == 3 * 3 + 2 + 3 + 5 + 3 + 2
+    # w4a16 (GEMV plain / act-order / gated, GEMM plain / act-order, re-packed GEMM plain /
+    # act-order), fp8 GEMV (plain, gated) + GEMM, tensor-core fp8 GEMV
+    assert len(spills) == 3 * 3 + 2 + 3 + 5 + 2 + 3 + 2
     assert {name: n for name, n in spills.items() if n} == {}
 
 
@@ -34,6 +34,24 @@ def test_decode_gemv_autotune_configs_compile_for_sm90_without_spills() -> None:
 
     assert len(spills) == len(lane_gemv_jobs()) + len(fp8_gemv_configs())
     assert {name: n for name, n in spills.items() if n} == {}
+
+
+@pytest.mark.slow
+@needs_ptxas
+def test_w4_gemm_loop_leaner_on_the_repacked_layout() -> None:
+    """The 4-bit batched-decode GEMM (16 rows, groups of 128), every autotune config with
+    split-K: on the re-packed layout (kernels/w4a16_marlin.py: LOP3 magic-number pairs, wgmma
+    with the planes as register operand) at most 3.6 SASS instructions per weight with weight
+    rows as the MMA's M and K steps of 128+ (now 2.2-3.5), and every config with such steps
+    below the nibble-plane GEMM's best (kernels/w4a16_mma.py: 4.6-6.5; the re-packed steps of
+    64, offered for groups of 64 only: 5.1-5.3)."""
+    report = sm90_report("tests.quant.sm90_compile", "w4gemmloop", timeout=1200)
+    new = {k: v for k, v in report.items() if k.startswith("w4a16_marlin")}
+    old = {k: v for k, v in report.items() if k.startswith("w4a16_mma")}
+    assert new and old
+    assert {k: v for k, v in new.items() if "SWAP=True" in k and "BLOCK_K=64" not in k
+            and v > 3.6} == {}
+    assert max(v for k, v in new.items() if "BLOCK_K=64" not in k) < min(old.values())
 
 
 @pytest.mark.slow

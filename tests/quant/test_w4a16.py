@@ -257,12 +257,16 @@ def write_pair(base: Path, out: Path, fmt: str, group: int, act_order: bool,
     return qdir, ddir
 
 
-CHECKPOINTS = [("gptq", 32, False), ("gptq", 32, True), ("gptq", -1, False), ("awq", 32, False)]
+# groups of 32 keep the K-order layout; 64 and per-channel take the re-packed one
+# (kernels/w4a16_marlin.py) in kernels mode
+CHECKPOINTS = [("gptq", 32, False), ("gptq", 32, True), ("gptq", -1, False), ("awq", 32, False),
+               ("gptq", 64, True), ("awq", 64, False)]
 
 
 @pytest.mark.parametrize("mode", ["kernels_mode", "dequant_mode"])
 @pytest.mark.parametrize("fmt,group,act_order", CHECKPOINTS,
-                         ids=["gptq-g32", "gptq-g32-actorder", "gptq-perchannel", "awq-g32"])
+                         ids=["gptq-g32", "gptq-g32-actorder", "gptq-perchannel", "awq-g32",
+                              "gptq-g64-actorder", "awq-g64"])
 def test_checkpoint_loads_and_matches_dequantized_twin(
     tiny_llama: Path, tmp_path: Path, fmt: str, group: int, act_order: bool, mode: str,
     request: pytest.FixtureRequest,
@@ -274,8 +278,10 @@ def test_checkpoint_loads_and_matches_dequantized_twin(
     layer = quantized.model.layers[0].self_attn.qkv_proj
     assert not hasattr(layer, "qweight") and not any(
         p.dtype.is_floating_point and p.dim() == 2 for p in layer.parameters())
-    if act_order and mode == "kernels_mode":
-        assert layer.w4_perm is not None
+    if act_order and mode == "kernels_mode":  # groups of 64: only down_proj has two (K=128)
+        ordered = layer if group == 32 else quantized.model.layers[0].mlp.down_proj
+        assert ordered.w4_perm is not None
+    assert layer.quant_method.marlin == (mode == "kernels_mode" and group != 32)
     ids = list(range(3, 40))
     ours = SingleSequenceRunner(quantized).forward(ids)
     ref = SingleSequenceRunner(twin).forward(ids)

@@ -7,8 +7,11 @@ Rules:
   [N, K / G] / scales [N, K / G] and lets the layer narrow it to this rank and fused shard, the same
   way float weights are narrowed.
 - `process_after_loading` sorts K by group when g_idx is not trivial (GPTQ act-order; x is then
-  read through `perm`), packs the codes eight to an int32 word and keeps the layout of
-  kernels/w4a16.py; off CUDA it dequantizes once and serves float weights.
+  read through `perm`) and packs the codes eight to an int32 word, once: in the re-packed
+  layout of kernels/w4a16_marlin.py (the tensor-core GEMM's operand order, read by the batch-1
+  GEMV too) when K and the group are multiples of 64 and `repack` is on, else in the K-order
+  layout of kernels/w4a16.py; one copy either way. Off CUDA it dequantizes once and serves
+  float weights.
 - Fused shards (q/k/v, gate/up) share their input, so GPTQ gives them the same g_idx; a
   checkpoint where they differ is rejected.
 """
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.w4a16 import pack_int4, w4a16_dequantize_ref, w4a16_matmul_triton
+from kernels.w4a16_marlin import marlin_ok, marlin_pack
 from services.engine.quant.base import QuantMethod, layer_tensor, linear_2d, use_kernels
 from services.engine.quant.fp8 import param_loader
 
@@ -48,6 +52,8 @@ def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) 
 class W4A16LinearMethod(QuantMethod):
     """Storage and matmul of one GPTQ/AWQ layer; the format's config supplies the unpacking."""
 
+    repack = True  # the re-packed layout where it applies (bench/quant_bench.py's *-plain: off)
+
     def __init__(self, group_size: int, has_g_idx: bool, unpack_qweight: Unpack,
                  unpack_qzeros: Unpack, zero_offset: int) -> None:
         self.group_size = group_size  # -1: one group per row (per-channel scales)
@@ -55,6 +61,7 @@ class W4A16LinearMethod(QuantMethod):
         self.unpack_qweight, self.unpack_qzeros = unpack_qweight, unpack_qzeros
         self.zero_offset = zero_offset  # GPTQ v1 stores zero - 1
         self.kernels = True
+        self.marlin = False  # qweight in kernels/w4a16_marlin.py's layout
         self.g_idx_loaded = False
 
     def create_weights(
@@ -107,16 +114,17 @@ class W4A16LinearMethod(QuantMethod):
             codes = codes[:, perm]
         for name in ("qweight", "qzeros", "scales", "weight"):
             delattr(layer, name)
-        qweight = pack_int4(codes)
-        self.kernels = use_kernels(qweight.device, self.selection.quant_kernels)
+        self.kernels = use_kernels(codes.device, self.selection.quant_kernels)
         if self.kernels:
+            self.marlin = self.repack and marlin_ok(codes.shape[1], self.group)
+            qweight = marlin_pack(codes) if self.marlin else pack_int4(codes)
             layer.register_buffer("w4_qweight", qweight, persistent=False)
             layer.register_buffer("w4_scales", scales.contiguous(), persistent=False)
             layer.register_buffer("w4_zeros", zeros.contiguous(), persistent=False)
             layer.register_buffer("w4_perm", None if perm is None else perm.to(torch.int32),
                                   persistent=False)
         else:
-            dense = w4a16_dequantize_ref(qweight, scales, zeros, self.group)
+            dense = w4a16_dequantize_ref(pack_int4(codes), scales, zeros, self.group)
             if perm is not None:  # back to checkpoint order
                 dense = torch.empty_like(dense).index_copy_(1, perm, dense)
             layer.register_buffer("weight_dequant", dense.to(self.dtype), persistent=False)
@@ -140,7 +148,8 @@ class W4A16LinearMethod(QuantMethod):
         z, perm = layer_tensor(layer, "w4_zeros"), layer.w4_perm
         assert perm is None or isinstance(perm, torch.Tensor)
         return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm,
-                                                           pdl=self.selection.pdl), bias)
+                                                           pdl=self.selection.pdl,
+                                                           marlin=self.marlin), bias)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not self.kernels:
@@ -149,7 +158,8 @@ class W4A16LinearMethod(QuantMethod):
         z, perm = layer_tensor(layer, "w4_zeros"), layer.w4_perm
         assert perm is None or isinstance(perm, torch.Tensor)
         return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm,
-                                                           gated=True, pdl=self.selection.pdl),
+                                                           gated=True, pdl=self.selection.pdl,
+                                                           marlin=self.marlin),
                          None)
 
 
