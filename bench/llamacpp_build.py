@@ -98,7 +98,19 @@ def start_build(build_dir: Path, targets: list[str], cuda: bool, jobs: int,
     script = " && ".join(" ".join(_quote(a) for a in s) for s in steps)
     log = open(build_dir / "build.log", "ab")  # noqa: SIM115 (the child writes it)
     prefix = ["nice", "-n", str(nice)] if nice else []
-    return subprocess.Popen([*prefix, "bash", "-c", script], stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen([*prefix, "bash", "-c", script], stdout=log, stderr=subprocess.STDOUT,
+                            env=_env(cuda))
+
+
+def _env(cuda: bool) -> dict[str, str]:
+    """The build's environment: nvcc found where CUDA images keep it when it is not on PATH."""
+    env = dict(os.environ)
+    if cuda and not shutil.which("nvcc") and "CUDACXX" not in env:
+        found = sorted(Path("/usr/local").glob("cuda*/bin/nvcc"))
+        if found:
+            env["CUDACXX"] = str(found[0])
+            env["PATH"] = f"{found[0].parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
 
 
 def build(build_dir: Path, targets: list[str], cuda: bool, jobs: int, source: Path = TRIMMED,
