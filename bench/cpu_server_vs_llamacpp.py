@@ -171,7 +171,8 @@ def report(results: dict[str, Any], args: argparse.Namespace, load: list[Any]) -
             a, b = (statistics.median(r[m] for r in sides[s]) for s in ("flotilla", "llama"))
             summary[f"{n}/{m}"] = {"flotilla": a, "llama-server": b, "ratio": a / b}
             value = (lambda x: f"{x * 1e3:.0f} ms") if m == "ttft_s" else (lambda x: f"{x:.1f}")
-            print(f"{n:<9}{m:<16}{value(a):>10}{value(b):>11}{a / b:>7.2f}x")
+            note = "  (lower is better)" if m == "ttft_s" else ""
+            print(f"{n:<9}{m:<16}{value(a):>10}{value(b):>11}{a / b:>7.2f}x{note}")
     return summary
 
 

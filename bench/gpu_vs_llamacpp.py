@@ -122,26 +122,37 @@ def _records(text: str) -> list[dict[str, Any]]:
 def llamacpp(bins: dict[str, Path], path: Path, cases: dict[str, int], gpu: bool, threads: int,
              reps: int) -> dict[str, Any]:
     pp, tg, batch = cases["prompt"], cases["gen"], cases["batch"]
-    common = ["-ngl", "99" if gpu else "0", "-t", str(threads)]
+    common = ["-ngl", "99"] if gpu else ["-ngl", "0", "-t", str(threads)]
     bench_cmd = [str(bins["llama-bench"]), "-m", str(path), "-p", str(pp), "-n", str(tg),
                  "-r", str(reps), "-o", "jsonl", *common]
-    batched_cmd = [str(bins["llama-batched-bench"]), "-m", str(path), "-c",
-                   str(batch * (pp + tg)), "-b", "2048", "-ub", "512", "-npp", str(pp),
-                   "-ntg", str(tg), "-npl", str(batch), "--output-format", "jsonl", *common]
+    # context: whole 256-token pages for every sequence (llama.cpp pads n_ctx to 256 and splits
+    # it evenly among the sequences; a row that does not fit is skipped without a word)
+    ctx = batch * -(-(pp + tg) // 256) * 256
+    batched_cmd = [str(bins["llama-batched-bench"]), "-m", str(path), "-c", str(ctx), "-b",
+                   "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(tg), "-npl", str(batch),
+                   "--output-format", "jsonl", *common]
+    # batched-bench prints through common_log's worker thread, which sometimes loses its last
+    # lines on a pipe at exit (1 run in 3 here): its log file too, and a second try
+    log = path.with_name("llama-batched-bench.log")
+    batched_cmd += ["--log-file", str(log)]
     res: dict[str, Any] = {"commands": [" ".join(bench_cmd), " ".join(batched_cmd)]}
     for name, cmd in (("llama-bench", bench_cmd), ("llama-batched-bench", batched_cmd)):
         print("$ " + " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        records = _records(proc.stdout + "\n" + proc.stderr)
+        for _ in range(3):
+            log.unlink(missing_ok=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            text = proc.stdout + "\n" + proc.stderr
+            records = _records(text + "\n" + (log.read_text() if log.exists() else ""))
+            if proc.returncode != 0 or records:
+                break
         if proc.returncode != 0 or not records:
-            raise RuntimeError(f"{name} failed (rc {proc.returncode}):\n"
-                               f"{(proc.stdout + proc.stderr)[-3000:]}")
+            raise RuntimeError(f"{name} failed (rc {proc.returncode}):\n{text[-3000:]}")
         res[name] = records
     for r in res["llama-bench"]:
         key = f"pp{pp}" if r["n_prompt"] and not r["n_gen"] else f"tg{tg}"
         res[key] = {"median": r["avg_ts"], "stddev": r["stddev_ts"],
                     "flash_attn": r.get("flash_attn"), "gpu_info": r.get("gpu_info")}
-    b = res["llama-batched-bench"][-1]
+    b = next(r for r in res["llama-batched-bench"] if "speed_tg" in r)
     res["b_prefill"] = {"median": b["speed_pp"]}
     res["b_decode"] = {"median": b["speed_tg"]}
     return res
