@@ -120,6 +120,7 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     last_first = max(first.values())
     decode_tokens = n_out - len(prompts)
     return {"output_tok_s": n_out / total, "total_s": total, "mean_ttft_s": ttft,
+            "last_ttft_s": last_first,
             "decode_tok_s": decode_tokens / max(total - last_first, 1e-9), "tokens": n_out}
 
 

@@ -1,4 +1,4 @@
-"""A Qwen3-MoE-shaped GGUF file with random weights, quantized by our quantizer
+"""Qwen3-MoE- and Llama-shaped GGUF files with random weights, quantized by our quantizer
 (services/engine/quant/gguf_quantize.py) to llama.cpp's Q4_K_M type mix.
 
 Q4_K_M as llama.cpp's llama_tensor_get_type picks it (per layer i of n, "more bits" layers:
@@ -7,7 +7,9 @@ more-bits layers, Q4_K elsewhere; attn_q / attn_k / attn_output / ffn_gate_exps 
 Q4_K; token_embd Q4_K; output Q6_K; norms and the router (ffn_gate_inp) F32. Weights are
 normal(0, 0.02) (norms 1), quantized where they are generated (a GPU quantizes the 30B-A3B
 shape's experts in seconds). Used by tests/quant/test_gguf_moe_model.py and
-bench/gguf_moe_bench.py.
+bench/gguf_moe_bench.py; the dense Llama file (ffn_gate / ffn_up Q4_K, ffn_down as attn_v, no
+tokenizer: `tokenizer.ggml.model` "none", which llama.cpp fills with vocab_size dummy tokens) by
+bench/gpu_vs_llamacpp.py.
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ def _matrix(gen: torch.Generator, rows: int, cols: int, device: str) -> torch.Te
 
 
 class _Writer:
-    def __init__(self, path: Path, device: str, seed: int, split_max_tensors: int) -> None:
-        self.w = GGUFWriter(str(path), "qwen3moe", split_max_tensors=split_max_tensors)
+    def __init__(self, path: Path, device: str, seed: int, split_max_tensors: int,
+                 arch: str = "qwen3moe") -> None:
+        self.w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
         self.device = device
         self.gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -126,6 +129,66 @@ def write_qwen3_moe_gguf(path: Path | str, shape: MoEShape = QWEN3_30B_A3B, seed
     return parts[0] if split_max_tensors and parts else path
 
 
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab: int = 128256
+    hidden: int = 4096
+    layers: int = 32
+    heads: int = 32
+    kv_heads: int = 8
+    inter: int = 14336
+    context: int = 8192
+
+
+LLAMA3_8B = LlamaShape()
+Q4_K_M_FILE_TYPE = 15  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
+
+
+def write_llama_gguf(path: Path | str, shape: LlamaShape = LLAMA3_8B, seed: int = 0,
+                     device: str = "cpu") -> Path:
+    """A dense Llama (Llama-3-8B shape by default; rope base 500000, no rope scaling) as
+    Q4_K_M; the tensors are generated and quantized on `device`."""
+    path = Path(path)
+    out = _Writer(path, device, seed, 0, arch="llama")
+    w, s = out.w, shape
+    head_dim = s.hidden // s.heads
+    w.add_file_type(Q4_K_M_FILE_TYPE)
+    w.add_block_count(s.layers)
+    w.add_context_length(s.context)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.inter)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(500_000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(s.vocab)
+    w.add_tokenizer_model("none")
+    w.add_uint32("tokenizer.ggml.eos_token_id", 0)
+    out.quantized("token_embd.weight", Q4_K, 0, s.vocab, s.hidden)
+    kv = s.kv_heads * head_dim
+    for i in range(s.layers):
+        wide = Q6_K if more_bits(i, s.layers) else Q4_K
+        b = f"blk.{i}."
+        for norm in ("attn_norm", "ffn_norm"):
+            out.floats(f"{b}{norm}.weight",
+                       1 + 0.1 * torch.randn(s.hidden, generator=out.gen, device=device))
+        out.quantized(f"{b}attn_q.weight", Q4_K, 0, s.hidden, s.hidden)
+        out.quantized(f"{b}attn_k.weight", Q4_K, 0, kv, s.hidden)
+        out.quantized(f"{b}attn_v.weight", wide, 0, kv, s.hidden)
+        out.quantized(f"{b}attn_output.weight", Q4_K, 0, s.hidden, s.hidden)
+        out.quantized(f"{b}ffn_gate.weight", Q4_K, 0, s.inter, s.hidden)
+        out.quantized(f"{b}ffn_up.weight", Q4_K, 0, s.inter, s.hidden)
+        out.quantized(f"{b}ffn_down.weight", wide, 0, s.hidden, s.inter)
+    out.floats("output_norm.weight", torch.ones(s.hidden))
+    out.quantized("output.weight", Q6_K, 0, s.vocab, s.hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def file_types(path: Path | str) -> dict[str, int]:
     """GGUF tensor name -> ggml type id (what the file holds)."""
     from gguf import GGUFReader
@@ -133,5 +196,5 @@ def file_types(path: Path | str) -> dict[str, int]:
     return {t.name: int(t.tensor_type) for t in GGUFReader(path).tensors}
 
 
-__all__ = ["QWEN3_30B_A3B", "MoEShape", "file_types", "more_bits", "q4_k_m_types",
-           "write_qwen3_moe_gguf"]
+__all__ = ["LLAMA3_8B", "QWEN3_30B_A3B", "LlamaShape", "MoEShape", "file_types", "more_bits",
+           "q4_k_m_types", "write_llama_gguf", "write_qwen3_moe_gguf"]

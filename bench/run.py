@@ -88,6 +88,18 @@ SUITE: dict[str, Benchmark] = {
         "batch-1 decode, 512-token prefill, 8 sequences and perplexity of the default GGUF, "
         "flotilla's engine and llama.cpp's in lock-step rounds, same threads",
         "llama.cpp (llama-cpp-python) on the same file in the same run"),
+    "cpu-llamacpp-server": Benchmark(
+        "cpu_server_vs_llamacpp.py", "CPU", "cpu",
+        "1-stream decode tok/s, 8 / 32-stream aggregate tok/s and TTFT through `flotilla up` and "
+        "llama.cpp's `llama-server` (built from the llama-cpp-python sdist) on the default GGUF: "
+        "one HTTP client, lock-step rounds, same threads, same cores (taskset)",
+        "llama-server on the same file in the same run"),
+    "gpu-llamacpp": Benchmark(
+        "gpu_vs_llamacpp.py", "peers", "gpu (or --smoke on cpu)",
+        "pp512, tg128 and batch-16 prefill / decode of a Llama-3-8B-shaped Q4_K_M GGUF (random "
+        "weights, our quantizer) through flotilla's engine", "llama.cpp's llama-bench / "
+        "llama-batched-bench built with CUDA from the llama-cpp-python sdist, same GPU and file, "
+        "same run; the device copy bandwidth (batch-1 limit)"),
     "host": Benchmark(
         "host_overhead.py", "engine", "cpu or gpu",
         "the engine's host work per step (forward made negligible), per phase",
@@ -142,7 +154,7 @@ RUNNERS = frozenset({"run.py", "gpu_run.sh"})
 # imported by the benchmarks above or by tests, never run alone
 HELPERS = frozenset({"__init__.py", "family_shapes.py", "moe_pass_rule.py",
                      "routing_flips.py", "gateway_pieces.py", "sse_client.py", "step_log.py",
-                     "gguf_moe_file.py"})
+                     "gguf_moe_file.py", "llamacpp_build.py"})
 
 
 def table() -> str:
