@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -26,6 +27,13 @@ using at::Tensor;
 using bf16 = c10::BFloat16;
 constexpr int64_t kLanes = 16;
 
+// Sum of kLanes partial sums as a tree (log2 dependent adds, not kLanes).
+inline float fold(float* acc) {
+  for (int64_t w = kLanes / 2; w > 0; w /= 2)
+    for (int64_t j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return acc[0];
+}
+
 // Sum of squares with kLanes independent partial sums (vectorizes without reassociation).
 inline float sum_squares(const float* x, int64_t n) {
   float acc[kLanes] = {};
@@ -34,8 +42,7 @@ inline float sum_squares(const float* x, int64_t n) {
     for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[i + j] * x[i + j];
   float s = 0.f;
   for (; i < n; ++i) s += x[i] * x[i];
-  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
+  return fold(acc) + s;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -43,10 +50,45 @@ inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
+  return fold(acc) + [&] {
+    float s = 0.f;
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+  }();
+}
+
+// e^x of n floats in place, Cephes' expf (range reduction by ln 2, degree-6 polynomial; within
+// 2 ulp of libm's) written without branches or calls so that the loop vectorizes.
+void exp_inplace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::min(std::max(x[i], -87.3f), 88.3f);
+    const float k = __builtin_rintf(v * 1.44269504088896341f);
+    const float r = (v - k * 0.693359375f) - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * (r * r) + r + 1.f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    x[i] = y * scale;
+  }
+}
+
+// float -> bf16, round to nearest even (NaN kept a NaN): c10::BFloat16's rounding, branchless.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(f != f ? 0x7FC0u : rounded);
+}
+
+void to_bf16(const float* x, bf16* out, int64_t n) {
+  auto* o = reinterpret_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < n; ++i) o[i] = bf16_bits(x[i]);
 }
 
 // rows of x [T, H] float32 -> out [T, H] bf16: x * rsqrt(mean(x^2) + eps) * w.
@@ -59,7 +101,8 @@ void rms_norm_bf16(const Tensor& x, const Tensor& w, double eps, Tensor& out) {
     const float* xr = xp + r * h;
     const float rstd = 1.f / std::sqrt(sum_squares(xr, h) / static_cast<float>(h) +
                                        static_cast<float>(eps));
-    for (int64_t i = 0; i < h; ++i) op[r * h + i] = bf16(xr[i] * rstd * wp[i]);
+    auto* o = reinterpret_cast<uint16_t*>(op + r * h);
+    for (int64_t i = 0; i < h; ++i) o[i] = bf16_bits(xr[i] * rstd * wp[i]);
   }
 }
 
@@ -81,38 +124,48 @@ struct Shape {
   float scale;
 };
 
-// One row's attention for q heads [g0, g1) over its `len` cached tokens (block table `table`);
-// q [Hq, D] float32 (rotated), out [Hq, D] bf16.
+// One row's attention for kv heads [h0, h1) (each with its Hq / Hk query heads) over its `len`
+// cached tokens, walked block by block through `table`; q [Hq, D] float32 (rotated), out
+// [Hq, D] bf16. scores: [Hq / Hk, len] scratch.
 void attend(const float* q, const float* kc, const float* vc, const int32_t* table, int64_t len,
-            const Shape& s, int64_t g0, int64_t g1, std::vector<float>& scores, bf16* out) {
-  const int64_t group = s.hq / s.hk, d = s.d, row = s.hk * d;
-  scores.resize(static_cast<size_t>(len));
+            const Shape& s, int64_t h0, int64_t h1, std::vector<float>& scores, bf16* out) {
+  const int64_t group = s.hq / s.hk, d = s.d, row = s.hk * d, bs = s.block_size;
+  const int64_t blocks = (len + bs - 1) / bs;
+  scores.resize(static_cast<size_t>(group * len));
   std::vector<float> acc(static_cast<size_t>(d));
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t h = g / group;
-    const float* qg = q + g * d;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < len; ++j) {
-      const int64_t slot = static_cast<int64_t>(table[j / s.block_size]) * s.block_size +
-                           j % s.block_size;
-      const float v = dot(qg, kc + slot * row + h * d, d) * s.scale;
-      scores[j] = v;
-      top = std::max(top, v);
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* qh = q + h * group * d;
+    for (int64_t b = 0, j = 0; b < blocks; ++b) {  // scores: each key row read once
+      const float* kb = kc + static_cast<int64_t>(table[b]) * bs * row + h * d;
+      for (int64_t jj = 0; jj < bs && j < len; ++jj, ++j) {
+        for (int64_t g = 0; g < group; ++g) {
+          scores[g * len + j] = dot(qh + g * d, kb + jj * row, d) * s.scale;
+        }
+      }
     }
-    float total = 0.f;
-    for (int64_t j = 0; j < len; ++j) {
-      scores[j] = std::exp(scores[j] - top);
-      total += scores[j];
+    for (int64_t g = 0; g < group; ++g) {
+      float* sc = scores.data() + g * len;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < len; ++j) top = std::max(top, sc[j]);
+      for (int64_t j = 0; j < len; ++j) sc[j] -= top;
+      exp_inplace(sc, len);
+      float total = 0.f;
+      for (int64_t j = 0; j < len; ++j) total += sc[j];
+      for (int64_t j = 0; j < len; ++j) sc[j] /= total;
     }
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t j = 0; j < len; ++j) {
-      const int64_t slot = static_cast<int64_t>(table[j / s.block_size]) * s.block_size +
-                           j % s.block_size;
-      const float p = scores[j] / total;
-      const float* vr = vc + slot * row + h * d;
-      for (int64_t i = 0; i < d; ++i) acc[i] += p * vr[i];
+    for (int64_t g = 0; g < group; ++g) {
+      const float* sc = scores.data() + g * len;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0, j = 0; b < blocks; ++b) {
+        const float* vb = vc + static_cast<int64_t>(table[b]) * bs * row + h * d;
+        for (int64_t jj = 0; jj < bs && j < len; ++jj, ++j) {
+          const float p = sc[j];
+          const float* vr = vb + jj * row;
+          for (int64_t i = 0; i < d; ++i) acc[i] += p * vr[i];
+        }
+      }
+      to_bf16(acc.data(), out + (h * group + g) * d, d);
     }
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = bf16(acc[i]);
   }
 }
 
@@ -155,20 +208,22 @@ void attention(const Tensor& qkv, const Tensor& cos_sin, const int64_t* position
   bf16* op = out.data_ptr<bf16>();
   int64_t keys = 0;
   for (int64_t r = 0; r < t; ++r) keys += seq_lens[r];
-  // work items: (row, q head); one thread below ~4k key-head dot products
-  const int64_t items = t * hq;
-  const int64_t grain = keys * hq < 4096 ? items : 1;
+  // work items: (row, kv head); one thread below ~8k key-head dot products (an OpenMP
+  // wake-up costs more than it saves there)
+  const int64_t items = t * hk;
+  const int64_t grain = keys * hq < 8192 ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    const int64_t group = hq / hk;
     for (int64_t it = begin; it < end;) {
-      const int64_t r = it / hq, g0 = it % hq, g1 = std::min(hq, g0 + (end - it));
+      const int64_t r = it / hk, h0 = it % hk, h1 = std::min(hk, h0 + (end - it));
       bf16* o = op + r * hq * d;
       if (slots[r] >= 0 && seq_lens[r] > 0) {
-        attend(qp + r * hq * d, kc, vc, bt + r * cols, seq_lens[r], s, g0, g1, scores, o);
+        attend(qp + r * hq * d, kc, vc, bt + r * cols, seq_lens[r], s, h0, h1, scores, o);
       } else {
-        std::fill(o + g0 * d, o + g1 * d, bf16(0.f));
+        std::fill(o + h0 * group * d, o + h1 * group * d, bf16(0.f));
       }
-      it += g1 - g0;
+      it += h1 - h0;
     }
   });
 }
@@ -179,12 +234,16 @@ Tensor silu_mul(const Tensor& gate_up) {
   Tensor out = at::empty({t, inner}, gate_up.options());
   const bf16* gp = gate_up.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
+  std::vector<float> e(static_cast<size_t>(inner));
   for (int64_t r = 0; r < t; ++r) {
     const bf16* g = gp + r * 2 * inner;
+    for (int64_t i = 0; i < inner; ++i) e[i] = -static_cast<float>(g[i]);
+    exp_inplace(e.data(), inner);
     for (int64_t i = 0; i < inner; ++i) {
       const float x = static_cast<float>(g[i]);
-      op[r * inner + i] = bf16(x / (1.f + std::exp(-x)) * static_cast<float>(g[inner + i]));
+      e[i] = x / (1.f + e[i]) * static_cast<float>(g[inner + i]);
     }
+    to_bf16(e.data(), op + r * inner, inner);
   }
   return out;
 }
