@@ -15,6 +15,10 @@ Numerics: the same ops in the same dtypes as the module path (SiLU-and-mul in fl
 bf16 it moved logits by ~2% and flipped near-tied greedy tokens), so the logits are equal
 (tests/engine/test_cpu_decode.py).
 
+Where the C++ step of cpu_native.py builds (gcc and ninja present), `logits` is that one call
+(the same math, its numerics in tests/engine/test_cpu_native.py); `torch_logits` is this module's
+torch ops, the fallback and the reference.
+
 `CpuDecode.build(model)` returns None for anything it does not cover (another layer or norm
 class, biases, q/k norms, partial / non-neox / scaled rotary, sliding windows, softcaps, sinks,
 fp8 KV, tensor parallel, float or other quantized linears); the module path serves those.
@@ -31,6 +35,7 @@ from torch import nn
 
 import kernels
 from kernels.attention_metadata import AttentionMetadata
+from services.engine import cpu_native
 from services.engine.distributed import get_tp_size
 from services.engine.layers.activation import SiluAndMul
 from services.engine.layers.attention import Attention
@@ -54,18 +59,29 @@ MAX_RUNS = 8  # more runs of blocks than this: the batched reference's gather in
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _matmul(linear: nn.Module) -> Matmul | None:
-    """x bf16 [M, K] -> bf16 [M, N] for an int4 / int8 weight-only linear without bias."""
+def _quantized(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int4 packed uint8, scales-and-zeros) or (int8, scales) of a weight-only linear without
+    bias; None for anything else."""
     method = getattr(linear, "quant_method", None)
     if getattr(linear, "bias", None) is not None:
         return None
     if type(method) is Int4WeightOnlyMethod:
-        packed, scale_zero = linear.weight_int4, linear.weight_scale_zero
-        return lambda x: _INT4_MM(x, packed, GROUP_SIZE, scale_zero)
-    if type(method) is Int8WeightOnlyMethod:
-        weight, scale = linear.weight_int8, linear.weight_scale
-        return lambda x: _INT8_MM(x, weight, scale)
-    return None
+        names = ("weight_int4", "weight_scale_zero")
+    elif type(method) is Int8WeightOnlyMethod:
+        names = ("weight_int8", "weight_scale")
+    else:
+        return None
+    weight, scales = (getattr(linear, n) for n in names)
+    assert isinstance(weight, torch.Tensor) and isinstance(scales, torch.Tensor)
+    return weight, scales
+
+
+def _matmul(weights: tuple[torch.Tensor, torch.Tensor]) -> Matmul:
+    """x bf16 [M, K] -> bf16 [M, N] of `_quantized`'s weights."""
+    weight, scales = weights
+    if weight.dtype == torch.uint8:
+        return lambda x: _INT4_MM(x, weight, GROUP_SIZE, scales)
+    return lambda x: _INT8_MM(x, weight, scales)
 
 
 @dataclass
@@ -87,6 +103,7 @@ class _Layer:
     gate_up: Matmul
     down: Matmul
     attn: Attention  # its bound k_cache / v_cache
+    weights: list[torch.Tensor]  # the native step's: norms, then each linear's two tensors
     views: _CacheViews | None = None
 
 
@@ -125,12 +142,15 @@ def _layer(layer: nn.Module, eps: float) -> _Layer | None:
         if n.weight.dtype != torch.float32:
             return None
     assert isinstance(pre_attn, RMSNorm) and isinstance(pre_mlp, RMSNorm)
-    mms = [_matmul(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    if any(mm is None for mm in mms):
-        return None
-    qkv, o_proj, gate_up, down = mms
-    assert qkv and o_proj and gate_up and down
-    return _Layer(pre_attn.weight, pre_mlp.weight, qkv, o_proj, gate_up, down, inner)
+    quants = [_quantized(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                      mlp.down_proj)]
+    weights: list[torch.Tensor] = [pre_attn.weight, pre_mlp.weight]
+    for q in quants:
+        if q is None:
+            return None
+        weights.extend(q)
+    qkv, o_proj, gate_up, down = (_matmul(q) for q in quants if q is not None)
+    return _Layer(pre_attn.weight, pre_mlp.weight, qkv, o_proj, gate_up, down, inner, weights)
 
 
 def block_runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -191,10 +211,11 @@ def attend_in_place(
 class CpuDecode:
     """Logits of a decode-only step (every row one sequence's new token), float32 [B, vocab]."""
 
-    def __init__(self, model: LlamaForCausalLM, layers: list[_Layer], head: Matmul) -> None:
+    def __init__(self, model: LlamaForCausalLM, layers: list[_Layer],
+                 head: tuple[torch.Tensor, torch.Tensor], native: bool = True) -> None:
         first: LlamaAttention = model.model.layers[0].self_attn  # type: ignore[assignment]
         self.embed: torch.Tensor = model.model.embed_tokens.weight
-        self.layers, self.head = layers, head
+        self.layers, self.head = layers, _matmul(head)
         norm: RMSNorm = model.model.norm  # type: ignore[assignment]
         self.final_norm: torch.Tensor = norm.weight
         self.eps: float = norm.eps
@@ -202,10 +223,16 @@ class CpuDecode:
         self.scale: float = first.attn.scale
         self.cos_sin: torch.Tensor = first.rotary_emb.cos_sin_cache
         self.hidden: int = self.embed.shape[1]
+        # the whole step as one C++ call (cpu_native.py) where it builds; None: the torch ops
+        self.native = cpu_native.decode_step() if native else None
+        self._weights = [w for layer in layers for w in layer.weights]
+        self._head_weights = [self.final_norm, *head]
+        self._cos_sin_f32 = self.cos_sin.float().contiguous()
 
     @classmethod
-    def build(cls, model: nn.Module) -> CpuDecode | None:
-        """The decode path for `model`, or None where it does not apply (module docstring)."""
+    def build(cls, model: nn.Module, native: bool = True) -> CpuDecode | None:
+        """The decode path for `model`, or None where it does not apply (module docstring);
+        native=False: the torch ops even where the C++ step builds."""
         if (
             type(model) is not LlamaForCausalLM
             or type(model.model) is not LlamaModel
@@ -216,7 +243,7 @@ class CpuDecode:
             return None
         eps = model.model.norm.eps
         layers = [_layer(layer, eps) for layer in model.model.layers]
-        head = _matmul(model.lm_head)
+        head = _quantized(model.lm_head)
         if head is None or not layers or any(layer is None for layer in layers):
             return None
         attns: list[LlamaAttention] = [layer.self_attn for layer in model.model.layers]  # type: ignore[misc]
@@ -224,7 +251,7 @@ class CpuDecode:
         scales = {a.attn.scale for a in attns}
         if len(tables) != 1 or len(scales) != 1:
             return None
-        return cls(model, [layer for layer in layers if layer is not None], head)
+        return cls(model, [layer for layer in layers if layer is not None], head, native)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, 2, D / 2] with rotate(x) = x * cos + halves_swapped(x) *
@@ -255,6 +282,20 @@ class CpuDecode:
     def logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if self.native is not None:
+            caches = [c for layer in self.layers for c in (layer.attn.k_cache, layer.attn.v_cache)]
+            return self.native(
+                input_ids.long(), positions.long(), meta.slot_mapping.long(),
+                meta.block_tables.int(), meta.seq_lens.int(), self.embed, self._cos_sin_f32,
+                self._weights, caches, self._head_weights, self.eps, self.scale, self.hq,
+                self.hk, GROUP_SIZE,
+            )
+        return self.torch_logits(input_ids, positions, meta)
+
+    def torch_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The step in torch ops (where the C++ step is not built; its reference in tests)."""
         t, hq, hk, d = input_ids.shape[0], self.hq, self.hk, self.d
         cos, sin = self._rotary(positions)
         single = -1  # batch 1 over one run of blocks: that run's first slot
