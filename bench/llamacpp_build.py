@@ -52,7 +52,13 @@ def trim(sdist: Path, out: Path = TRIMMED) -> Path:
             if not rel.startswith(_PREFIX) or not _kept(rel[len(_PREFIX):]):
                 continue
             member.name = "llama.cpp/" + rel[len(_PREFIX):]
+            member.pax_headers.pop("path", None)  # a long name's PAX record would win on write
+            member.pax_headers.pop("linkpath", None)
             dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+    with tarfile.open(tmp) as check:
+        stray = [n for n in check.getnames() if n.split("/")[0] != "llama.cpp"]
+    if stray:
+        raise RuntimeError(f"trim wrote {len(stray)} members outside llama.cpp/: {stray[:3]}")
     tmp.replace(out)
     return out
 

@@ -6,8 +6,9 @@ dummy model directory, load_format="dummy"):
   q4k   --isq q4k (GGUF Q4_K blocks, kernels/gguf_*.py)
   gptq  4-bit, group 128, symmetric (kernels/w4a16.py); codes randomized after loading
   awq   4-bit, group 128, zero points (same kernel; random zeros)
-  gptq-plain / awq-plain  the same with the K-order layout (kernels/w4a16.py, w4a16_mma.py)
-        instead of the load-time re-packed one (kernels/w4a16_marlin.py): the A/B of issue 26
+  gptq / awq  in the default K-order layout (kernels/w4a16.py GEMV, w4a16_mma.py for 2-64 rows)
+  gptq-marlin / awq-marlin  the load-time re-packed layout instead (kernels/w4a16_marlin.py)
+  gptq-both / awq-both  both copies (FLOTILLA_W4_LAYOUT=both): the A/B of issue 26
   fp8   --isq fp8 (e4m3, per-channel scales, kernels/fp8.py)
 Measured per format:
   B1   batch-1 decode tok/s (128 prompt tokens, 256 generated)
@@ -40,13 +41,14 @@ from bench.engine_bench import LLAMA3_8B, copy_bandwidth, model_dir, rand_prompt
 from libs.common.settings import EngineSettings  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.factory import kernel_selection  # noqa: E402
-from services.engine.quant.w4a16 import W4A16LinearMethod  # noqa: E402
 
 TARGETS = {"q4k": 300, "gptq": 350, "awq": 350, "fp8": 280}
 FORMATS = {  # name -> (EngineConfig quantization, isq)
     "q4k": (None, "q4k"), "gptq": ("gptq", None), "fp8": (None, "fp8"), "bf16": (None, None),
-    "awq": ("awq", None), "gptq-plain": ("gptq", None), "awq-plain": ("awq", None),
+    "awq": ("awq", None), "gptq-marlin": ("gptq", None), "awq-marlin": ("awq", None),
+    "gptq-both": ("gptq", None), "awq-both": ("awq", None),
 }
+LAYOUTS = {"marlin": "marlin", "both": "both"}  # name suffix -> the selection's w4_layout
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -57,8 +59,10 @@ def randomize_w4(model: torch.nn.Module, zero_points: bool) -> None:
         q = getattr(module, "w4_qweight", None)
         if q is None:
             continue
-        q.copy_(torch.randint(-2**31, 2**31 - 1, q.shape, generator=g, device="cuda",
-                              dtype=torch.int64).to(torch.int32))
+        for words in (q, getattr(module, "w4_marlin", None)):
+            if words is not None:
+                words.copy_(torch.randint(-2**31, 2**31 - 1, words.shape, generator=g,
+                                          device="cuda", dtype=torch.int64).to(torch.int32))
         z = module.w4_zeros
         if zero_points:
             z.copy_(torch.randint(4, 12, z.shape, generator=g, device="cuda", dtype=torch.uint8))
@@ -70,8 +74,8 @@ def randomize_w4(model: torch.nn.Module, zero_points: bool) -> None:
 
 def weight_bytes_of(module: torch.nn.Module) -> int:
     return sum(b.numel() * b.element_size() for name, b in module.named_buffers()
-               if name in ("qweight", "w4_qweight", "w4_scales", "w4_zeros", "weight_fp8",
-                           "weight_scale")) or sum(
+               if name in ("qweight", "w4_qweight", "w4_marlin", "w4_scales", "w4_zeros",
+                           "weight_fp8", "weight_scale")) or sum(
         p.numel() * p.element_size() for p in module.parameters(recurse=False) if p.dim() == 2)
 
 
@@ -132,13 +136,13 @@ def tuned_picks() -> dict[str, dict[str, str]]:
 def bench_format(name: str, layers: int, copy_gbps: float, repeat: int = 1) -> dict:
     quantization, isq = FORMATS[name]
     t = time.perf_counter()
-    W4A16LinearMethod.repack = not name.endswith("-plain")  # read at load time only
+    layout = LAYOUTS.get(name.rsplit("-", 1)[-1], "kmajor")
     engine = Engine(EngineConfig(model=model_dir(layers), load_format="dummy", dtype="bfloat16",
                                  device="cuda", quantization=quantization, isq=isq,
                                  kvcache_mem_mib=4096, max_num_seqs=32,
                                  max_num_batched_tokens=4096,
-                                 kernel_selection=kernel_selection(EngineSettings())))
-    W4A16LinearMethod.repack = True
+                                 kernel_selection=kernel_selection(
+                                     EngineSettings(w4_layout=layout))))
     model = engine.runner.model
     if quantization in ("gptq", "awq"):
         randomize_w4(model, zero_points=quantization == "awq")

@@ -41,6 +41,11 @@ class KernelSelection:
     pdl: Literal["auto", "0", "1"] = "auto"
     # MLA attention: torch (the absorbed form in torch) | triton (kernels/mla_attention.py)
     mla_kernel: Literal["torch", "triton"] = "torch"
+    # GPTQ/AWQ weights on CUDA (services/engine/quant/w4a16.py): kmajor (K-order words: the
+    # fastest batch-1 GEMV) | marlin (kernels/w4a16_marlin.py's re-packed words: the faster
+    # batched-decode GEMM, a slower GEMV) | both (each copy where it is faster, twice the
+    # 4-bit weights' memory)
+    w4_layout: Literal["kmajor", "marlin", "both"] = "kmajor"
     # prefill attention tile (block_m, block_n, num_warps, num_stages); None: the tuned
     # defaults (kernels/prefill_attention.py; benchmark sweeps)
     prefill_tile: Tile | None = None
@@ -49,7 +54,8 @@ class KernelSelection:
         choices = {"kernels": ("auto", "torch"), "quant_kernels": ("auto", "triton", "torch"),
                    "gemv": ("auto", "cublas", "triton"), "fp8_gemv": ("auto", "fma", "mma"),
                    "gated_gemm": ("auto", "0", "1"), "dense_prefill": ("auto", "0", "1"),
-                   "pdl": ("auto", "0", "1"), "mla_kernel": ("torch", "triton")}
+                   "pdl": ("auto", "0", "1"), "mla_kernel": ("torch", "triton"),
+                   "w4_layout": ("kmajor", "marlin", "both")}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value not in allowed:

@@ -202,6 +202,11 @@ class EngineSettings(CommonSettings):
     mla_kernel: Literal["torch", "triton"] = Field(
         "torch", description="MLA attention (DeepSeek-V2/V3): torch | triton "
         "(kernels/mla_attention.py over the latent cache; opt-in)")
+    w4_layout: Literal["kmajor", "marlin", "both"] = Field(
+        "kmajor", description="GPTQ / AWQ weights on CUDA: kmajor (K-order 4-bit words; the "
+        "fastest batch-1 decode) | marlin (re-packed for the tensor-core GEMM: faster batched "
+        "decode, slower batch-1; H100 Llama-3-8B: B16 1.21x, B1 0.58x of kmajor) | both (each "
+        "layout where it is faster: twice the 4-bit weights' memory)")
     prefill_tile: str | None = Field(
         None, pattern=r"^\d+,\d+,\d+,\d+$", description="Prefill attention tile "
         "'block_m,block_n,num_warps,num_stages' instead of the tuned defaults (benchmark sweeps)")

@@ -3,6 +3,7 @@ AutoGPTQ / AutoAWQ publish them, loaded and compared with their dequantized floa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -258,12 +259,12 @@ def write_pair(base: Path, out: Path, fmt: str, group: int, act_order: bool,
 
 
 # groups of 32 keep the K-order layout; 64 and per-channel take the re-packed one
-# (kernels/w4a16_marlin.py) in kernels mode
+# (kernels/w4a16_marlin.py) where the selection's w4_layout asks for it
 CHECKPOINTS = [("gptq", 32, False), ("gptq", 32, True), ("gptq", -1, False), ("awq", 32, False),
                ("gptq", 64, True), ("awq", 64, False)]
 
 
-@pytest.mark.parametrize("mode", ["kernels_mode", "dequant_mode"])
+@pytest.mark.parametrize("mode", ["kmajor", "marlin", "both", "dequant"])
 @pytest.mark.parametrize("fmt,group,act_order", CHECKPOINTS,
                          ids=["gptq-g32", "gptq-g32-actorder", "gptq-perchannel", "awq-g32",
                               "gptq-g64-actorder", "awq-g64"])
@@ -271,21 +272,24 @@ def test_checkpoint_loads_and_matches_dequantized_twin(
     tiny_llama: Path, tmp_path: Path, fmt: str, group: int, act_order: bool, mode: str,
     request: pytest.FixtureRequest,
 ) -> None:
-    selection = request.getfixturevalue(mode)
+    selection = request.getfixturevalue("dequant_mode" if mode == "dequant" else "kernels_mode")
+    if mode != "dequant":
+        selection = dataclasses.replace(selection, w4_layout=mode)
     qdir, ddir = write_pair(tiny_llama, tmp_path, fmt, group, act_order)
     quantized = load_model(qdir, device=DEVICE, kernel_selection=selection).model
     twin = load_model(ddir, device=DEVICE, kernel_selection=selection).model
     layer = quantized.model.layers[0].self_attn.qkv_proj
     assert not hasattr(layer, "qweight") and not any(
         p.dtype.is_floating_point and p.dim() == 2 for p in layer.parameters())
-    if act_order and mode == "kernels_mode":  # groups of 64: only down_proj has two (K=128)
+    if act_order and mode != "dequant":  # groups of 64: only down_proj has two (K=128)
         ordered = layer if group == 32 else quantized.model.layers[0].mlp.down_proj
         assert ordered.w4_perm is not None
-    assert layer.quant_method.marlin == (mode == "kernels_mode" and group != 32)
-    ids = list(range(3, 40))
-    ours = SingleSequenceRunner(quantized).forward(ids)
-    ref = SingleSequenceRunner(twin).forward(ids)
-    assert rel_err(ours, ref) < 1e-5
+    assert layer.quant_method.marlin == (mode == "marlin" and group != 32)
+    assert layer.quant_method.marlin_rows == (mode == "both" and group != 32)
+    for ids in [list(range(3, 40))] + ([[5]] if mode == "both" else []):  # 1 row: K-order copy
+        ours = SingleSequenceRunner(quantized).forward(ids)
+        ref = SingleSequenceRunner(twin).forward(ids)
+        assert rel_err(ours, ref) < 1e-5
 
 
 def test_gptq_rejects_fused_shards_with_different_orders(tiny_llama: Path, tmp_path: Path

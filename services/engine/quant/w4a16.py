@@ -7,11 +7,16 @@ Rules:
   [N, K / G] / scales [N, K / G] and lets the layer narrow it to this rank and fused shard, the same
   way float weights are narrowed.
 - `process_after_loading` sorts K by group when g_idx is not trivial (GPTQ act-order; x is then
-  read through `perm`) and packs the codes eight to an int32 word, once: in the re-packed
-  layout of kernels/w4a16_marlin.py (the tensor-core GEMM's operand order, read by the batch-1
-  GEMV too) when K and the group are multiples of 64 and `repack` is on, else in the K-order
-  layout of kernels/w4a16.py; one copy either way. Off CUDA it dequantizes once and serves
-  float weights.
+  read through `perm`) and packs the codes eight to an int32 word, once, in the layout the
+  kernel selection's `w4_layout` names (FLOTILLA_W4_LAYOUT): `kmajor` (default) the K-order
+  words of kernels/w4a16.py (the fastest batch-1 GEMV; 2-64 rows run kernels/w4a16_mma.py);
+  `marlin` the re-packed words of kernels/w4a16_marlin.py (the tensor-core GEMM's operand
+  order: faster batched decode; the batch-1 GEMV reads it too, more slowly); `both` keeps
+  both copies and serves one row from the K-order words, more rows from the re-packed ones
+  (the fastest at every batch, for twice the 4-bit weights' memory). The re-packed layout
+  needs K and the group to be multiples of 64; elsewhere the K-order words serve. Measured on
+  an H100 (Llama-3-8B shape, docs/benchmarks.md): B16 decode 1.21x, B1 0.58x of kmajor's.
+  Off CUDA it dequantizes once and serves float weights.
 - Fused shards (q/k/v, gate/up) share their input, so GPTQ gives them the same g_idx; a
   checkpoint where they differ is rejected.
 """
@@ -52,8 +57,6 @@ def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) 
 class W4A16LinearMethod(QuantMethod):
     """Storage and matmul of one GPTQ/AWQ layer; the format's config supplies the unpacking."""
 
-    repack = True  # the re-packed layout where it applies (bench/quant_bench.py's *-plain: off)
-
     def __init__(self, group_size: int, has_g_idx: bool, unpack_qweight: Unpack,
                  unpack_qzeros: Unpack, zero_offset: int) -> None:
         self.group_size = group_size  # -1: one group per row (per-channel scales)
@@ -61,7 +64,8 @@ class W4A16LinearMethod(QuantMethod):
         self.unpack_qweight, self.unpack_qzeros = unpack_qweight, unpack_qzeros
         self.zero_offset = zero_offset  # GPTQ v1 stores zero - 1
         self.kernels = True
-        self.marlin = False  # qweight in kernels/w4a16_marlin.py's layout
+        self.marlin = False  # w4_qweight in kernels/w4a16_marlin.py's layout
+        self.marlin_rows = False  # w4_marlin: a second copy in that layout for 2+ rows
         self.g_idx_loaded = False
 
     def create_weights(
@@ -116,9 +120,14 @@ class W4A16LinearMethod(QuantMethod):
             delattr(layer, name)
         self.kernels = use_kernels(codes.device, self.selection.quant_kernels)
         if self.kernels:
-            self.marlin = self.repack and marlin_ok(codes.shape[1], self.group)
+            layout = self.selection.w4_layout
+            fits = marlin_ok(codes.shape[1], self.group)
+            self.marlin = layout == "marlin" and fits
+            self.marlin_rows = layout == "both" and fits
             qweight = marlin_pack(codes) if self.marlin else pack_int4(codes)
             layer.register_buffer("w4_qweight", qweight, persistent=False)
+            layer.register_buffer("w4_marlin", marlin_pack(codes) if self.marlin_rows else None,
+                                  persistent=False)
             layer.register_buffer("w4_scales", scales.contiguous(), persistent=False)
             layer.register_buffer("w4_zeros", zeros.contiguous(), persistent=False)
             layer.register_buffer("w4_perm", None if perm is None else perm.to(torch.int32),
@@ -144,23 +153,22 @@ class W4A16LinearMethod(QuantMethod):
     ) -> torch.Tensor:
         if not self.kernels:
             return F.linear(x, layer_tensor(layer, "weight_dequant"), bias)
-        q, s = layer_tensor(layer, "w4_qweight"), layer_tensor(layer, "w4_scales")
-        z, perm = layer_tensor(layer, "w4_zeros"), layer.w4_perm
-        assert perm is None or isinstance(perm, torch.Tensor)
-        return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm,
-                                                           pdl=self.selection.pdl,
-                                                           marlin=self.marlin), bias)
+        return linear_2d(x, lambda x2: self._matmul(layer, x2, gated=False), bias)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not self.kernels:
             return super().apply_gated(layer, x)
-        q, s = layer_tensor(layer, "w4_qweight"), layer_tensor(layer, "w4_scales")
-        z, perm = layer_tensor(layer, "w4_zeros"), layer.w4_perm
+        return linear_2d(x, lambda x2: self._matmul(layer, x2, gated=True), None)
+
+    def _matmul(self, layer: nn.Module, x2: torch.Tensor, gated: bool) -> torch.Tensor:
+        """x2 [M, K] through the copy the layout serves M rows from (see the module rules)."""
+        s, z = layer_tensor(layer, "w4_scales"), layer_tensor(layer, "w4_zeros")
+        perm = layer.w4_perm
         assert perm is None or isinstance(perm, torch.Tensor)
-        return linear_2d(x, lambda x2: w4a16_matmul_triton(x2, q, s, z, self.group, perm,
-                                                           gated=True, pdl=self.selection.pdl,
-                                                           marlin=self.marlin),
-                         None)
+        marlin = self.marlin or (self.marlin_rows and x2.shape[0] > 1)
+        q = layer_tensor(layer, "w4_marlin" if marlin and self.marlin_rows else "w4_qweight")
+        return w4a16_matmul_triton(x2, q, s, z, self.group, perm, gated=gated,
+                                   pdl=self.selection.pdl, marlin=marlin)
 
 
 __all__ = ["W4A16LinearMethod", "unpack_cols", "unpack_rows"]
