@@ -47,7 +47,7 @@ from bench.suite_bench import (  # noqa: E402
     wait_ready,
     write_model_dir,
 )
-from services.launcher.nats_server import NatsServer, free_port  # noqa: E402
+from flotilla.services.launcher.nats_server import NatsServer, free_port  # noqa: E402
 
 SERVICES = ("engine", "tokenizer", "gateway")  # start_services' order
 

@@ -24,12 +24,12 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench.kernels import bench, make_batch, report  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from flotilla.kernels.paged_attention import (  # noqa: E402
     SHORT_SPLIT_KEYS,
     decode_attention_triton,
     default_num_splits,
 )
-from kernels.prefill_attention import prefill_attention_triton  # noqa: E402
+from flotilla.kernels.prefill_attention import prefill_attention_triton  # noqa: E402
 
 # (block_m, block_n, warps, stages, longest_first)
 PREFILL = [(128, 32, 8, 2, True), (128, 32, 8, 2, False), (128, 32, 8, 3, True),

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from flotilla.services.engine.engine import Engine, EngineConfig  # noqa: E402
+from flotilla.services.engine.sampling_params import SamplingParams  # noqa: E402
 
 WINDOW = 16
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]

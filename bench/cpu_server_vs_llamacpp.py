@@ -61,7 +61,7 @@ def start_flotilla(threads: int, cores: str | None, log: Path) -> tuple[subproce
     state = Path(tempfile.mkdtemp(prefix="flotilla-srv-")) / "state.json"
     env = {k: v for k, v in os.environ.items() if k != "FLOTILLA_NATS_URL"}
     env.update(FLOTILLA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-    cmd = [*_pin(cores), sys.executable, "-m", "services.launcher", "up", "--port", "0",
+    cmd = [*_pin(cores), sys.executable, "-m", "flotilla.services.launcher", "up", "--port", "0",
            "--model", "default", "--state-file", str(state)]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             cwd=llamacpp_build.ROOT, start_new_session=True)
@@ -192,7 +192,7 @@ def main() -> None:
     args.streams = [int(s) for s in args.streams.split(",")]
     if args.cores is None:
         args.cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:args.threads])
-    from libs.common.model_cache import ensure_default_model
+    from flotilla.libs.common.model_cache import ensure_default_model
 
     gguf = ensure_default_model()
     bins = llamacpp_build.build(llamacpp_build.ROOT / "build" / "llamacpp-cpu", ["llama-server"],

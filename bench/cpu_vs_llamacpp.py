@@ -45,7 +45,7 @@ class Flotilla:
     def __init__(self, threads: int) -> None:
         import torch
 
-        from services.engine.engine import Engine, EngineConfig
+        from flotilla.services.engine.engine import Engine, EngineConfig
 
         torch.set_num_threads(threads)
         self.engine = Engine(
@@ -54,7 +54,7 @@ class Flotilla:
         self.name = "flotilla"
 
     def _run(self, prompts: list[list[int]], tokens: int) -> list[float]:
-        from services.engine.sampling_params import SamplingParams
+        from flotilla.services.engine.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         for i, p in enumerate(prompts):
@@ -80,7 +80,7 @@ class Flotilla:
     def perplexity(self, ids: list[int]) -> float:
         import torch
 
-        from services.engine.forward_context import forward_context
+        from flotilla.services.engine.forward_context import forward_context
         from tests.engine.conftest import SingleSequenceRunner
 
         runner = self.engine.runner
@@ -108,7 +108,7 @@ class LlamaCpp:
     def __init__(self, threads: int) -> None:
         import llama_cpp as lib
 
-        from libs.common.model_cache import ensure_default_model
+        from flotilla.libs.common.model_cache import ensure_default_model
 
         self.lib, self.name = lib, "llama.cpp"
         lib.llama_backend_init()
@@ -225,8 +225,8 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {c: {s: [] for s in sides} for c in cases}
     ids: list[int] = []
     if "perplexity" in cases:
-        from libs.common.model_cache import ensure_default_model
-        from services.tokenizer.tokenizer import Tokenizer
+        from flotilla.libs.common.model_cache import ensure_default_model
+        from flotilla.services.tokenizer.tokenizer import Tokenizer
         from tests.quant.fixed_text import TEXT
 
         ids = Tokenizer.from_path(ensure_default_model()).encode(TEXT)

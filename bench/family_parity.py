@@ -73,8 +73,8 @@ from bench.moe_pass_rule import (  # noqa: E402
     split_by_routing,
 )
 from bench.routing_flips import capture_routing, routing_flips  # noqa: E402
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from flotilla.services.engine.engine import Engine, EngineConfig  # noqa: E402
+from flotilla.services.engine.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 64, 8
 DECODE_TOL = 0.1

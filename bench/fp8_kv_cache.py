@@ -19,11 +19,11 @@ if not __package__:  # run as a script: import the `kernels` package, not this f
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from kernels import prefill_attention  # noqa: E402
-from kernels.kv_cache import write_kv_cache_triton  # noqa: E402
-from kernels.kv_quant import KVScales, quantize_kv_ref  # noqa: E402
-from kernels.paged_attention import decode_attention_triton  # noqa: E402
-from kernels.prefill_attention import prefill_attention_triton  # noqa: E402
+from flotilla.kernels import prefill_attention  # noqa: E402
+from flotilla.kernels.kv_cache import write_kv_cache_triton  # noqa: E402
+from flotilla.kernels.kv_quant import KVScales, quantize_kv_ref  # noqa: E402
+from flotilla.kernels.paged_attention import decode_attention_triton  # noqa: E402
+from flotilla.kernels.prefill_attention import prefill_attention_triton  # noqa: E402
 from tests.kernels.attention_cases import make_case  # noqa: E402
 
 HQ, HK, D, BS = 32, 8, 128, 16

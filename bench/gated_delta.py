@@ -27,9 +27,9 @@ if not __package__:  # run as a script: import the `kernels` package, not this f
 
 import torch  # noqa: E402
 
-from kernels import gated_delta_torch as ref  # noqa: E402
-from kernels.causal_conv1d import causal_conv1d_update_torch, causal_conv1d_varlen_torch  # noqa: E402
-from kernels.gated_delta import (  # noqa: E402
+from flotilla.kernels import gated_delta_torch as ref  # noqa: E402
+from flotilla.kernels.causal_conv1d import causal_conv1d_update_torch, causal_conv1d_varlen_torch  # noqa: E402
+from flotilla.kernels.gated_delta import (  # noqa: E402
     causal_conv1d_update,
     causal_conv1d_varlen,
     chunk_gated_delta_rule,
@@ -113,7 +113,7 @@ def bench_prefill(
         ("", lambda: chunk_gated_delta_rule(*args, **kw))
     ]
     if device == "cuda":
-        from kernels.gated_delta_chunk import chunk_gated_delta_rule_triton
+        from flotilla.kernels.gated_delta_chunk import chunk_gated_delta_rule_triton
 
         for label, precision, block in (
             ("tf32x3", "tf32x3", 32),

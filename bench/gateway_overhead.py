@@ -74,7 +74,7 @@ class FakeNC:
     is_connected = True
 
     def __init__(self, frames: list[bytes], progress: Progress, opening: int):
-        from libs.common.messages import Admission, ToolsListReply, encode
+        from flotilla.libs.common.messages import Admission, ToolsListReply, encode
 
         self.frames, self.progress, self.opening = frames, progress, opening
         self.admitted = encode(Admission(request_id="bench", accepted=True))
@@ -130,7 +130,7 @@ class FakeNC:
 
 
 def text_frames(tokens: int) -> list[bytes]:
-    from libs.common.messages import TextDelta, TextFinal, TextFrame, Usage, encode
+    from flotilla.libs.common.messages import TextDelta, TextFinal, TextFrame, Usage, encode
 
     frames = [TextFrame(request_id="bench-0", seq=i, kind="data",
                         data=TextDelta(text=f" word{i}")) for i in range(tokens)]
@@ -175,12 +175,12 @@ async def one_request(app: Any, path: str, body: bytes, progress: Progress) -> i
 
 async def whole_requests(requests: int, tokens: int) -> dict[str, float]:
     """CPU ms per streamed request with 1 and with `tokens` tokens, per path."""
-    from libs.common import telemetry
-    from libs.common.bus import Bus
-    from libs.common.messages import Announcement
-    from libs.common.settings import GatewaySettings
-    from libs.common.store import MemoryStore
-    from services.gateway.app import create_app
+    from flotilla.libs.common import telemetry
+    from flotilla.libs.common.bus import Bus
+    from flotilla.libs.common.messages import Announcement
+    from flotilla.libs.common.settings import GatewaySettings
+    from flotilla.libs.common.store import MemoryStore
+    from flotilla.services.gateway.app import create_app
 
     settings = GatewaySettings(nats_url="nats://unused", redis_url=None, log_level="WARNING",
                                model_ttl_s=3600)  # type: ignore[call-arg]
@@ -211,7 +211,7 @@ class BurstNC(FakeNC):
     a request ends there."""
 
     def __init__(self) -> None:
-        from libs.common.messages import Admission, ErrorInfo, encode
+        from flotilla.libs.common.messages import Admission, ErrorInfo, encode
 
         super().__init__([], Progress(), 0)
         self.times: list[float] = []
@@ -232,11 +232,11 @@ async def burst(n: int = 64, bursts: int = 30) -> dict[str, float]:
     """`n` /v1/completions started together (tasks created at once, as uvicorn does for
     connections whose bytes arrive in one loop turn): ms from the start until the first, the
     median and the last reach the bus, medians over `bursts` (5 more warm up)."""
-    from libs.common.bus import Bus
-    from libs.common.messages import Announcement
-    from libs.common.settings import GatewaySettings
-    from libs.common.store import MemoryStore
-    from services.gateway.app import create_app
+    from flotilla.libs.common.bus import Bus
+    from flotilla.libs.common.messages import Announcement
+    from flotilla.libs.common.settings import GatewaySettings
+    from flotilla.libs.common.store import MemoryStore
+    from flotilla.services.gateway.app import create_app
 
     settings = GatewaySettings(nats_url="nats://unused", redis_url=None, log_level="WARNING",
                                model_ttl_s=3600)  # type: ignore[call-arg]

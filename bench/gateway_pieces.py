@@ -34,12 +34,12 @@ def pieces(tokens: int) -> list[tuple[str, float | None, float]]:
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
 
-    from libs.common.messages import TextDelta, TextFrame, decode, encode
-    from services.gateway.chunks import chunk_builder
-    from services.gateway.plan import chat_plan
-    from services.gateway.spec import Spec
-    from services.gateway.sse import sse
-    from services.gateway.tracing import TracingMiddleware
+    from flotilla.libs.common.messages import TextDelta, TextFrame, decode, encode
+    from flotilla.services.gateway.chunks import chunk_builder
+    from flotilla.services.gateway.plan import chat_plan
+    from flotilla.services.gateway.spec import Spec
+    from flotilla.services.gateway.sse import sse
+    from flotilla.services.gateway.tracing import TracingMiddleware
 
     if not isinstance(trace.get_tracer_provider(), TracerProvider):
         trace.set_tracer_provider(TracerProvider())
@@ -100,8 +100,8 @@ async def _read_cost(callback: bool, frames: int, rounds: int = 30) -> float:
     them: nats-py's next_msg(timeout) (before) or this tree's StreamReader (callback)."""
     from nats.aio.msg import Msg
 
-    from libs.common.bus import StreamReader
-    from libs.common.messages import TextDelta, TextFrame, decode, encode
+    from flotilla.libs.common.bus import StreamReader
+    from flotilla.libs.common.messages import TextDelta, TextFrame, decode, encode
 
     nc = FakeNC([], Progress(), 0)
     data = [encode(TextFrame(request_id="r", seq=i, kind="data", data=TextDelta(text="x")))

@@ -64,11 +64,11 @@ def time_ms(fn: Callable[[], object], cuda: bool) -> float:
 
 def build(fmt: str, n: int, k: int, device: str) -> tuple[Callable[[torch.Tensor], object], int]:
     """(x -> y, bytes of weights read per call) of one format on random weights."""
-    from kernels.fp8 import fp8_matmul_triton, quantize_fp8_per_channel
-    from kernels.gemv import gemv_triton
-    from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
-    from kernels.gguf_matmul import gguf_matmul_triton
-    from kernels.w4a16 import w4a16_matmul_triton
+    from flotilla.kernels.fp8 import fp8_matmul_triton, quantize_fp8_per_channel
+    from flotilla.kernels.gemv import gemv_triton
+    from flotilla.kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
+    from flotilla.kernels.gguf_matmul import gguf_matmul_triton
+    from flotilla.kernels.w4a16 import w4a16_matmul_triton
 
     if fmt in ("cublas", "gemv"):
         w = torch.randn(n, k, dtype=torch.bfloat16, device=device) / k ** 0.5
@@ -95,7 +95,7 @@ def build(fmt: str, n: int, k: int, device: str) -> tuple[Callable[[torch.Tensor
         if fmt == "fp8g128":
             scale = scale.repeat(1, k // GROUP) * (1 + torch.rand(n, k // GROUP, device=device))
         if fmt == "fp8mma":
-            from kernels.fp8_gemv import fp8_gemv_mma
+            from flotilla.kernels.fp8_gemv import fp8_gemv_mma
 
             return (lambda x: fp8_gemv_mma(x, w8, scale, k)), w8.numel() + scale.numel() * 4
         return (lambda x: fp8_matmul_triton(x, w8, scale)), w8.numel() + scale.numel() * 4
@@ -104,15 +104,15 @@ def build(fmt: str, n: int, k: int, device: str) -> tuple[Callable[[torch.Tensor
 
 def best_config(fmt: str, m: int) -> str | None:
     if fmt in ("gemv", "gemv(silu)"):
-        from kernels.gemv import _gemv_tuned
+        from flotilla.kernels.gemv import _gemv_tuned
     elif fmt == "fp8mma" and m <= 2:  # the tensor-core fp8 GEMV
-        from kernels.fp8_gemv import _gemv_tuned
+        from flotilla.kernels.fp8_gemv import _gemv_tuned
     elif fmt in ("fp8", "fp8g128"):  # the CUDA-core fp8 GEMV (FLOTILLA_FP8_GEMV=fma)
-        from kernels.fp8_gemv_fma import _tuned as _gemv_tuned
+        from flotilla.kernels.fp8_gemv_fma import _tuned as _gemv_tuned
     elif fmt == "w4a16" and m == 1:  # the CUDA-core w4a16 GEMV
-        from kernels.w4a16_gemv import _tuned as _gemv_tuned
+        from flotilla.kernels.w4a16_gemv import _tuned as _gemv_tuned
     elif fmt in ("q4k", "q5k") and m <= 2:  # kernels/gguf_kquant_gemv.py
-        from kernels import gguf_kquant_gemv
+        from flotilla.kernels import gguf_kquant_gemv
 
         _gemv_tuned = gguf_kquant_gemv._tuned_q4 if fmt == "q4k" else gguf_kquant_gemv._tuned_q5
     else:
@@ -150,8 +150,8 @@ def _each(fns: list[Callable[[torch.Tensor], object]], x: torch.Tensor) -> None:
 
 def fused_down(n: int, k: int, ms: list[int], cuda: bool, copy_gbps: float) -> list[dict]:
     """down(silu(gate) * up): fused GEMV vs silu_and_mul + cuBLAS."""
-    from kernels.activation import silu_and_mul_triton
-    from kernels.gemv import gemv_triton
+    from flotilla.kernels.activation import silu_and_mul_triton
+    from flotilla.kernels.gemv import gemv_triton
 
     device = "cuda" if cuda else "cpu"
     ws = [torch.randn(n, k, dtype=torch.bfloat16, device=device) / k ** 0.5

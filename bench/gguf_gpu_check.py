@@ -28,12 +28,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.fused_moe import fused_moe_ref, fused_moe_triton  # noqa: E402
-from kernels.gguf_dequant import GGUF_TYPES, IQ4_XS, Q4_K, Q6_K, dequantize_ref  # noqa: E402
-from kernels.gguf_iq import IQ_GRID_TYPES  # noqa: E402
-from kernels.gguf_matmul import gguf_matmul_triton  # noqa: E402
-from kernels.gguf_moe import QuantPart, dequantize_parts, fused_moe_gguf_triton  # noqa: E402
-from services.engine.quant.gguf_quantize import quantize_gguf  # noqa: E402
+from flotilla.kernels.fused_moe import fused_moe_ref, fused_moe_triton  # noqa: E402
+from flotilla.kernels.gguf_dequant import GGUF_TYPES, IQ4_XS, Q4_K, Q6_K, dequantize_ref  # noqa: E402
+from flotilla.kernels.gguf_iq import IQ_GRID_TYPES  # noqa: E402
+from flotilla.kernels.gguf_matmul import gguf_matmul_triton  # noqa: E402
+from flotilla.kernels.gguf_moe import QuantPart, dequantize_parts, fused_moe_gguf_triton  # noqa: E402
+from flotilla.services.engine.quant.gguf_quantize import quantize_gguf  # noqa: E402
 
 LIMIT = 5e-2
 _IQ4_NL = 20

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import gpu_state, rand_prompts, run  # noqa: E402
 from bench.gguf_moe_file import QWEN3_30B_A3B, MoEShape, write_qwen3_moe_gguf  # noqa: E402
-from libs.common.gguf_files import gguf_parts  # noqa: E402
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.engine.loader import load_model  # noqa: E402
+from flotilla.libs.common.gguf_files import gguf_parts  # noqa: E402
+from flotilla.services.engine.engine import Engine, EngineConfig  # noqa: E402
+from flotilla.services.engine.loader import load_model  # noqa: E402
 
 SMOKE = MoEShape(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, experts=8,
                  top_k=2, moe_inter=256, context=512)

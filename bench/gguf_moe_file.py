@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from kernels.gguf_dequant import Q4_K, Q6_K
-from services.engine.quant.gguf_quantize import quantize_gguf
+from flotilla.kernels.gguf_dequant import Q4_K, Q6_K
+from flotilla.services.engine.quant.gguf_quantize import quantize_gguf
 
 F32 = int(GGMLQuantizationType.F32)
 

@@ -63,9 +63,9 @@ def gguf_file(path: Path, shape: LlamaShape, device: str) -> tuple[Path, float]:
 
 def flotilla(path: Path, shape: LlamaShape, device: str, cases: dict[str, int], reps: int,
              build: Any) -> dict[str, Any]:
-    from libs.common.settings import EngineSettings
-    from services.engine.engine import Engine
-    from services.engine.factory import engine_config
+    from flotilla.libs.common.settings import EngineSettings
+    from flotilla.services.engine.engine import Engine
+    from flotilla.services.engine.factory import engine_config
 
     pp, tg, batch = cases["prompt"], cases["gen"], cases["batch"]
     t = time.perf_counter()

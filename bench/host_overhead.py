@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.engine import model_runner as mr  # noqa: E402
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
-from services.engine.step_output import LaunchedStep  # noqa: E402
+from flotilla.services.engine import model_runner as mr  # noqa: E402
+from flotilla.services.engine.engine import Engine, EngineConfig  # noqa: E402
+from flotilla.services.engine.sampling_params import SamplingParams  # noqa: E402
+from flotilla.services.engine.step_output import LaunchedStep  # noqa: E402
 
 VOCAB = 1024
 TINY_LLAMA = {

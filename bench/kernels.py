@@ -22,22 +22,22 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
-from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from flotilla.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from flotilla.kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton  # noqa: E402
+from flotilla.kernels.paged_attention import (  # noqa: E402
     decode_attention_triton,
     paged_attention_ref,
     paged_attention_triton,
 )
-from kernels.prefill_attention import prefill_attention_triton  # noqa: E402
-from kernels.rms_norm import (  # noqa: E402
+from flotilla.kernels.prefill_attention import prefill_attention_triton  # noqa: E402
+from flotilla.kernels.rms_norm import (  # noqa: E402
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
     rms_norm_ref,
     rms_norm_triton,
 )
-from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
-from services.engine.forward_context import AttentionMetadata  # noqa: E402
+from flotilla.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
+from flotilla.services.engine.forward_context import AttentionMetadata  # noqa: E402
 
 
 def bench(fn: Callable[..., object], *args: object, **kwargs: object) -> float:

@@ -40,8 +40,8 @@ def _rate(stamps: list[float]) -> float:
 
 
 async def _library(model: str, tokens: int, device: str, threads: int | None) -> float:
-    from services.engine.llm import LLM
-    from services.engine.sampling_params import SamplingParams
+    from flotilla.services.engine.llm import LLM
+    from flotilla.services.engine.sampling_params import SamplingParams
 
     llm = LLM(model, device=device, num_threads=threads)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -54,11 +54,11 @@ async def _library(model: str, tokens: int, device: str, threads: int | None) ->
 
 
 async def _server(model: str, tokens: int, device: str, threads: int | None) -> float:
-    from libs.common.model_cache import resolve_model
-    from libs.common.settings import EngineSettings
-    from services.engine.factory import build_engine
-    from services.engine.loop import EngineLoop
-    from services.engine.sampling_params import SamplingParams
+    from flotilla.libs.common.model_cache import resolve_model
+    from flotilla.libs.common.settings import EngineSettings
+    from flotilla.services.engine.factory import build_engine
+    from flotilla.services.engine.loop import EngineLoop
+    from flotilla.services.engine.sampling_params import SamplingParams
 
     settings = EngineSettings.model_construct(model=model, device=device, num_threads=threads)
     path = resolve_model(model)

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import copy_bandwidth, gpu_state, rand_prompts, run  # noqa: E402
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
+from flotilla.services.engine.engine import Engine, EngineConfig  # noqa: E402
 
 # openai/gpt-oss-20b's config.json (vocabulary, rope, windows and sizes as published)
 GPT_OSS_20B: dict[str, Any] = {

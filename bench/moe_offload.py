@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import copy_bandwidth, gpu_state, rand_prompts, run  # noqa: E402
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
+from flotilla.services.engine.engine import Engine, EngineConfig  # noqa: E402
 
 # Qwen/Qwen3-30B-A3B's config.json (sizes as published)
 QWEN3_30B_A3B: dict[str, Any] = {

@@ -22,8 +22,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import model_dir, rand_prompts  # noqa: E402
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from flotilla.services.engine.engine import Engine, EngineConfig  # noqa: E402
+from flotilla.services.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def table(prof: profile, rows: int = 16) -> str:

@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import LLAMA3_8B, copy_bandwidth, model_dir, rand_prompts, run  # noqa: E402
-from libs.common.settings import EngineSettings  # noqa: E402
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.engine.factory import kernel_selection  # noqa: E402
+from flotilla.libs.common.settings import EngineSettings  # noqa: E402
+from flotilla.services.engine.engine import Engine, EngineConfig  # noqa: E402
+from flotilla.services.engine.factory import kernel_selection  # noqa: E402
 
 TARGETS = {"q4k": 300, "gptq": 350, "awq": 350, "fp8": 280}
 FORMATS = {  # name -> (EngineConfig quantization, isq)
@@ -115,7 +115,7 @@ def gemv_bandwidth(model: torch.nn.Module, copy_gbps: float, dtype: torch.dtype)
 
 def tuned_picks() -> dict[str, dict[str, str]]:
     """The decode GEMVs' autotuned tiles so far in this process ({kernel: {key: config}})."""
-    from kernels import (
+    from flotilla.kernels import (
         fp8_gemv_fma,
         gemv,
         gguf_kquant_gemv,

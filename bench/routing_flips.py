@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.engine.layers.moe import Router
-from services.engine.models.gemma4_moe import Gemma4Router
+from flotilla.services.engine.layers.moe import Router
+from flotilla.services.engine.models.gemma4_moe import Gemma4Router
 
 ENGINE_ROUTERS = (Router, Gemma4Router)  # output (weights, ids)
 

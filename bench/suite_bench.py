@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import LLAMA3_8B  # noqa: E402
 from bench.step_log import burst_steps, quantiles  # noqa: E402
-from services.launcher.nats_server import NatsServer, free_port  # noqa: E402
+from flotilla.services.launcher.nats_server import NatsServer, free_port  # noqa: E402
 
 MODEL_NAME = "llama3-8b-dummy"
 NUM_SPECIAL = 256  # <|begin_of_text|>, <|end_of_text|>, reserved ..., as llama 3
@@ -94,7 +94,7 @@ def start_services(model: Path, nats_url: str, port: int, log_dir: Path, device:
     procs = []
     for name in names:
         log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115  (kept open by the child)
-        procs.append(subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", f"flotilla.services.{name}"], env=env,
                                       stdout=log, stderr=subprocess.STDOUT,
                                       cwd=Path(__file__).resolve().parents[1]))
     return procs
@@ -235,7 +235,7 @@ def engine_alone(model: Path, prompt_sets: list[list[list[int]]], new: int, devi
                  ) -> dict:
     """The same kind of burst through an in-process Engine, once per prompt set (median)."""
     from bench.engine_bench import run
-    from services.engine.engine import Engine, EngineConfig
+    from flotilla.services.engine.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=str(model), load_format="dummy", device=device,
                                  dtype="bfloat16" if device == "cuda" else "float32",
@@ -279,7 +279,7 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variant] or [("default", {})]
     model = write_model_dir(args.layers, args.tiny)
     rng = random.Random(0)
-    from services.tokenizer.tokenizer import Tokenizer
+    from flotilla.services.tokenizer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_path(model)
 

@@ -36,9 +36,9 @@ from bench.suite_bench import (  # noqa: E402
     start_services,
     write_model_dir,
 )
-from libs.common import subjects  # noqa: E402
-from libs.common.bus import Bus  # noqa: E402
-from libs.common.messages import (  # noqa: E402
+from flotilla.libs.common import subjects  # noqa: E402
+from flotilla.libs.common.bus import Bus  # noqa: E402
+from flotilla.libs.common.messages import (  # noqa: E402
     Admission,
     SamplingOptions,
     TextRequest,
@@ -46,7 +46,7 @@ from libs.common.messages import (  # noqa: E402
     TokenFrame,
     TokenRequest,
 )
-from services.launcher.nats_server import NatsServer  # noqa: E402
+from flotilla.services.launcher.nats_server import NatsServer  # noqa: E402
 
 
 async def run_variant(nats_url: str, model: Path, env: dict[str, str], args: argparse.Namespace,

@@ -31,11 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import LLAMA3_8B, model_dir, rand_prompts, run  # noqa: E402
-from libs.common.settings import EngineSettings  # noqa: E402
-from services.engine.distributed import disable_multicast_env  # noqa: E402
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.engine.factory import kernel_selection  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from flotilla.libs.common.settings import EngineSettings  # noqa: E402
+from flotilla.services.engine.distributed import disable_multicast_env  # noqa: E402
+from flotilla.services.engine.engine import Engine, EngineConfig  # noqa: E402
+from flotilla.services.engine.factory import kernel_selection  # noqa: E402
+from flotilla.services.engine.sampling_params import SamplingParams  # noqa: E402
 
 CHECK_PROMPT_LEN = 96
 CHECK_TIMEOUT_S = float(os.environ.get("TP_CHECK_TIMEOUT_S", "150"))

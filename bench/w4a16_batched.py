@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.w4a16 import unpack_int4, w4a16_dequantize_ref, w4a16_matmul_triton  # noqa: E402
-from kernels.w4a16_marlin import MARLIN_CONFIGS, marlin_pack, w4a16_marlin  # noqa: E402
-from kernels.w4a16_marlin import _tuned as _marlin_tuned  # noqa: E402
-from kernels.w4a16_mma import w4a16_mma  # noqa: E402
+from flotilla.kernels.w4a16 import unpack_int4, w4a16_dequantize_ref, w4a16_matmul_triton  # noqa: E402
+from flotilla.kernels.w4a16_marlin import MARLIN_CONFIGS, marlin_pack, w4a16_marlin  # noqa: E402
+from flotilla.kernels.w4a16_marlin import _tuned as _marlin_tuned  # noqa: E402
+from flotilla.kernels.w4a16_mma import w4a16_mma  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128

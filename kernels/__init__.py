@@ -23,27 +23,27 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import SwigluOAI, silu_and_mul_ref, silu_and_mul_triton
-from kernels.argmax import argmax_ref, argmax_triton
-from kernels.attention_metadata import AttentionMetadata
-from kernels.fp8 import fp8_matmul_ref, fp8_matmul_triton
-from kernels.fused_moe import fused_moe_ref, fused_moe_triton
-from kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
-from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
-from kernels.kv_quant import FP8_KV_DTYPE, KVScales
-from kernels.paged_attention import paged_attention_ref, paged_attention_triton
-from kernels.rms_norm import (
+from flotilla.kernels.activation import SwigluOAI, silu_and_mul_ref, silu_and_mul_triton
+from flotilla.kernels.argmax import argmax_ref, argmax_triton
+from flotilla.kernels.attention_metadata import AttentionMetadata
+from flotilla.kernels.fp8 import fp8_matmul_ref, fp8_matmul_triton
+from flotilla.kernels.fused_moe import fused_moe_ref, fused_moe_triton
+from flotilla.kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
+from flotilla.kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
+from flotilla.kernels.kv_quant import FP8_KV_DTYPE, KVScales
+from flotilla.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from flotilla.kernels.rms_norm import (
     AddNormOutput,
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
     rms_norm_ref,
     rms_norm_triton,
 )
-from kernels.rotary import RotaryOutput, rotary_embedding_ref, rotary_embedding_triton
-from kernels.rotary_kv import rotary_write_kv_cache_ref, rotary_write_kv_cache_triton
-from kernels.selection import DEFAULT_SELECTION, KernelSelection
-from kernels.triton_compat import HAVE_TRITON
-from kernels.w4a16 import w4a16_matmul_ref, w4a16_matmul_triton
+from flotilla.kernels.rotary import RotaryOutput, rotary_embedding_ref, rotary_embedding_triton
+from flotilla.kernels.rotary_kv import rotary_write_kv_cache_ref, rotary_write_kv_cache_triton
+from flotilla.kernels.selection import DEFAULT_SELECTION, KernelSelection
+from flotilla.kernels.triton_compat import HAVE_TRITON
+from flotilla.kernels.w4a16 import w4a16_matmul_ref, w4a16_matmul_triton
 
 __all__ = [
     "DEFAULT_SELECTION",

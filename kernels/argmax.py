@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:

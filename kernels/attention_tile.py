@@ -8,7 +8,7 @@ attention sink (gpt-oss) to a finished online softmax.
 
 from __future__ import annotations
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 

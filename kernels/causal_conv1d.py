@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 
 def causal_conv1d_varlen_torch(
@@ -224,7 +224,7 @@ def causal_conv1d_varlen_triton(
     block_c: int = 128,
 ) -> torch.Tensor:
     """Grid (token blocks of each sequence, channel blocks); shapes checked by gated_delta.py."""
-    from kernels.gated_delta_chunk import sequence_chunks
+    from flotilla.kernels.gated_delta_chunk import sequence_chunks
 
     channels, width = weight.shape
     if width - 1 > block_t:  # a sequence's first block must hold every read of its old state

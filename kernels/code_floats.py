@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

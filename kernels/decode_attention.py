@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.attention_tile import LOG2E, attend_tile, fold_sink
-from kernels.kv_quant import KVScales
-from kernels.pdl import pdl_args, pdl_wait
-from kernels.prefill_attention import (
+from flotilla.kernels.attention_metadata import AttentionMetadata
+from flotilla.kernels.attention_tile import LOG2E, attend_tile, fold_sink
+from flotilla.kernels.kv_quant import KVScales
+from flotilla.kernels.pdl import pdl_args, pdl_wait
+from flotilla.kernels.prefill_attention import (
     check_attention_args,
     new_output,
     window_arg,
 )
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 # default_num_splits: contexts up to SHORT_SPLIT_KEYS keys get latency-sized splits, and one
 # split once a launch has ONE_SPLIT_PROGRAMS (sequence, KV head) programs (~ the SM count).

@@ -31,8 +31,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.kv_quant import KVScales
+from flotilla.kernels.attention_metadata import AttentionMetadata
+from flotilla.kernels.kv_quant import KVScales
 
 log = logging.getLogger(__name__)
 DENSE_MIN_TOKENS = 1024  # shorter prompts: the paged kernel (launch-bound there anyway)

@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_triton
-from kernels.fp8_gemv import MAX_M, fp8_gemv_mma, mma_gemv_ok
-from kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
-from kernels.gemv_rows import check_gated
-from kernels.gguf_matmul import _gemm_tiles, use_gemv
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.activation import silu_and_mul_triton
+from flotilla.kernels.fp8_gemv import MAX_M, fp8_gemv_mma, mma_gemv_ok
+from flotilla.kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
+from flotilla.kernels.gemv_rows import check_gated
+from flotilla.kernels.gguf_matmul import _gemm_tiles, use_gemv
+from flotilla.kernels.triton_compat import tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from kernels.split_k import LOCKS, lock_buffer, split_k_store
-from kernels.triton_compat import tl, triton
-from kernels.tuning import warmup_autotune
+from flotilla.kernels.split_k import LOCKS, lock_buffer, split_k_store
+from flotilla.kernels.triton_compat import tl, triton
+from flotilla.kernels.tuning import warmup_autotune
 
 MAX_M = 2  # rows of x (the dot pads them to 16 columns)
 X_RANGE = tl.constexpr(32768.0)  # bf16 rows are scaled so that max|x| is this (fp16 max: 65504)

@@ -28,13 +28,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import (
+from flotilla.kernels.activation import (
     SwigluOAI,
     silu_and_mul_triton,
     swiglu_oai_ref,
     swiglu_oai_triton,
 )
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 
 def fused_moe_ref(

@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import causal_conv1d as conv
-from kernels import gated_delta_torch as ref
-from kernels.triton_compat import HAVE_TRITON
+from flotilla.kernels import causal_conv1d as conv
+from flotilla.kernels import gated_delta_torch as ref
+from flotilla.kernels.triton_compat import HAVE_TRITON
 
 
 class GatedDeltaOutput(NamedTuple):
@@ -90,7 +90,7 @@ def chunk_gated_delta_rule(
             f"{tuple(initial_state.shape)}"
         )
     if _use_triton(q, kernels):
-        from kernels.gated_delta_chunk import chunk_gated_delta_rule_triton
+        from flotilla.kernels.gated_delta_chunk import chunk_gated_delta_rule_triton
 
         # fp32 models get the state walk and output at about fp32 accuracy (3 tf32 passes,
         # ~1.45x the time on an H100: relative state error 6e-7 instead of 8e-4); 16-bit ones
@@ -136,7 +136,7 @@ def fused_recurrent_gated_delta_rule_update(
     if state_indices.shape != (q.shape[0],) or state_indices.dtype != torch.int32:
         raise ValueError(f"state_indices must be int32 [{q.shape[0]}]")
     if _use_triton(q, kernels):
-        from kernels.gated_delta_recurrent import fused_recurrent_update_triton
+        from flotilla.kernels.gated_delta_recurrent import fused_recurrent_update_triton
 
         return fused_recurrent_update_triton(
             q, k, v, g, beta, scale, state, state_indices, use_qk_l2norm

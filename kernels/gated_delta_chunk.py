@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 BT = 64  # chunk length: transformers' chunk_size
 

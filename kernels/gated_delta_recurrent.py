@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 
 @triton.jit

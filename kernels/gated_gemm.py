@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import silu_and_mul_ref, silu_mul
-from kernels.triton_compat import TensorDescriptor, tl, triton
+from flotilla.kernels.activation import silu_and_mul_ref, silu_mul
+from flotilla.kernels.triton_compat import TensorDescriptor, tl, triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): each program holds 2 x BLOCK_M x BLOCK_N fp32
 # accumulators; 128 x 128 is the 128 x 256 output tile Hopper GEMMs favour, split in two halves.

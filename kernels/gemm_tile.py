@@ -3,7 +3,7 @@ w4a16.py)."""
 
 from __future__ import annotations
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 
 @triton.jit

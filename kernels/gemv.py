@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_mul
-from kernels.gemv_rows import check_gated, gemv_grid, gemv_rows
-from kernels.pdl import pdl_args, pdl_wait
-from kernels.triton_compat import tl, triton
-from kernels.tuning import warmup_autotune
+from flotilla.kernels.activation import silu_mul
+from flotilla.kernels.gemv_rows import check_gated, gemv_grid, gemv_rows
+from flotilla.kernels.pdl import pdl_args, pdl_wait
+from flotilla.kernels.triton_compat import tl, triton
+from flotilla.kernels.tuning import warmup_autotune
 
 GEMV_MAX_M = 16
 _DTYPES = (torch.float16, torch.bfloat16)

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from kernels.activation import silu_mul
-from kernels.code_floats import INTERPRET
-from kernels.pdl import pdl_args
-from kernels.triton_compat import tl, triton
-from kernels.vector_loads import x_words_ok
+from flotilla.kernels.activation import silu_mul
+from flotilla.kernels.code_floats import INTERPRET
+from flotilla.kernels.pdl import pdl_args
+from flotilla.kernels.triton_compat import tl, triton
+from flotilla.kernels.vector_loads import x_words_ok
 
 
 @triton.jit

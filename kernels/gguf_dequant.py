@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
 
-from kernels.gguf_iq import (
+from flotilla.kernels.gguf_iq import (
     IQ2_S,
     IQ2_XS,
     IQ2_XXS,
@@ -45,7 +45,7 @@ from kernels.gguf_iq import (
     dequant_iq_group,
     dequantize_iq_ref,
 )
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 
 class GGUFType(NamedTuple):

@@ -29,7 +29,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S = 16, 17, 18, 21, 22
 IQ_GRID_TYPES = frozenset({IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S})

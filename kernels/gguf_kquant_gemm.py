@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.code_floats import INTERPRET, codes4
-from kernels.gemm_tile import store_tile
-from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
-from kernels.triton_compat import tl, triton
-from kernels.vector_loads import f16_low
+from flotilla.kernels.code_floats import INTERPRET, codes4
+from flotilla.kernels.gemm_tile import store_tile
+from flotilla.kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
+from flotilla.kernels.triton_compat import tl, triton
+from flotilla.kernels.vector_loads import f16_low
 
 
 @triton.jit

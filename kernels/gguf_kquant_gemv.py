@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.code_floats import INTERPRET, codes4
-from kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
-from kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
-from kernels.pdl import pdl_wait_after
-from kernels.triton_compat import tl, triton
-from kernels.tuning import warmup_autotune
-from kernels.vector_loads import f16_low, load16, x8
+from flotilla.kernels.code_floats import INTERPRET, codes4
+from flotilla.kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
+from flotilla.kernels.gguf_dequant import Q4_K, Q5_K, gguf_type
+from flotilla.kernels.pdl import pdl_wait_after
+from flotilla.kernels.triton_compat import tl, triton
+from flotilla.kernels.tuning import warmup_autotune
+from flotilla.kernels.vector_loads import f16_low, load16, x8
 
 _ROTL_ASM = tl.constexpr("shf.l.wrap.b32 $0, $1, $1, $2;")
 

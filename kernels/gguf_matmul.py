@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_triton
-from kernels.gemm_tile import store_tile
-from kernels.gemv_rows import check_gated
-from kernels.gguf_dequant import (
+from flotilla.kernels.activation import silu_and_mul_triton
+from flotilla.kernels.gemm_tile import store_tile
+from flotilla.kernels.gemv_rows import check_gated
+from flotilla.kernels.gguf_dequant import (
     Q2_K,
     Q3_K,
     Q4_K,
@@ -33,10 +33,10 @@ from kernels.gguf_dequant import (
     gguf_in_features,
     gguf_type,
 )
-from kernels.gguf_iq import iq_grid
-from kernels.gguf_kquant_gemm import kquant_gemm_config, kquant_gemm_launch, kquant_gemm_ok
-from kernels.gguf_kquant_gemv import kquant_gemv_triton
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.gguf_iq import iq_grid
+from flotilla.kernels.gguf_kquant_gemm import kquant_gemm_config, kquant_gemm_launch, kquant_gemm_ok
+from flotilla.kernels.gguf_kquant_gemv import kquant_gemv_triton
+from flotilla.kernels.triton_compat import tl, triton
 
 GEMV_MAX_M = 2
 _DOT_DTYPES = (torch.float16, torch.bfloat16)

@@ -23,12 +23,12 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.activation import silu_and_mul_triton
-from kernels.fused_moe import fused_moe_ref, moe_align_block_size
-from kernels.gguf_dequant import Q2_K, Q3_K, Q6_K, dequantize_ref, gguf_type
-from kernels.gguf_iq import iq_grid
-from kernels.gguf_matmul import dequant_dot_blocks
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.activation import silu_and_mul_triton
+from flotilla.kernels.fused_moe import fused_moe_ref, moe_align_block_size
+from flotilla.kernels.gguf_dequant import Q2_K, Q3_K, Q6_K, dequantize_ref, gguf_type
+from flotilla.kernels.gguf_iq import iq_grid
+from flotilla.kernels.gguf_matmul import dequant_dot_blocks
+from flotilla.kernels.triton_compat import tl, triton
 
 
 class QuantPart(NamedTuple):

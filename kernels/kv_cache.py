@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_quant import KVScales, check_kv_scales, quantize_kv_ref, quantize_rows
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.kv_quant import KVScales, check_kv_scales, quantize_kv_ref, quantize_rows
+from flotilla.kernels.triton_compat import tl, triton
 
 
 def write_kv_cache_ref(

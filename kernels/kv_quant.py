@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention import (
+from flotilla.kernels.attention_metadata import AttentionMetadata
+from flotilla.kernels.paged_attention import (
     _decode_reduce_kernel,
     default_num_splits,
     store_split_output,
 )
-from kernels.prefill_attention import new_output
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.prefill_attention import new_output
+from flotilla.kernels.triton_compat import tl, triton
 
 LOG2E = 1.4426950408889634
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import SwigluOAI, silu_and_mul_triton, swiglu_oai_triton
-from kernels.fused_moe import fused_moe_ref, moe_align_block_size
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.activation import SwigluOAI, silu_and_mul_triton, swiglu_oai_triton
+from flotilla.kernels.fused_moe import fused_moe_ref, moe_align_block_size
+from flotilla.kernels.triton_compat import tl, triton
 
 MXFP4_BLOCK = 32  # values per scale
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

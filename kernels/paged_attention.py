@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.decode_attention import (  # noqa: F401 (re-exported from their old home)
+from flotilla.kernels.attention_metadata import AttentionMetadata
+from flotilla.kernels.decode_attention import (  # noqa: F401 (re-exported from their old home)
     ONE_SPLIT_PROGRAMS,
     SHORT_SPLIT_KEYS,
     _decode_reduce_kernel,
@@ -21,13 +21,13 @@ from kernels.decode_attention import (  # noqa: F401 (re-exported from their old
     default_num_splits,
     store_split_output,
 )
-from kernels.kv_quant import KVScales, dequantize_kv_ref
-from kernels.prefill_attention import (
+from flotilla.kernels.kv_quant import KVScales, dequantize_kv_ref
+from flotilla.kernels.prefill_attention import (
     attend_ref,
     prefill_attention_ref,
     prefill_attention_triton,
 )
-from kernels.selection import Tile
+from flotilla.kernels.selection import Tile
 
 # Decode reference: cap on gathered elements per batched chunk (bounds CPU memory).
 _REF_CHUNK_ELEMS = 1 << 25

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from kernels.code_floats import INTERPRET
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.code_floats import INTERPRET
+from flotilla.kernels.triton_compat import tl, triton
 
 PDL_MODES = ("auto", "0", "1")
 

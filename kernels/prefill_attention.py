@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.attention_tile import attend_tile, fold_sink
-from kernels.kv_quant import KVScales, check_kv_scales, dequantize_kv_ref
-from kernels.selection import Tile
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.attention_metadata import AttentionMetadata
+from flotilla.kernels.attention_tile import attend_tile, fold_sink
+from flotilla.kernels.kv_quant import KVScales, check_kv_scales, dequantize_kv_ref
+from flotilla.kernels.selection import Tile
+from flotilla.kernels.triton_compat import tl, triton
 
 
 def gather_kv_ref(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,

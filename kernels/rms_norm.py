@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.pdl import pdl_args, pdl_wait
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.pdl import pdl_args, pdl_wait
+from flotilla.kernels.triton_compat import tl, triton
 
 
 class AddNormOutput(NamedTuple):

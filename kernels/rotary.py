@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 
 class RotaryOutput(NamedTuple):

@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_cache import write_kv_cache_ref
-from kernels.kv_quant import KVScales, check_kv_scales, quantize, quantize_rows, scales_from_amax
-from kernels.pdl import pdl_args, pdl_wait
-from kernels.rotary import (
+from flotilla.kernels.kv_cache import write_kv_cache_ref
+from flotilla.kernels.kv_quant import (
+    KVScales,
+    check_kv_scales,
+    quantize,
+    quantize_rows,
+    scales_from_amax,
+)
+from flotilla.kernels.pdl import pdl_args, pdl_wait
+from flotilla.kernels.rotary import (
     check_rotary_args,
     load_cos_sin,
     rotary_embedding_ref,
     rotate_heads,
     rotated_halves,
 )
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 
 def rotary_write_kv_cache_ref(

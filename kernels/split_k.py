@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.triton_compat import tl, triton
 
 LOCKS = 4096  # split-K counters per device: output tiles of one launch
 _locks: dict[torch.device, torch.Tensor] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kernels.triton_compat import triton
+from flotilla.kernels.triton_compat import triton
 
 
 def _short_bench(fn: Callable[[], Any], quantiles: Sequence[float] | None = None) -> Any:

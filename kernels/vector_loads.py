@@ -10,8 +10,8 @@ loads.
 
 from __future__ import annotations
 
-from kernels.code_floats import bf16_pair
-from kernels.triton_compat import tl, triton
+from flotilla.kernels.code_floats import bf16_pair
+from flotilla.kernels.triton_compat import tl, triton
 
 _LOAD16_ASM = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
 _LOAD_F32_ASM = tl.constexpr("ld.global.nc.f32 $0, [$1];")

@@ -27,15 +27,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_triton
-from kernels.code_floats import INTERPRET, codes4
-from kernels.gemm_tile import store_tile
-from kernels.gemv_rows import check_gated
-from kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
-from kernels.triton_compat import tl, triton
-from kernels.w4a16_gemv import gemv_ok, w4a16_gemv
-from kernels.w4a16_marlin import marlin_ok, w4a16_marlin
-from kernels.w4a16_mma import mma_ok, w4a16_mma
+from flotilla.kernels.activation import silu_and_mul_triton
+from flotilla.kernels.code_floats import INTERPRET, codes4
+from flotilla.kernels.gemm_tile import store_tile
+from flotilla.kernels.gemv_rows import check_gated
+from flotilla.kernels.gguf_matmul import _gemm_tiles, split_k_for, use_gemv
+from flotilla.kernels.triton_compat import tl, triton
+from flotilla.kernels.w4a16_gemv import gemv_ok, w4a16_gemv
+from flotilla.kernels.w4a16_marlin import marlin_ok, w4a16_marlin
+from flotilla.kernels.w4a16_mma import mma_ok, w4a16_mma
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

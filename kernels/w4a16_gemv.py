@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.code_floats import INTERPRET, bf16_pair, codes4
-from kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
-from kernels.pdl import pdl_wait_after
-from kernels.triton_compat import tl, triton
-from kernels.tuning import warmup_autotune
-from kernels.vector_loads import _f16_pair, load16, load_run, load_scalars, x8
+from flotilla.kernels.code_floats import INTERPRET, bf16_pair, codes4
+from flotilla.kernels.gemv_rows import gemv_rows, gemv_store, lane_gemv
+from flotilla.kernels.pdl import pdl_wait_after
+from flotilla.kernels.triton_compat import tl, triton
+from flotilla.kernels.tuning import warmup_autotune
+from flotilla.kernels.vector_loads import _f16_pair, load16, load_run, load_scalars, x8
 
 RUN = 64  # weights per (row, run) element: the group size must be a multiple of it
 

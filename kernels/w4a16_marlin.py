@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.code_floats import INTERPRET
-from kernels.split_k import LOCKS, lock_buffer, split_k_store
-from kernels.triton_compat import tl, triton
-from kernels.tuning import warmup_autotune
+from flotilla.kernels.code_floats import INTERPRET
+from flotilla.kernels.split_k import LOCKS, lock_buffer, split_k_store
+from flotilla.kernels.triton_compat import tl, triton
+from flotilla.kernels.tuning import warmup_autotune
 
 BLOCK = 64  # weights of one re-packed block (8 words) along K
 SPLIT_MAX = 8
@@ -47,7 +47,7 @@ def marlin_order(k: int) -> torch.Tensor:
 
 def marlin_pack(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [N, K] (kernel order, K % 64 == 0) -> int32 [N, K / 8] re-packed."""
-    from kernels.w4a16 import pack_int4  # (kernels/w4a16.py imports this module)
+    from flotilla.kernels.w4a16 import pack_int4  # (kernels/w4a16.py imports this module)
 
     if codes.shape[1] % BLOCK:
         raise ValueError(f"the re-packed 4-bit layout needs K % {BLOCK} == 0, not "
@@ -57,7 +57,7 @@ def marlin_pack(codes: torch.Tensor) -> torch.Tensor:
 
 def marlin_unpack(qweight: torch.Tensor) -> torch.Tensor:
     """The inverse of marlin_pack: int32 [N, K / 8] -> uint8 codes [N, K] in kernel order."""
-    from kernels.w4a16 import unpack_int4
+    from flotilla.kernels.w4a16 import unpack_int4
 
     packed = unpack_int4(qweight)
     order = marlin_order(packed.shape[1]).to(qweight.device)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.code_floats import INTERPRET, codes4
-from kernels.split_k import LOCKS, lock_buffer, split_k_store
-from kernels.triton_compat import tl, triton
-from kernels.tuning import warmup_autotune
+from flotilla.kernels.code_floats import INTERPRET, codes4
+from flotilla.kernels.split_k import LOCKS, lock_buffer, split_k_store
+from flotilla.kernels.triton_compat import tl, triton
+from flotilla.kernels.tuning import warmup_autotune
 
 MMA_MAX_M = 64  # rows this kernel serves; more go to the K-order GEMM (kernels/w4a16.py)
 SPLIT_MAX = 8

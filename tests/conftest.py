@@ -37,7 +37,7 @@ _hypothesis_settings.load_profile("flotilla")
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The embedded default model's GGUF (fetched into the model cache once)."""
-    from libs.common.model_cache import ensure_default_model
+    from flotilla.libs.common.model_cache import ensure_default_model
 
     return ensure_default_model()
 
@@ -45,7 +45,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path: Path):  # type: ignore[no-untyped-def]
     """SmolLM2's tokenizer, built from its GGUF metadata."""
-    from services.tokenizer.tokenizer import Tokenizer
+    from flotilla.services.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_path(smollm2_path)
 

@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from libs.common.settings import (
+from flotilla.libs.common.settings import (
     ENV_PREFIX,
     EngineSettings,
     GatewaySettings,
@@ -26,16 +26,16 @@ from libs.common.settings import (
     TokenizerSettings,
     ToolsSettings,
 )
-from services.tools.config import load_mcp_config
+from flotilla.services.tools.config import load_mcp_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 DESIGN = {"nats", "redis", "gateway", "tokenizer", "tools", "engine", "otel-collector", "jaeger",
           "prometheus", "grafana"}
-SETTINGS = {"services.gateway": GatewaySettings, "services.tokenizer": TokenizerSettings,
-            "services.engine": EngineSettings, "services.tools": ToolsSettings,
-            "services.launcher": LauncherSettings}
+SETTINGS = {"flotilla.services.gateway": GatewaySettings, "flotilla.services.tokenizer": TokenizerSettings,
+            "flotilla.services.engine": EngineSettings, "flotilla.services.tools": ToolsSettings,
+            "flotilla.services.launcher": LauncherSettings}
 LIGHT_IMAGE_SERVICES = ["gateway", "tokenizer", "tools", "launcher"]  # built without torch
 
 
@@ -154,7 +154,7 @@ def test_gateway_port_and_host_agree_with_its_settings() -> None:
     published = [str(p).rsplit(":", 1)[-1] for p in SERVICES["gateway"]["ports"]]
     assert published == [str(settings.port)]
     stage = stages_of("gateway")[SERVICES["gateway"]["build"]["target"]]
-    assert stage["cmd"] == ["python", "-m", "services.gateway"]
+    assert stage["cmd"] == ["python", "-m", "flotilla.services.gateway"]
 
 
 @pytest.mark.parametrize("name", BUILT)
@@ -185,7 +185,7 @@ def test_engine_scales_and_reserves_a_gpu() -> None:
     cpu = SERVICES["engine-cpu"]
     assert cpu["profiles"] == ["cpu"] and "deploy" not in cpu and "container_name" not in cpu
     assert env_of("engine-cpu")["FLOTILLA_DEVICE"] == "cpu"
-    assert module_of(command_of("engine-cpu")) == "services.engine"
+    assert module_of(command_of("engine-cpu")) == "flotilla.services.engine"
 
 
 def test_no_fixed_container_names() -> None:
@@ -223,7 +223,7 @@ def test_dockerfile_copy_sources_exist() -> None:
 def test_service_targets_run_their_service() -> None:
     stages = dockerfile_stages(ROOT / "docker" / "Dockerfile")
     for service in ("gateway", "tokenizer", "tools", "engine"):
-        assert stages[service]["cmd"] == ["python", "-m", f"services.{service}"]
+        assert stages[service]["cmd"] == ["python", "-m", f"flotilla.services.{service}"]
     for name in BUILT:
         assert SERVICES[name]["build"]["target"] in stages
 
@@ -237,7 +237,7 @@ def test_build_context_keeps_the_code() -> None:
 @pytest.mark.parametrize("service", LIGHT_IMAGE_SERVICES)
 def test_light_images_do_not_need_torch(service: str) -> None:
     """The gateway/tokenizer/tools images are built without torch and triton."""
-    module = "services.launcher.cli" if service == "launcher" else f"services.{service}.service"
+    module = "flotilla.services.launcher.cli" if service == "launcher" else f"flotilla.services.{service}.service"
     probe = f"import sys, {module}; print('torch' in sys.modules or 'triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from libs.common.settings import ENV_PREFIX, GatewaySettings
+from flotilla.libs.common.settings import ENV_PREFIX, GatewaySettings
 from tests.test_compose import (
     FLOTILLA_SERVICES,
     ROOT,
@@ -59,12 +59,12 @@ def dashboard() -> dict[str, Any]:
 def defined_series() -> dict[str, set[str]]:
     """Every sample name the services' metrics produce, with its labels: each metric of the
     code observed once, as the services do, and read back through its registry."""
-    from libs.common.messages import ErrorInfo, TextFinal, Usage
-    from services.engine.metrics import EngineMetrics
-    from services.engine.scheduler import SchedulerOutput
-    from services.gateway.metrics import GatewayMetrics
-    from services.tokenizer.metrics import TokenizerMetrics
-    from services.tools.metrics import ToolsMetrics
+    from flotilla.libs.common.messages import ErrorInfo, TextFinal, Usage
+    from flotilla.services.engine.metrics import EngineMetrics
+    from flotilla.services.engine.scheduler import SchedulerOutput
+    from flotilla.services.gateway.metrics import GatewayMetrics
+    from flotilla.services.tokenizer.metrics import TokenizerMetrics
+    from flotilla.services.tools.metrics import ToolsMetrics
 
     gateway = GatewayMetrics()
     timer = gateway.timer("m")

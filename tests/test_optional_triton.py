@@ -40,9 +40,9 @@ MAX_TOKENS = 8
 GENERATE = textwrap.dedent("""
     import json, sys
     import torch
-    from kernels.triton_compat import HAVE_TRITON
-    from services.engine.llm import LLM
-    from services.engine.sampling_params import SamplingParams
+    from flotilla.kernels.triton_compat import HAVE_TRITON
+    from flotilla.services.engine.llm import LLM
+    from flotilla.services.engine.sampling_params import SamplingParams
 
     path, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -104,12 +104,12 @@ def test_cpu_engine_without_triton_generates_as_with_it(tmp_path: Path) -> None:
 REFUSALS = textwrap.dedent("""
     import json, sys
     import torch
-    import kernels
-    from kernels import selection
-    from kernels.triton_compat import TritonMissingError
-    from services.engine.config import EngineConfig
-    from services.engine.engine import Engine
-    from services.engine.quant.base import use_kernels
+    from flotilla import kernels
+    from flotilla.kernels import selection
+    from flotilla.kernels.triton_compat import TritonMissingError
+    from flotilla.services.engine.config import EngineConfig
+    from flotilla.services.engine.engine import Engine
+    from flotilla.services.engine.quant.base import use_kernels
 
     path = sys.argv[1]
     out = {}
@@ -137,7 +137,7 @@ def test_engine_refuses_triton_work_without_triton(tmp_path: Path) -> None:
     out = result(run_child(REFUSALS, str(path)))
     assert "the engine on cuda" in out["cuda"] and "pip install 'flotilla[gpu]'" in out["cuda"]
     assert "quant_kernels=triton" in out["forced"] and "flotilla[gpu]" in out["forced"]
-    assert "kernels.rms_norm" in out["launch"] and "flotilla[gpu]" in out["launch"]
+    assert "flotilla.kernels.rms_norm" in out["launch"] and "flotilla[gpu]" in out["launch"]
     assert out["quant_dispatch"] is False  # forced kernels never dispatch to a missing Triton
 
 
@@ -145,7 +145,7 @@ CLI_AND_IMPORTS = textwrap.dedent("""
     import importlib, pkgutil, runpy, sys
     sys.argv = ["flotilla", "--help"]
     try:
-        runpy.run_module("services.launcher.cli", run_name="__main__")
+        runpy.run_module("flotilla.services.launcher.cli", run_name="__main__")
     except SystemExit as exc:
         assert exc.code in (0, None), exc.code
     failed = []
@@ -158,8 +158,8 @@ CLI_AND_IMPORTS = textwrap.dedent("""
                 importlib.import_module(info.name)
             except Exception as exc:
                 failed.append(f"{info.name}: {exc!r}")
-    import kernels.triton_compat as compat
-    print("HAVE_TRITON", compat.HAVE_TRITON, "kernels.gemv" in sys.modules)
+    import flotilla.kernels.triton_compat as compat
+    print("HAVE_TRITON", compat.HAVE_TRITON, "flotilla.kernels.gemv" in sys.modules)
     print("FAILED", failed)
 """)
 

@@ -31,8 +31,8 @@ def test_readme_has_two_commands_and_ci_runs_the_test_one() -> None:
 
 def test_console_script_is_declared() -> None:
     text = (ROOT / "pyproject.toml").read_text()
-    assert 'flotilla = "services.launcher.cli:main"' in text
-    from services.launcher.cli import main  # noqa: F401  (importable)
+    assert 'flotilla = "flotilla.services.launcher.cli:main"' in text
+    from flotilla.services.launcher.cli import main  # noqa: F401  (importable)
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is in the test extras")
@@ -141,7 +141,7 @@ def test_kernel_selection_module_holds_no_mutable_state() -> None:
     import types
     import typing
 
-    from kernels import selection
+    from flotilla.kernels import selection
 
     source = Path(selection.__file__).read_text()
     assert not [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Global | ast.Nonlocal)]
@@ -180,10 +180,10 @@ def test_no_import_cycles() -> None:
 
 def test_configuration_doc_and_example_env_are_generated_from_the_settings() -> None:
     """docs/configuration.md and .example.env are what libs/common/settings_doc.py renders
-    now; after changing a setting, run `python -m libs.common.settings_doc`."""
-    from libs.common import settings_doc
+    now; after changing a setting, run `python -m flotilla.libs.common.settings_doc`."""
+    from flotilla.libs.common import settings_doc
 
-    stale = "stale: run `python -m libs.common.settings_doc`"
+    stale = "stale: run `python -m flotilla.libs.common.settings_doc`"
     assert settings_doc.DOC.read_text(encoding="utf-8") == settings_doc.render_doc(), stale
     assert settings_doc.EXAMPLE_ENV.read_text(encoding="utf-8") == (
         settings_doc.render_example_env()), stale
@@ -192,7 +192,7 @@ def test_configuration_doc_and_example_env_are_generated_from_the_settings() -> 
 def test_every_variable_the_docs_name_is_a_setting() -> None:
     """The README and docs/ name only FLOTILLA_* variables that exist (the test suite's own
     FLOTILLA_TEST_* aside, tests/endpoints.py; docs/benchmarks.md records past runs)."""
-    from libs.common.settings_doc import SECTIONS, own_fields
+    from flotilla.libs.common.settings_doc import SECTIONS, own_fields
 
     known = {f"FLOTILLA_{name.upper()}" for _, cls, _ in SECTIONS for name in own_fields(cls)}
     named: dict[str, set[str]] = {}
@@ -223,9 +223,9 @@ def test_error_messages_name_only_real_flags() -> None:
     """A `--flag` an error names (a string under a `raise` in services/ or libs/) is one
     `flotilla` accepts or a service's own command line takes (every setting, kebab-case: the
     services parse them with pydantic-settings); one once named a flag nothing accepted."""
-    from libs.common.settings import LauncherSettings
-    from libs.common.settings_doc import SECTIONS, own_fields
-    from services.launcher.cli import build_parser
+    from flotilla.libs.common.settings import LauncherSettings
+    from flotilla.libs.common.settings_doc import SECTIONS, own_fields
+    from flotilla.services.launcher.cli import build_parser
 
     parser = build_parser(LauncherSettings())
     commands = [parser, *(c for a in parser._actions if isinstance(a, argparse._SubParsersAction)

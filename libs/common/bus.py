@@ -50,13 +50,13 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel
 
-from libs.common import telemetry
-from libs.common.bus_parts import Offer, announced, part_size, pull
-from libs.common.bus_streams import StreamReader, StreamWriter
-from libs.common.deadline import Deadline
-from libs.common.errors import FlotillaError, internal, unavailable
-from libs.common.messages import ErrorInfo, StreamFrame, decode, encode
-from libs.common.nats_auth import NatsSecurity
+from flotilla.libs.common import telemetry
+from flotilla.libs.common.bus_parts import Offer, announced, part_size, pull
+from flotilla.libs.common.bus_streams import StreamReader, StreamWriter
+from flotilla.libs.common.deadline import Deadline
+from flotilla.libs.common.errors import FlotillaError, internal, unavailable
+from flotilla.libs.common.messages import ErrorInfo, StreamFrame, decode, encode
+from flotilla.libs.common.nats_auth import NatsSecurity
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from libs.common.errors import internal, too_large
+from flotilla.libs.common.errors import internal, too_large
 
 log = logging.getLogger(__name__)
 

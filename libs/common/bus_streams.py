@@ -16,13 +16,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import BaseModel
 
-from libs.common.bus_parts import Assembler, push_headers, split
-from libs.common.deadline import Deadline
-from libs.common.errors import FlotillaError, internal, unavailable
-from libs.common.messages import ErrorInfo, StreamFrame, decode, encode
+from flotilla.libs.common.bus_parts import Assembler, push_headers, split
+from flotilla.libs.common.deadline import Deadline
+from flotilla.libs.common.errors import FlotillaError, internal, unavailable
+from flotilla.libs.common.messages import ErrorInfo, StreamFrame, decode, encode
 
 if TYPE_CHECKING:
-    from libs.common.bus import Bus
+    from flotilla.libs.common.bus import Bus
 
 D = TypeVar("D", bound=BaseModel)
 F = TypeVar("F", bound=BaseModel)

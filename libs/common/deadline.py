@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from libs.common.errors import FlotillaError, deadline_exceeded
+from flotilla.libs.common.errors import FlotillaError, deadline_exceeded
 
 
 class Deadline(NamedTuple):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from libs.common.messages import ErrorInfo
+from flotilla.libs.common.messages import ErrorInfo
 
 
 class FlotillaError(Exception):

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
-from libs.common.common_settings import CommonSettings
+from flotilla.libs.common.common_settings import CommonSettings
 
 
 class GatewaySettings(CommonSettings):

@@ -10,8 +10,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from libs.common.model_capabilities import Capability
-from libs.common.subjects import PROTOCOL_VERSION
+from flotilla.libs.common.model_capabilities import Capability
+from flotilla.libs.common.subjects import PROTOCOL_VERSION
 
 
 class Message(BaseModel):

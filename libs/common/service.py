@@ -16,11 +16,11 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from libs.common import subjects, telemetry
-from libs.common.bus import Bus
-from libs.common.messages import Announcement, HealthReply, HealthRequest, Ping
-from libs.common.nats_auth import NatsSecurity
-from libs.common.settings import CommonSettings
+from flotilla.libs.common import subjects, telemetry
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Announcement, HealthReply, HealthRequest, Ping
+from flotilla.libs.common.nats_auth import NatsSecurity
+from flotilla.libs.common.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 

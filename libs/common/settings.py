@@ -13,8 +13,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from libs.common.common_settings import ENV_PREFIX, CommonSettings, ModelCacheSettings
-from libs.common.gateway_settings import GatewaySettings
+from flotilla.libs.common.common_settings import ENV_PREFIX, CommonSettings, ModelCacheSettings
+from flotilla.libs.common.gateway_settings import GatewaySettings
 
 __all__ = ["ENV_PREFIX", "CommonSettings", "EngineSettings", "GatewaySettings",
            "LauncherSettings", "ModelCacheSettings", "TokenizerSettings", "ToolsSettings"]

@@ -23,8 +23,8 @@ from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import ErrorInfo
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import ErrorInfo
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,7 +12,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-from libs.common.settings import CommonSettings
+from flotilla.libs.common.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 

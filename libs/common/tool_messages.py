@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from libs.common.messages import Message
+from flotilla.libs.common.messages import Message
 
 
 class ToolsListRequest(Message):

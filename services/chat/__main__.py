@@ -1,5 +1,5 @@
 import sys
 
-from services.chat.cli import main
+from flotilla.services.chat.cli import main
 
 sys.exit(main())

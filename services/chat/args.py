@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from libs.common.settings import LauncherSettings
+from flotilla.libs.common.settings import LauncherSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings: LauncherSettings) -> None:

@@ -1,4 +1,4 @@
-"""`flotilla chat` (also `python -m services.chat`): chat with a running gateway in a terminal.
+"""`flotilla chat` (also `python -m flotilla.services.chat`): chat with a running gateway in a terminal.
 
     flotilla chat [--url URL] [--model NAME] [--system TEXT] [--temperature T] [--top-p P]
                   [--max-tokens N] [--reasoning-effort E] [--thinking | --no-thinking]
@@ -20,10 +20,10 @@ import sys
 import openai
 from rich.console import Console
 
-from libs.common.settings import LauncherSettings
-from services.chat.args import add_arguments
-from services.chat.render import LiveView, PlainView
-from services.chat.session import AnswerView, ChatOptions, ChatSession, describe_error
+from flotilla.libs.common.settings import LauncherSettings
+from flotilla.services.chat.args import add_arguments
+from flotilla.services.chat.render import LiveView, PlainView
+from flotilla.services.chat.session import AnswerView, ChatOptions, ChatSession, describe_error
 
 HELP = "commands: /new (or /clear) starts a new chat, /exit (or /quit) quits, /help"
 

@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.markdown import Markdown
 from rich.text import Text
 
-from services.chat.session import Answer
+from flotilla.services.chat.session import Answer
 
 REASONING_STYLE = "dim italic"
 

@@ -1,4 +1,4 @@
-"""`python -m services.engine`: run one engine pod until SIGTERM, or until its engine breaks
+"""`python -m flotilla.services.engine`: run one engine pod until SIGTERM, or until its engine breaks
 (exit status 1, so a supervisor restarts it).
 
 Under torchrun (multi-host tensor parallelism) every rank runs this module: rank 0 serves as
@@ -9,17 +9,17 @@ import os
 import signal
 import sys
 
-from libs.common import telemetry
-from libs.common.bus import Bus
-from libs.common.service import run_forever
-from libs.common.settings import EngineSettings
-from services.engine.service import EngineService
+from flotilla.libs.common import telemetry
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.service import run_forever
+from flotilla.libs.common.settings import EngineSettings
+from flotilla.services.engine.service import EngineService
 
 
 def _torchrun_worker(settings: EngineSettings) -> None:
-    from libs.common.model_cache import resolve_model
-    from services.engine.factory import engine_config
-    from services.engine.worker import run_torchrun_worker
+    from flotilla.libs.common.model_cache import resolve_model
+    from flotilla.services.engine.factory import engine_config
+    from flotilla.services.engine.worker import run_torchrun_worker
 
     telemetry.setup_logging(settings.log_level)
     path = resolve_model(settings.model)

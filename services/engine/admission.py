@@ -21,10 +21,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from libs.common.context import resolve_max_tokens
-from libs.common.messages import SamplingOptions
-from services.engine.request_error import RequestError
-from services.engine.sampling_params import SamplingParams
+from flotilla.libs.common.context import resolve_max_tokens
+from flotilla.libs.common.messages import SamplingOptions
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.sampling_params import SamplingParams
 
 RETRY_AFTER_S = (1.0, 30.0)
 

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.kv_quant import KVScales
-from services.engine.distributed import tp_min
-from services.engine.layers.attention import Attention
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
-from services.engine.state_pool import StateLayer, fit_state_slots, state_bytes_per_slot
+from flotilla.kernels.kv_quant import KVScales
+from flotilla.services.engine.distributed import tp_min
+from flotilla.services.engine.layers.attention import Attention
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import ScheduledRequest
+from flotilla.services.engine.state_pool import StateLayer, fit_state_slots, state_bytes_per_slot
 
 if TYPE_CHECKING:
-    from services.engine.config import EngineConfig
+    from flotilla.services.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.paged_attention import SHORT_SPLIT_KEYS
-from kernels.selection import KernelSelection
-from services.engine.layers.moe_offload import ExpertOffload, OffloadMode
-from services.engine.loader import CPU_DEFAULT
+from flotilla.kernels.paged_attention import SHORT_SPLIT_KEYS
+from flotilla.kernels.selection import KernelSelection
+from flotilla.services.engine.layers.moe_offload import ExpertOffload, OffloadMode
+from flotilla.services.engine.loader import CPU_DEFAULT
 
 # Steps up to here are host-bound on an H100 host with a Llama-3-8B (bench/shape_probe.py, a probe
 # now in git history); past it the GPU's share grows and each graph costs capture time.

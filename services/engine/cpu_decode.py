@@ -33,23 +33,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.attention_metadata import AttentionMetadata
-from services.engine import cpu_native
-from services.engine.distributed import get_tp_size
-from services.engine.layers.activation import SiluAndMul
-from services.engine.layers.attention import Attention
-from services.engine.layers.layernorm import RMSNorm
-from services.engine.layers.rotary import RotaryEmbedding
-from services.engine.models.llama import (
+from flotilla import kernels
+from flotilla.kernels.attention_metadata import AttentionMetadata
+from flotilla.services.engine import cpu_native
+from flotilla.services.engine.distributed import get_tp_size
+from flotilla.services.engine.layers.activation import SiluAndMul
+from flotilla.services.engine.layers.attention import Attention
+from flotilla.services.engine.layers.layernorm import RMSNorm
+from flotilla.services.engine.layers.rotary import RotaryEmbedding
+from flotilla.services.engine.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
 )
-from services.engine.quant.int4 import GROUP_SIZE, Int4WeightOnlyMethod
-from services.engine.quant.int8 import Int8WeightOnlyMethod
+from flotilla.services.engine.quant.int4 import GROUP_SIZE, Int4WeightOnlyMethod
+from flotilla.services.engine.quant.int8 import Int8WeightOnlyMethod
 
 _BF16 = torch.bfloat16
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from services.engine.forward_context import AttentionMetadata, forward_context
+from flotilla.services.engine.forward_context import AttentionMetadata, forward_context
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Buckets that also get a short-context graph: beyond 16 rows the long graphs' split counts are

@@ -14,8 +14,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from services.engine.request import Request
-from services.engine.request_error import RequestError
+from flotilla.services.engine.request import Request
+from flotilla.services.engine.request_error import RequestError
 
 
 class Deadlines:

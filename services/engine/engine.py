@@ -42,29 +42,29 @@ from typing import Any
 
 import torch
 
-from libs.common.context import resolve_max_tokens
-from libs.common.model_cache import resolve_model
-from services.engine import prompt_logprobs
-from services.engine.config import EngineConfig
-from services.engine.deadlines import Deadlines, deadline_error
-from services.engine.executor import make_executor
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.model_config import ModelConfig
-from services.engine.pooling import PoolingJob, PoolingParams, PoolingQueue
-from services.engine.pooling_config import model_pooling
-from services.engine.postprocess import InFlight, add_placeholders, write_tokens
-from services.engine.request import Request, RequestStatus
-from services.engine.request_error import RequestError
-from services.engine.request_output import RequestOutput, request_output
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import (
+from flotilla.libs.common.context import resolve_max_tokens
+from flotilla.libs.common.model_cache import resolve_model
+from flotilla.services.engine import prompt_logprobs
+from flotilla.services.engine.config import EngineConfig
+from flotilla.services.engine.deadlines import Deadlines, deadline_error
+from flotilla.services.engine.executor import make_executor
+from flotilla.services.engine.kv_cache_manager import KVCacheManager
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.pooling import PoolingJob, PoolingParams, PoolingQueue
+from flotilla.services.engine.pooling_config import model_pooling
+from flotilla.services.engine.postprocess import InFlight, add_placeholders, write_tokens
+from flotilla.services.engine.request import Request, RequestStatus
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.request_output import RequestOutput, request_output
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import (
     PLACEHOLDER_TOKEN,
     ScheduledRequest,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from services.engine.state_pool import StateSlots
+from flotilla.services.engine.state_pool import StateSlots
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.triton_compat import require_triton
-from services.engine.config import EngineConfig
-from services.engine.model_runner import ModelRunner
-from services.engine.pod import pod_layout
-from services.engine.scheduler import ScheduledRequest
-from services.engine.step_output import LaunchedStep, RunnerOutput
+from flotilla.kernels.triton_compat import require_triton
+from flotilla.services.engine.config import EngineConfig
+from flotilla.services.engine.model_runner import ModelRunner
+from flotilla.services.engine.pod import pod_layout
+from flotilla.services.engine.scheduler import ScheduledRequest
+from flotilla.services.engine.step_output import LaunchedStep, RunnerOutput
 
 
 class TensorParallelError(RuntimeError):
@@ -102,6 +102,6 @@ def make_executor(config: EngineConfig, model_path: str) -> Executor:
         return UniProcExecutor(config, model_path)
     if layout.torchrun and int(os.environ["RANK"]) != 0:
         raise RuntimeError("an Engine runs on rank 0 only; other ranks run the worker loop")
-    from services.engine.multiproc_executor import MultiProcExecutor  # only for a pod
+    from flotilla.services.engine.multiproc_executor import MultiProcExecutor  # only for a pod
 
     return MultiProcExecutor(config, model_path, layout)

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kernels.selection import KernelSelection, parse_tile
-from libs.common.settings import CommonSettings, EngineSettings
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
+from flotilla.kernels.selection import KernelSelection, parse_tile
+from flotilla.libs.common.settings import CommonSettings, EngineSettings
+from flotilla.services.engine.config import EngineConfig
+from flotilla.services.engine.engine import Engine
 
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 KERNEL_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelSelection))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kernels.attention_metadata import AttentionMetadata
+from flotilla.kernels.attention_metadata import AttentionMetadata
 
 _CONTEXT: AttentionMetadata | None = None
 

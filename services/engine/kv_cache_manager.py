@@ -20,8 +20,8 @@ import hashlib
 from array import array
 from typing import NamedTuple
 
-from services.engine.block_pool import BlockPool
-from services.engine.request import Request
+from flotilla.services.engine.block_pool import BlockPool
+from flotilla.services.engine.request import Request
 
 _ROOT_HASH = b"flotilla-kv-root"
 

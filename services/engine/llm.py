@@ -35,13 +35,13 @@ from typing import Any, Protocol
 
 import torch
 
-from libs.common.model_cache import resolve_model
-from libs.common.settings import EngineSettings
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine, RequestOutput
-from services.engine.request import TokenLogprobs
-from services.engine.request_error import RequestError
-from services.engine.sampling_params import SamplingParams
+from flotilla.libs.common.model_cache import resolve_model
+from flotilla.libs.common.settings import EngineSettings
+from flotilla.services.engine.config import EngineConfig
+from flotilla.services.engine.engine import Engine, RequestOutput
+from flotilla.services.engine.request import TokenLogprobs
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -193,7 +193,7 @@ class LLM:
 def server_config(path: Path, **overrides: Any) -> EngineConfig:
     """The EngineConfig the engine service builds for `path` from its settings' defaults,
     with `overrides` (EngineConfig's fields) applied."""
-    from services.engine.factory import engine_config  # it imports engine.py, as this does
+    from flotilla.services.engine.factory import engine_config  # it imports engine.py, as this does
 
     return dataclasses.replace(engine_config(EngineSettings.model_construct(), path), **overrides)
 
@@ -201,7 +201,7 @@ def server_config(path: Path, **overrides: Any) -> EngineConfig:
 def load_tokenizer(path: Path) -> TextTokenizer | None:
     """The tokenizer service's core for the model at path; None if it cannot build one."""
     try:
-        from services.tokenizer import Tokenizer
+        from flotilla.services.tokenizer import Tokenizer
 
         return Tokenizer.from_path(path)
     except Exception:  # noqa: BLE001 - without a tokenizer the LLM still works on token ids

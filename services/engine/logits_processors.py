@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from services.engine.request_error import RequestError
-from services.engine.sampling_params import SamplingParams
-from services.engine.structured import xgrammar
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.structured import xgrammar
 
 Tensor = Callable[[list[Any], torch.dtype], torch.Tensor]
 

@@ -51,12 +51,12 @@ from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from libs.common.settings import EngineSettings
-from services.engine.engine import RequestOutput
-from services.engine.pooling import PoolingParams
-from services.engine.request_error import RequestError
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import SchedulerOutput
+from flotilla.libs.common.settings import EngineSettings
+from flotilla.services.engine.engine import RequestOutput
+from flotilla.services.engine.pooling import PoolingParams
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

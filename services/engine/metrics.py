@@ -20,7 +20,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from libs.common.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, name, service_registry
+from flotilla.libs.common.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, name, service_registry
 
 # stats() key -> (metric, help); counters since the engine started
 COUNTERS = {

@@ -30,30 +30,30 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels import dense_attention
-from kernels.kv_quant import FP8_KV_DTYPE
-from services.engine import cache_sizing, prompt_logprobs, step_graphs
-from services.engine.cache_sizing import dummy_request
-from services.engine.cpu_decode import CpuDecode
-from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
-from services.engine.distributed import tp_min
-from services.engine.forward_context import forward_context
-from services.engine.layers.attention import Attention
-from services.engine.layers.moe_offload import summary as offload_summary
-from services.engine.loader import load_model
-from services.engine.prompt_logprobs import PromptLogprobsPart
-from services.engine.request_error import RequestError
-from services.engine.row_buckets import token_buckets, warm_up_gemms
-from services.engine.sampler import Sampler, SamplingBatch, sample_isolated
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
-from services.engine.state_pool import StateCache, state_bytes_per_slot
-from services.engine.step_graphs import StepGraphs
-from services.engine.step_inputs import StepInputBuilder, StepInputs
-from services.engine.step_output import LaunchedStep, RunnerOutput
+from flotilla.kernels import dense_attention
+from flotilla.kernels.kv_quant import FP8_KV_DTYPE
+from flotilla.services.engine import cache_sizing, prompt_logprobs, step_graphs
+from flotilla.services.engine.cache_sizing import dummy_request
+from flotilla.services.engine.cpu_decode import CpuDecode
+from flotilla.services.engine.cuda_graphs import DecodeGraphs, graph_buckets
+from flotilla.services.engine.distributed import tp_min
+from flotilla.services.engine.forward_context import forward_context
+from flotilla.services.engine.layers.attention import Attention
+from flotilla.services.engine.layers.moe_offload import summary as offload_summary
+from flotilla.services.engine.loader import load_model
+from flotilla.services.engine.prompt_logprobs import PromptLogprobsPart
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.row_buckets import token_buckets, warm_up_gemms
+from flotilla.services.engine.sampler import Sampler, SamplingBatch, sample_isolated
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest
+from flotilla.services.engine.state_pool import StateCache, state_bytes_per_slot
+from flotilla.services.engine.step_graphs import StepGraphs
+from flotilla.services.engine.step_inputs import StepInputBuilder, StepInputs
+from flotilla.services.engine.step_output import LaunchedStep, RunnerOutput
 
 if TYPE_CHECKING:
-    from services.engine.config import EngineConfig
+    from flotilla.services.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

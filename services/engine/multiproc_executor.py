@@ -10,7 +10,7 @@ Rules:
   block ids are valid everywhere.
 - Ranks are started here (one host: N-1 spawned worker processes, rendezvous on loopback) or by
   torchrun (several hosts: env:// rendezvous; this process is RANK 0, the other ranks run
-  `python -m services.engine`, which makes them workers). NCCL on CUDA, gloo on CPU.
+  `python -m flotilla.services.engine`, which makes them workers). NCCL on CUDA, gloo on CPU.
 - A rank failing fails the pod, there is no recovery: a monitor thread sees a worker exit, its
   connection close or its error report within milliseconds, aborts NCCL (so no rank waits on a
   collective forever; gloo fails by itself), and runs the `on_failure` callbacks at once (the
@@ -36,8 +36,8 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.distributed import (
+from flotilla.services.engine.config import EngineConfig
+from flotilla.services.engine.distributed import (
     abort_distributed,
     destroy_distributed,
     disable_multicast_env,
@@ -45,14 +45,14 @@ from services.engine.distributed import (
     tp_broadcast,
     tp_broadcast_object,
 )
-from services.engine.executor import Executor, TensorParallelError
-from services.engine.model_runner import ModelRunner
-from services.engine.plan_channel import PlanServer, recv_frame
-from services.engine.pod import DEFAULT_TIMEOUT_S, PodLayout, free_port, plan_hosts
-from services.engine.scheduler import ScheduledRequest
-from services.engine.step_output import LaunchedStep, RunnerOutput
-from services.engine.step_plan import PlanEncoder
-from services.engine.worker import WorkerSpec, run_worker
+from flotilla.services.engine.executor import Executor, TensorParallelError
+from flotilla.services.engine.model_runner import ModelRunner
+from flotilla.services.engine.plan_channel import PlanServer, recv_frame
+from flotilla.services.engine.pod import DEFAULT_TIMEOUT_S, PodLayout, free_port, plan_hosts
+from flotilla.services.engine.scheduler import ScheduledRequest
+from flotilla.services.engine.step_output import LaunchedStep, RunnerOutput
+from flotilla.services.engine.step_plan import PlanEncoder
+from flotilla.services.engine.worker import WorkerSpec, run_worker
 
 log = logging.getLogger(__name__)
 

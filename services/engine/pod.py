@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.engine.config import EngineConfig
+    from flotilla.services.engine.config import EngineConfig
 
 DEFAULT_TIMEOUT_S = 300.0  # collectives, rendezvous, workers connecting
 

@@ -25,16 +25,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from libs.common.errors import FlotillaError, invalid_request
-from libs.common.pooling_messages import PoolReply, PoolRequest
-from services.engine.admission import QueueLimits, check_deadline
-from services.engine.engine import RequestOutput
-from services.engine.executor import Executor
-from services.engine.loop import EngineLoop
-from services.engine.pooling import PoolingParams
-from services.engine.pooling_config import ModelPooling
-from services.engine.request_error import RequestError
-from services.engine.wire import error_info
+from flotilla.libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.pooling_messages import PoolReply, PoolRequest
+from flotilla.services.engine.admission import QueueLimits, check_deadline
+from flotilla.services.engine.engine import RequestOutput
+from flotilla.services.engine.executor import Executor
+from flotilla.services.engine.loop import EngineLoop
+from flotilla.services.engine.pooling import PoolingParams
+from flotilla.services.engine.pooling_config import ModelPooling
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.wire import error_info
 
 
 class PoolingEngine(Protocol):

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
+from flotilla.services.engine.kv_cache_manager import KVCacheManager
+from flotilla.services.engine.request import Request
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import ScheduledRequest
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.request import Request, RequestStatus
-from services.engine.request_output import RequestOutput, request_output
-from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, Scheduler
-from services.engine.step_output import LaunchedStep, RunnerOutput
+from flotilla.services.engine.request import Request, RequestStatus
+from flotilla.services.engine.request_output import RequestOutput, request_output
+from flotilla.services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, Scheduler
+from flotilla.services.engine.step_output import LaunchedStep, RunnerOutput
 
 
 @dataclass

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.request import Request, TokenLogprobs
-from services.engine.request_error import RequestError
-from services.engine.scheduler import ScheduledRequest
+from flotilla.services.engine.request import Request, TokenLogprobs
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.scheduler import ScheduledRequest
 
 ROWS_AT_ONCE = 256
 

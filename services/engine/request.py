@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from services.engine.request_error import RequestError
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.request import Request, RequestStatus, TokenLogprobs
-from services.engine.request_error import RequestError
+from flotilla.services.engine.request import Request, RequestStatus, TokenLogprobs
+from flotilla.services.engine.request_error import RequestError
 
 
 @dataclass

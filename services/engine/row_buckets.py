@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from services.engine.cuda_graphs import graph_buckets
-from services.engine.layers.linear import LinearBase
-from services.engine.models.base import CausalLM
+from flotilla.services.engine.cuda_graphs import graph_buckets
+from flotilla.services.engine.layers.linear import LinearBase
+from flotilla.services.engine.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 

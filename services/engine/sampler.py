@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import kernels
-from kernels.selection import DEFAULT_SELECTION, KernelSelection
-from services.engine.logits_processors import LogitsProcessors
-from services.engine.request_error import RequestError
-from services.engine.sampling_params import SamplingParams
+from flotilla import kernels
+from flotilla.kernels.selection import DEFAULT_SELECTION, KernelSelection
+from flotilla.services.engine.logits_processors import LogitsProcessors
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from services.engine.scheduler import ScheduledRequest
+    from flotilla.services.engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.engine.request_error import InvalidParameter
+from flotilla.services.engine.request_error import InvalidParameter
 
 if TYPE_CHECKING:
-    from services.engine.structured import GuidedRequest
+    from flotilla.services.engine.structured import GuidedRequest
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0

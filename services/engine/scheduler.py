@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.kv_cache_manager import KVCacheManager, PrefixHit
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.state_pool import StateSlots
-from services.engine.waiting_queue import WaitingQueue
+from flotilla.services.engine.kv_cache_manager import KVCacheManager, PrefixHit
+from flotilla.services.engine.request import Request, RequestStatus
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.state_pool import StateSlots
+from flotilla.services.engine.waiting_queue import WaitingQueue
 
 
 @dataclass

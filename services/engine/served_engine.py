@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from services.engine.config import EngineConfig
-from services.engine.loop import SteppedEngine
-from services.engine.model_config import ModelConfig
-from services.engine.pool_service import PoolingEngine
+from flotilla.services.engine.config import EngineConfig
+from flotilla.services.engine.loop import SteppedEngine
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.pool_service import PoolingEngine
 
 
 class ServedEngine(SteppedEngine, PoolingEngine, Protocol):

@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.context import ContextLengthExceeded
-from libs.common.messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.context import ContextLengthExceeded
+from flotilla.libs.common.messages import (
     Admission,
     Announcement,
     Cancel,
@@ -36,24 +36,24 @@ from libs.common.messages import (
     StatsRequest,
     TokenRequest,
 )
-from libs.common.metrics import MetricsServer
-from libs.common.model_cache import resolve_model, served_name
-from libs.common.model_capabilities import Capability, capabilities, model_kind
-from libs.common.pooling_messages import PoolRequest
-from libs.common.service import Announcer, instance_id, wait_idle
-from libs.common.settings import EngineSettings
-from services.engine import wire
-from services.engine.admission import QueueLimits, check_deadline, to_sampling_params
-from services.engine.engine import RequestOutput
-from services.engine.factory import build_engine
-from services.engine.loop import EngineLoop
-from services.engine.metrics import EngineMetrics
-from services.engine.pool_service import PoolService
-from services.engine.request_error import InvalidParameter, RequestError
-from services.engine.sampling_params import SamplingParams
-from services.engine.served_engine import ServedEngine
-from services.engine.structured import GrammarCompileTimeout, StructuredOutputs
-from services.engine.token_streams import TokenStreams
+from flotilla.libs.common.metrics import MetricsServer
+from flotilla.libs.common.model_cache import resolve_model, served_name
+from flotilla.libs.common.model_capabilities import Capability, capabilities, model_kind
+from flotilla.libs.common.pooling_messages import PoolRequest
+from flotilla.libs.common.service import Announcer, instance_id, wait_idle
+from flotilla.libs.common.settings import EngineSettings
+from flotilla.services.engine import wire
+from flotilla.services.engine.admission import QueueLimits, check_deadline, to_sampling_params
+from flotilla.services.engine.engine import RequestOutput
+from flotilla.services.engine.factory import build_engine
+from flotilla.services.engine.loop import EngineLoop
+from flotilla.services.engine.metrics import EngineMetrics
+from flotilla.services.engine.pool_service import PoolService
+from flotilla.services.engine.request_error import InvalidParameter, RequestError
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.served_engine import ServedEngine
+from flotilla.services.engine.structured import GrammarCompileTimeout, StructuredOutputs
+from flotilla.services.engine.token_streams import TokenStreams
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from services.engine.request import Request
+from flotilla.services.engine.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from services.engine.cuda_graphs import capture_graph
-from services.engine.forward_context import AttentionMetadata, forward_context
-from services.engine.layers.attention import Attention
-from services.engine.row_buckets import logits_bucket
-from services.engine.step_inputs import StepInputs
+from flotilla.services.engine.cuda_graphs import capture_graph
+from flotilla.services.engine.forward_context import AttentionMetadata, forward_context
+from flotilla.services.engine.layers.attention import Attention
+from flotilla.services.engine.row_buckets import logits_bucket
+from flotilla.services.engine.step_inputs import StepInputs
 
 # (ids, positions, sampled rows) -> final hidden states of the sampled rows
 HiddenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -25,9 +25,9 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from services.engine.forward_context import AttentionMetadata
-from services.engine.row_buckets import logits_bucket, token_bucket
-from services.engine.scheduler import ScheduledRequest
+from flotilla.services.engine.forward_context import AttentionMetadata
+from flotilla.services.engine.row_buckets import logits_bucket, token_bucket
+from flotilla.services.engine.scheduler import ScheduledRequest
 
 _num_computed = attrgetter("num_computed_tokens")
 _samples = attrgetter("samples")

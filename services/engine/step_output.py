@@ -19,10 +19,10 @@ from functools import cached_property
 
 import torch
 
-from services.engine.prompt_logprobs import PromptLogprobsPart
-from services.engine.request import TokenLogprobs
-from services.engine.request_error import RequestError
-from services.engine.sampler import SamplerOutput
+from flotilla.services.engine.prompt_logprobs import PromptLogprobsPart
+from flotilla.services.engine.request import TokenLogprobs
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.sampler import SamplerOutput
 
 
 @dataclass

@@ -22,8 +22,8 @@ from __future__ import annotations
 import pickle
 from typing import NamedTuple
 
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import ScheduledRequest
 
 
 class StepPlan(NamedTuple):

@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from libs.common.messages import GuidedDecoding
-from libs.common.model_cache import resolve_model
-from services.engine.request_error import RequestError
-from services.tokenizer import Tokenizer
-from services.tokenizer.guided import grammar_of, xgrammar
+from flotilla.libs.common.messages import GuidedDecoding
+from flotilla.libs.common.model_cache import resolve_model
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.tokenizer import Tokenizer
+from flotilla.services.tokenizer.guided import grammar_of, xgrammar
 
 if TYPE_CHECKING:
     import xgrammar as xgr

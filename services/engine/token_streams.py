@@ -24,11 +24,17 @@ from typing import Any
 
 from opentelemetry import trace
 
-from libs.common import telemetry
-from libs.common.bus import Bus, StreamWriter
-from libs.common.messages import ErrorInfo, TokenDelta, TokenFinal, TokenFrame, TokenRequest
-from services.engine import wire
-from services.engine.engine import RequestOutput
+from flotilla.libs.common import telemetry
+from flotilla.libs.common.bus import Bus, StreamWriter
+from flotilla.libs.common.messages import (
+    ErrorInfo,
+    TokenDelta,
+    TokenFinal,
+    TokenFrame,
+    TokenRequest,
+)
+from flotilla.services.engine import wire
+from flotilla.services.engine.engine import RequestOutput
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("flotilla.engine")

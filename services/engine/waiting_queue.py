@@ -17,7 +17,7 @@ import bisect
 import itertools
 from collections.abc import Iterator
 
-from services.engine.request import Request
+from flotilla.services.engine.request import Request
 
 
 def _key(request: Request) -> tuple[int, int]:

@@ -3,10 +3,10 @@ errors as ErrorInfo, sampled and prompt logprobs as TokenLogprob lists."""
 
 from __future__ import annotations
 
-from libs.common.messages import ErrorInfo, TokenLogprob
-from services.engine.request import TokenLogprobs
-from services.engine.request_error import RequestError
-from services.engine.request_output import RequestOutput
+from flotilla.libs.common.messages import ErrorInfo, TokenLogprob
+from flotilla.services.engine.request import TokenLogprobs
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.request_output import RequestOutput
 
 
 def error_info(error: RequestError) -> ErrorInfo:

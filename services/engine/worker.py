@@ -30,19 +30,19 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.distributed import (
+from flotilla.services.engine.config import EngineConfig
+from flotilla.services.engine.distributed import (
     destroy_distributed,
     disable_multicast_env,
     init_distributed,
     tp_broadcast,
     tp_broadcast_object,
 )
-from services.engine.model_runner import ModelRunner
-from services.engine.plan_channel import Address, PlanClient
-from services.engine.pod import DEFAULT_TIMEOUT_S, pod_layout
-from services.engine.step_output import LaunchedStep
-from services.engine.step_plan import DecodedStep, PlanDecoder
+from flotilla.services.engine.model_runner import ModelRunner
+from flotilla.services.engine.plan_channel import Address, PlanClient
+from flotilla.services.engine.pod import DEFAULT_TIMEOUT_S, pod_layout
+from flotilla.services.engine.step_output import LaunchedStep
+from flotilla.services.engine.step_plan import DecodedStep, PlanDecoder
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _watch_parent() -> None:
 
 def run_worker(spec: WorkerSpec) -> None:
     """A worker process's whole life (the target of the executor's spawn, or of torchrun's
-    non-zero ranks through `python -m services.engine`)."""
+    non-zero ranks through `python -m flotilla.services.engine`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where is it stuck?
     if spec.watch_parent:

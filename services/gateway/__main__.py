@@ -1,12 +1,12 @@
-"""`python -m services.gateway`: the OpenAI-compatible HTTP gateway (one process, or a parent of
+"""`python -m flotilla.services.gateway`: the OpenAI-compatible HTTP gateway (one process, or a parent of
 `FLOTILLA_GATEWAY_WORKERS` processes sharing the port: services/gateway/workers.py)."""
 
 import sys
 
-from libs.common.service import run_forever
-from libs.common.settings import GatewaySettings
-from services.gateway.service import GatewayService
-from services.gateway.workers import WORKER_ARG, run_workers
+from flotilla.libs.common.service import run_forever
+from flotilla.libs.common.settings import GatewaySettings
+from flotilla.services.gateway.service import GatewayService
+from flotilla.services.gateway.workers import WORKER_ARG, run_workers
 
 if __name__ == "__main__":
     settings = GatewaySettings()  # type: ignore[call-arg]  # fields come from the env

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from libs.common.settings import GatewaySettings
-from libs.common.store import Store
+from flotilla.libs.common.settings import GatewaySettings
+from flotilla.libs.common.store import Store
 
 PREFIX = "apikey:"
 KEY_PREFIX = "flt-"

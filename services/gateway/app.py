@@ -27,32 +27,32 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError, invalid_request, model_not_found, unavailable
-from libs.common.model_capabilities import Capability
-from libs.common.settings import GatewaySettings
-from libs.common.store import Store
-from services.gateway import http_errors
-from services.gateway.anthropic.routes import router as anthropic_router
-from services.gateway.api_keys import KeyRing
-from services.gateway.auth import ApiKeyAuth
-from services.gateway.conversations.routes import install as install_conversations
-from services.gateway.drain import Drain, DrainGate
-from services.gateway.health import router as health_router
-from services.gateway.limits import spec_limits
-from services.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from services.gateway.metrics import router as metrics_router
-from services.gateway.overload import InFlight, InFlightLimit
-from services.gateway.pooling_routes import router as pooling_router
-from services.gateway.rate_limits import Limiter, make_limiter
-from services.gateway.registry import ModelInfo, ModelRegistry
-from services.gateway.responses.routes import install as install_responses
-from services.gateway.routes import router
-from services.gateway.spec import Spec
-from services.gateway.token_routes import router as token_router
-from services.gateway.tools import ToolsCache
-from services.gateway.tracing import TracingMiddleware
-from services.gateway.ui import load_assets, ui_router
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError, invalid_request, model_not_found, unavailable
+from flotilla.libs.common.model_capabilities import Capability
+from flotilla.libs.common.settings import GatewaySettings
+from flotilla.libs.common.store import Store
+from flotilla.services.gateway import http_errors
+from flotilla.services.gateway.anthropic.routes import router as anthropic_router
+from flotilla.services.gateway.api_keys import KeyRing
+from flotilla.services.gateway.auth import ApiKeyAuth
+from flotilla.services.gateway.conversations.routes import install as install_conversations
+from flotilla.services.gateway.drain import Drain, DrainGate
+from flotilla.services.gateway.health import router as health_router
+from flotilla.services.gateway.limits import spec_limits
+from flotilla.services.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from flotilla.services.gateway.metrics import router as metrics_router
+from flotilla.services.gateway.overload import InFlight, InFlightLimit
+from flotilla.services.gateway.pooling_routes import router as pooling_router
+from flotilla.services.gateway.rate_limits import Limiter, make_limiter
+from flotilla.services.gateway.registry import ModelInfo, ModelRegistry
+from flotilla.services.gateway.responses.routes import install as install_responses
+from flotilla.services.gateway.routes import router
+from flotilla.services.gateway.spec import Spec
+from flotilla.services.gateway.token_routes import router as token_router
+from flotilla.services.gateway.tools import ToolsCache
+from flotilla.services.gateway.tracing import TracingMiddleware
+from flotilla.services.gateway.ui import load_assets, ui_router
 
 
 @dataclass

@@ -26,14 +26,14 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import ErrorInfo
-from libs.common.settings import GatewaySettings
-from services.gateway import http_errors
-from services.gateway.anthropic import errors as anthropic_errors
-from services.gateway.api_keys import KeyRecord, KeyRing
-from services.gateway.key_usage import CURRENT, KeyUsage, duration, rate_limited
-from services.gateway.rate_limits import Limiter
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import ErrorInfo
+from flotilla.libs.common.settings import GatewaySettings
+from flotilla.services.gateway import http_errors
+from flotilla.services.gateway.anthropic import errors as anthropic_errors
+from flotilla.services.gateway.api_keys import KeyRecord, KeyRing
+from flotilla.services.gateway.key_usage import CURRENT, KeyUsage, duration, rate_limited
+from flotilla.services.gateway.rate_limits import Limiter
 
 log = logging.getLogger(__name__)
 LEASE_SLACK_S = 5.0  # a slot outlives the longest request by this much before it expires

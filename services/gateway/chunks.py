@@ -20,16 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.common.messages import TextDelta, TextFinal
-from services.gateway.functions import function_call_delta
-from services.gateway.logprobs import (
+from flotilla.libs.common.messages import TextDelta, TextFinal
+from flotilla.services.gateway.functions import function_call_delta
+from flotilla.services.gateway.logprobs import (
     chat_logprobs,
     completion_logprobs,
     echo_logprobs,
     vllm_prompt_logprobs,
 )
-from services.gateway.plan import Plan
-from services.gateway.results import (
+from flotilla.services.gateway.plan import Plan
+from flotilla.services.gateway.results import (
     SYSTEM_FINGERPRINT,
     chat_finish,
     completion_finish,

@@ -16,9 +16,9 @@ import asyncio
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from libs.common.errors import unavailable_retry
-from services.gateway.http_errors import error_response
-from services.gateway.metrics import CAUSE_KEY
+from flotilla.libs.common.errors import unavailable_retry
+from flotilla.services.gateway.http_errors import error_response
+from flotilla.services.gateway.metrics import CAUSE_KEY
 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.common.errors import invalid_request
-from libs.common.messages import ToolCallDelta
+from flotilla.libs.common.errors import invalid_request
+from flotilla.libs.common.messages import ToolCallDelta
 
 
 def from_legacy(body: dict[str, Any]) -> dict[str, Any]:

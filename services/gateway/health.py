@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Literal
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common import subjects
-from libs.common.bus import NoResponders
-from libs.common.errors import FlotillaError, envelope, unavailable
-from libs.common.messages import Announcement, HealthReply, HealthRequest
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import NoResponders
+from flotilla.libs.common.errors import FlotillaError, envelope, unavailable
+from flotilla.libs.common.messages import Announcement, HealthReply, HealthRequest
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 router = APIRouter()
 RETRY_AFTER_S = 1  # both checks are cheap: a poller may ask again in a second

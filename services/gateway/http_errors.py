@@ -16,15 +16,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from libs.common.errors import (
+from flotilla.libs.common.errors import (
     FlotillaError,
     envelope,
     internal,
     invalid_request,
     retry_after_header,
 )
-from libs.common.messages import ErrorInfo
-from services.gateway.validation import param_path
+from flotilla.libs.common.messages import ErrorInfo
+from flotilla.services.gateway.validation import param_path
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from libs.common.errors import envelope
-from libs.common.messages import ErrorInfo
+from flotilla.libs.common.errors import envelope
+from flotilla.libs.common.messages import ErrorInfo
 
 
 class _HeadRefused(Exception):

@@ -21,10 +21,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import ErrorInfo, Usage
-from services.gateway.api_keys import KeyRecord
-from services.gateway.rate_limits import Limiter, Verdict
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import ErrorInfo, Usage
+from flotilla.services.gateway.api_keys import KeyRecord
+from flotilla.services.gateway.rate_limits import Limiter, Verdict
 
 CURRENT: ContextVar[KeyUsage | None] = ContextVar("flotilla_key_usage", default=None)
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages",

@@ -30,8 +30,8 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
-from libs.common.errors import invalid_request, too_large
-from libs.common.settings import GatewaySettings
+from flotilla.libs.common.errors import invalid_request, too_large
+from flotilla.libs.common.settings import GatewaySettings
 
 _INT64_LIMIT = float(2**63)
 SPEC_LIMITS = ("max_n", "max_messages", "max_tools", "max_stop", "max_stop_chars", "max_prompts",

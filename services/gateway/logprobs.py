@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.common.messages import TextLogprob
+from flotilla.libs.common.messages import TextLogprob
 
 
 def chat_logprobs(items: list[TextLogprob]) -> dict[str, Any]:

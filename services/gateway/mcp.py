@@ -19,13 +19,18 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from libs.common import subjects
-from libs.common.errors import FlotillaError, invalid_request
-from libs.common.messages import ErrorInfo
-from libs.common.tool_messages import McpToolRoute, ToolCallReply, ToolCallRequest, ToolsListReply
+from flotilla.libs.common import subjects
+from flotilla.libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.messages import ErrorInfo
+from flotilla.libs.common.tool_messages import (
+    McpToolRoute,
+    ToolCallReply,
+    ToolCallRequest,
+    ToolsListReply,
+)
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 
 @dataclass

@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common.errors import FlotillaError, envelope, internal
-from libs.common.messages import TextDelta
-from services.gateway.chunks import ChatChunks
-from services.gateway.mcp import McpToolset, call_arguments, injected_toolset, run_call
-from services.gateway.plan import chat_plan, new_request_id
-from services.gateway.results import ChoiceResult, chat_completion
-from services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
-from services.gateway.sse import DONE, EventStream, sse
-from services.gateway.streams import ChoiceStreams
-from services.gateway.turns import Turn, UsageTotal, new_turn
+from flotilla.libs.common.errors import FlotillaError, envelope, internal
+from flotilla.libs.common.messages import TextDelta
+from flotilla.services.gateway.chunks import ChatChunks
+from flotilla.services.gateway.mcp import McpToolset, call_arguments, injected_toolset, run_call
+from flotilla.services.gateway.plan import chat_plan, new_request_id
+from flotilla.services.gateway.results import ChoiceResult, chat_completion
+from flotilla.services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
+from flotilla.services.gateway.sse import DONE, EventStream, sse
+from flotilla.services.gateway.streams import ChoiceStreams
+from flotilla.services.gateway.turns import Turn, UsageTotal, new_turn
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 
 class McpChat:

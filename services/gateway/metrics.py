@@ -26,8 +26,8 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from libs.common.messages import TextFinal
-from libs.common.metrics import (
+from flotilla.libs.common.messages import TextFinal
+from flotilla.libs.common.metrics import (
     LATENCY_BUCKETS,
     TOKEN_BUCKETS,
     multiprocess_registry,

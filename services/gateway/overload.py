@@ -23,10 +23,10 @@ from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from libs.common.errors import FlotillaError, invalid_request, unavailable_retry
-from libs.common.settings import GatewaySettings
-from services.gateway.http_errors import error_response
-from services.gateway.metrics import CAUSE_KEY
+from flotilla.libs.common.errors import FlotillaError, invalid_request, unavailable_retry
+from flotilla.libs.common.settings import GatewaySettings
+from flotilla.services.gateway.http_errors import error_response
+from flotilla.services.gateway.metrics import CAUSE_KEY
 
 LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize",
                            "/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank"})

@@ -26,12 +26,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from libs.common import subjects
-from libs.common.errors import invalid_request
-from libs.common.messages import SamplingOptions, TextRequest
-from services.gateway.functions import allowed_tools
-from services.gateway.history import normalize_messages
-from services.gateway.structured import structured_output
+from flotilla.libs.common import subjects
+from flotilla.libs.common.errors import invalid_request
+from flotilla.libs.common.messages import SamplingOptions, TextRequest
+from flotilla.services.gateway.functions import allowed_tools
+from flotilla.services.gateway.history import normalize_messages
+from flotilla.services.gateway.structured import structured_output
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 SEED_MODULUS = 2**63  # the engine's seeds are in [0, 2^63)

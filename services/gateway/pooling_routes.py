@@ -28,23 +28,23 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common import subjects
-from libs.common.deadline import Deadline
-from libs.common.errors import FlotillaError, internal, invalid_request
-from libs.common.messages import Cancel
-from libs.common.pooling_messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.deadline import Deadline
+from flotilla.libs.common.errors import FlotillaError, internal, invalid_request
+from flotilla.libs.common.messages import Cancel
+from flotilla.libs.common.pooling_messages import (
     EmbedRequest,
     PoolingOptions,
     PoolReply,
     ScoreReply,
     ScoreRequest,
 )
-from services.gateway.plan import new_request_id
-from services.gateway.request_body import gateway, model_request, request_deadline
-from services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
+from flotilla.services.gateway.plan import new_request_id
+from flotilla.services.gateway.request_body import gateway, model_request, request_deadline
+from flotilla.services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", PoolReply, ScoreReply)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from typing import NamedTuple, Protocol
 
-from libs.common.store import RedisStore, Store
-from services.gateway.api_keys import KeyRecord
+from flotilla.libs.common.store import RedisStore, Store
+from flotilla.services.gateway.api_keys import KeyRecord
 
 WINDOW_MS = 60_000
 CONCURRENT_RETRY_MS = 1000  # a slot frees when some request ends: no better guess

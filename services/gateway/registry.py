@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import Announcement, Ping
-from libs.common.model_capabilities import Capability
-from libs.common.store import Store, StoreUnavailable
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Announcement, Ping
+from flotilla.libs.common.model_capabilities import Capability
+from flotilla.libs.common.store import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from libs.common.deadline import Deadline
-from libs.common.errors import invalid_request
-from libs.common.model_capabilities import Capability
-from services.gateway.key_usage import CURRENT as KEY_USAGE
-from services.gateway.key_usage import check_body
-from services.gateway.limits import check_schema_sizes, parse_json, read_body
-from services.gateway.overload import request_timeout
-from services.gateway.registry import ModelInfo
+from flotilla.libs.common.deadline import Deadline
+from flotilla.libs.common.errors import invalid_request
+from flotilla.libs.common.model_capabilities import Capability
+from flotilla.services.gateway.key_usage import CURRENT as KEY_USAGE
+from flotilla.services.gateway.key_usage import check_body
+from flotilla.services.gateway.limits import check_schema_sizes, parse_json, read_body
+from flotilla.services.gateway.overload import request_timeout
+from flotilla.services.gateway.registry import ModelInfo
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 
 def gateway(request: Request) -> GatewayState:

@@ -17,17 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.common.messages import TextDelta, TextFinal, TextLogprob, ToolCallDelta
-from libs.common.subjects import PROTOCOL_VERSION
-from services.gateway.functions import function_call
-from services.gateway.logprobs import (
+from flotilla.libs.common.messages import TextDelta, TextFinal, TextLogprob, ToolCallDelta
+from flotilla.libs.common.subjects import PROTOCOL_VERSION
+from flotilla.services.gateway.functions import function_call
+from flotilla.services.gateway.logprobs import (
     chat_logprobs,
     completion_logprobs,
     echo_logprobs,
     vllm_prompt_logprobs,
 )
-from services.gateway.plan import Plan
-from services.gateway.streams import ChoiceStreams
+from flotilla.services.gateway.plan import Plan
+from flotilla.services.gateway.streams import ChoiceStreams
 
 SYSTEM_FINGERPRINT = f"fp_flotilla_{PROTOCOL_VERSION}"
 _CHAT_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}

@@ -22,17 +22,22 @@ from typing import Protocol, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common.deadline import Deadline
-from libs.common.errors import internal, invalid_request
-from services.gateway.chunks import chunk_builder
-from services.gateway.conversations.chat import AfterReply, in_conversation
-from services.gateway.functions import from_legacy
-from services.gateway.key_usage import CURRENT as KEY_USAGE
-from services.gateway.plan import Plan, chat_plan, completion_plan
-from services.gateway.request_body import gateway, model_request, request_deadline
-from services.gateway.results import ChoiceResult, chat_completion, collect, text_completion
-from services.gateway.sse import EventStream, sse_events
-from services.gateway.streams import ChoiceStreams
+from flotilla.libs.common.deadline import Deadline
+from flotilla.libs.common.errors import internal, invalid_request
+from flotilla.services.gateway.chunks import chunk_builder
+from flotilla.services.gateway.conversations.chat import AfterReply, in_conversation
+from flotilla.services.gateway.functions import from_legacy
+from flotilla.services.gateway.key_usage import CURRENT as KEY_USAGE
+from flotilla.services.gateway.plan import Plan, chat_plan, completion_plan
+from flotilla.services.gateway.request_body import gateway, model_request, request_deadline
+from flotilla.services.gateway.results import (
+    ChoiceResult,
+    chat_completion,
+    collect,
+    text_completion,
+)
+from flotilla.services.gateway.sse import EventStream, sse_events
+from flotilla.services.gateway.streams import ChoiceStreams
 
 router = APIRouter()
 T = TypeVar("T")
@@ -141,7 +146,9 @@ async def create_chat_completion(request: Request) -> Response:
         body, after = await in_conversation(request.app.state.conversations, body)
     if body.get("tools") is None and tools:  # injected MCP tools: the server runs their calls
         if int(body.get("n") or 1) == 1:
-            from services.gateway.mcp_chat import complete_with_mcp  # it imports this module
+            from flotilla.services.gateway.mcp_chat import (
+                complete_with_mcp,  # it imports this module
+            )
 
             return await complete_with_mcp(request, body)
         tools = []  # the server's tool loop serves one choice; n choices answer without it

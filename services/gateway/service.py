@@ -24,13 +24,13 @@ from typing import Any
 
 import uvicorn
 
-from libs.common.bus import Bus
-from libs.common.messages import Announcement
-from libs.common.service import Announcer, instance_id
-from libs.common.settings import GatewaySettings
-from libs.common.store import Store, make_store
-from services.gateway.app import GatewayState, create_app
-from services.gateway.http_protocol import limited_protocol
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Announcement
+from flotilla.libs.common.service import Announcer, instance_id
+from flotilla.libs.common.settings import GatewaySettings
+from flotilla.libs.common.store import Store, make_store
+from flotilla.services.gateway.app import GatewayState, create_app
+from flotilla.services.gateway.http_protocol import limited_protocol
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from services.gateway.validation import describe, describe_compiled
+from flotilla.services.gateway.validation import describe, describe_compiled
 
 try:
     import jsonschema_rs

@@ -24,10 +24,10 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from libs.common.errors import FlotillaError, envelope, internal
-from services.gateway.chunks import ChunkBuilder
-from services.gateway.results import ChoiceResult
-from services.gateway.streams import ChoiceStreams
+from flotilla.libs.common.errors import FlotillaError, envelope, internal
+from flotilla.services.gateway.chunks import ChunkBuilder
+from flotilla.services.gateway.results import ChoiceResult
+from flotilla.services.gateway.streams import ChoiceStreams
 
 log = logging.getLogger(__name__)
 

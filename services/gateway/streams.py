@@ -29,11 +29,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple, NoReturn
 
-from libs.common import subjects
-from libs.common.bus import Bus, StreamReader
-from libs.common.deadline import Deadline
-from libs.common.errors import FlotillaError, internal
-from libs.common.messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus, StreamReader
+from flotilla.libs.common.deadline import Deadline
+from flotilla.libs.common.errors import FlotillaError, internal
+from flotilla.libs.common.messages import (
     Admission,
     Cancel,
     TextDelta,
@@ -41,8 +41,8 @@ from libs.common.messages import (
     TextFrame,
     TextRequest,
 )
-from services.gateway.key_usage import CURRENT as KEY_USAGE
-from services.gateway.metrics import ChoiceTimer
+from flotilla.services.gateway.key_usage import CURRENT as KEY_USAGE
+from flotilla.services.gateway.metrics import ChoiceTimer
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from libs.common.errors import invalid_request
+from flotilla.libs.common.errors import invalid_request
 
 Format = dict[str, Any]
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

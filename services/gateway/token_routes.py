@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common import subjects
-from libs.common.errors import FlotillaError
-from libs.common.messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import (
     DecodeReply,
     DecodeRequest,
     EncodeReply,
@@ -28,12 +28,12 @@ from libs.common.messages import (
     RenderReply,
     TextRequest,
 )
-from services.gateway.history import normalize_messages
-from services.gateway.plan import generation_prompt, new_request_id
-from services.gateway.request_body import gateway, model_request
+from flotilla.services.gateway.history import normalize_messages
+from flotilla.services.gateway.plan import generation_prompt, new_request_id
+from flotilla.services.gateway.request_body import gateway, model_request
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 router = APIRouter()
 

@@ -17,11 +17,11 @@ import logging
 import time
 from typing import Any
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError
-from libs.common.messages import Announcement
-from libs.common.tool_messages import ToolsListReply, ToolsListRequest
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import Announcement
+from flotilla.libs.common.tool_messages import ToolsListReply, ToolsListRequest
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from libs.common import telemetry
+from flotilla.libs.common import telemetry
 
 SPAN_NAME = "gateway.request"
 

@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from libs.common.messages import TextDelta, TextRequest, Usage
-from services.gateway.plan import chat_plan
-from services.gateway.results import ChoiceResult
-from services.gateway.streams import ChoiceStreams
+from flotilla.libs.common.messages import TextDelta, TextRequest, Usage
+from flotilla.services.gateway.plan import chat_plan
+from flotilla.services.gateway.results import ChoiceResult
+from flotilla.services.gateway.streams import ChoiceStreams
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 
 from jsonschema.exceptions import ValidationError, relevance
 
-from libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.errors import FlotillaError, invalid_request
 
 _TYPE_NAMES = {"string": "a string", "integer": "an integer", "number": "a number",
                "boolean": "a boolean", "array": "an array", "object": "an object", "null": "null"}

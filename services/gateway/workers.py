@@ -2,9 +2,9 @@
 
 Rules:
 - With one worker the gateway is a single process, as it always was. With N > 1,
-  `python -m services.gateway` becomes a parent that reserves the port (bound with SO_REUSEPORT,
+  `python -m flotilla.services.gateway` becomes a parent that reserves the port (bound with SO_REUSEPORT,
   never listening: port 0 becomes a real port here) and starts N workers
-  (`python -m services.gateway --worker`, that port in `FLOTILLA_PORT`), each listening on a
+  (`python -m flotilla.services.gateway --worker`, that port in `FLOTILLA_PORT`), each listening on a
   socket of its own bound with SO_REUSEPORT. Linux spreads new connections evenly over the
   workers' sockets (a hash of the addresses), so a burst of connections is split between them;
   one shared socket would not do that: whichever worker wakes first accepts everything queued.
@@ -42,15 +42,15 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from libs.common import telemetry
-from libs.common.settings import GatewaySettings
-from services.gateway.service import bind_socket
-from services.launcher.processes import child_preexec
+from flotilla.libs.common import telemetry
+from flotilla.libs.common.settings import GatewaySettings
+from flotilla.services.gateway.service import bind_socket
+from flotilla.services.launcher.processes import child_preexec
 
 log = logging.getLogger(__name__)
 
 WORKER_ARG = "--worker"
-WORKER_ARGV = [sys.executable, "-m", "services.gateway", WORKER_ARG]
+WORKER_ARGV = [sys.executable, "-m", "flotilla.services.gateway", WORKER_ARG]
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # GatewaySettings.prometheus_multiproc_dir
 
 

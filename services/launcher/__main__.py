@@ -1,7 +1,7 @@
-"""`python -m services.launcher ...` is the `flotilla` command."""
+"""`python -m flotilla.services.launcher ...` is the `flotilla` command."""
 
 import sys
 
-from services.launcher.cli import main
+from flotilla.services.launcher.cli import main
 
 sys.exit(main())

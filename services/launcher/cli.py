@@ -35,16 +35,22 @@ from types import FrameType
 
 from pydantic import SecretStr
 
-from libs.common import telemetry
-from libs.common.model_cache import resolve_model
-from libs.common.nats_auth import NatsSecurity
-from libs.common.settings import LauncherSettings
-from services.chat.args import add_arguments as add_chat_arguments
-from services.launcher.keys import add_arguments as add_keys_arguments
-from services.launcher.keys import run as run_keys
-from services.launcher.readiness import Probe, check_once
-from services.launcher.state import SuiteState, pid_alive, run_dir
-from services.launcher.suite import NATS_SERVICES, StopRequested, Suite, SuiteError, SuiteOptions
+from flotilla.libs.common import telemetry
+from flotilla.libs.common.model_cache import resolve_model
+from flotilla.libs.common.nats_auth import NatsSecurity
+from flotilla.libs.common.settings import LauncherSettings
+from flotilla.services.chat.args import add_arguments as add_chat_arguments
+from flotilla.services.launcher.keys import add_arguments as add_keys_arguments
+from flotilla.services.launcher.keys import run as run_keys
+from flotilla.services.launcher.readiness import Probe, check_once
+from flotilla.services.launcher.state import SuiteState, pid_alive, run_dir
+from flotilla.services.launcher.suite import (
+    NATS_SERVICES,
+    StopRequested,
+    Suite,
+    SuiteError,
+    SuiteOptions,
+)
 
 log = logging.getLogger("flotilla")
 
@@ -261,7 +267,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from services.chat.cli import run  # the openai SDK and rich load only for `chat`
+    from flotilla.services.chat.cli import run  # the openai SDK and rich load only for `chat`
 
     return run(args)
 

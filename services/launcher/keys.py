@@ -21,10 +21,10 @@ import argparse
 import asyncio
 import sys
 
-from libs.common.errors import FlotillaError
-from libs.common.settings import LauncherSettings
-from libs.common.store import RedisStore
-from services.gateway.api_keys import KeyRecord, create_key, list_keys, revoke_key
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.settings import LauncherSettings
+from flotilla.libs.common.store import RedisStore
+from flotilla.services.gateway.api_keys import KeyRecord, create_key, list_keys, revoke_key
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings: LauncherSettings) -> None:

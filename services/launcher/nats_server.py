@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from services.launcher.processes import ChildSpec, child_preexec
+from flotilla.services.launcher.processes import ChildSpec, child_preexec
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,8 @@ class ChildSpec:
 
 
 def service_spec(name: str, env: dict[str, str]) -> ChildSpec:
-    """A flotilla service run as `python -m services.<name>`."""
-    return ChildSpec(name, [sys.executable, "-m", f"services.{name}"], env)
+    """A flotilla service run as `python -m flotilla.services.<name>`."""
+    return ChildSpec(name, [sys.executable, "-m", f"flotilla.services.{name}"], env)
 
 
 class Child:

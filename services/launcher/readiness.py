@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import httpx
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError
-from libs.common.messages import HealthReply, HealthRequest
-from libs.common.nats_auth import NatsSecurity
-from services.launcher.nats_server import reachable
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import HealthReply, HealthRequest
+from flotilla.libs.common.nats_auth import NatsSecurity
+from flotilla.services.launcher.nats_server import reachable
 
 HTTP_TIMEOUT_S = 3.0  # /ready answers within its probe timeout (1.5 s) whatever is down
 NATS_TIMEOUT_S = 1.5

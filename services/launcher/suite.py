@@ -40,14 +40,20 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from libs.common.model_cache import resolve_model, served_name
-from libs.common.nats_auth import NatsSecurity
-from services.launcher.nats_server import NatsPlan, NatsServer, free_port, plan_nats, reachable
-from services.launcher.processes import ChildSpec, service_spec
-from services.launcher.readiness import Probe, Prober, Verdict
-from services.launcher.state import StateFileLock, SuiteState, default_state_file
-from services.launcher.supervisor import RestartPolicy, Supervisor
-from services.tools.config import load_mcp_config
+from flotilla.libs.common.model_cache import resolve_model, served_name
+from flotilla.libs.common.nats_auth import NatsSecurity
+from flotilla.services.launcher.nats_server import (
+    NatsPlan,
+    NatsServer,
+    free_port,
+    plan_nats,
+    reachable,
+)
+from flotilla.services.launcher.processes import ChildSpec, service_spec
+from flotilla.services.launcher.readiness import Probe, Prober, Verdict
+from flotilla.services.launcher.state import StateFileLock, SuiteState, default_state_file
+from flotilla.services.launcher.supervisor import RestartPolicy, Supervisor
+from flotilla.services.tools.config import load_mcp_config
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +99,7 @@ class SuiteOptions:
     nats_restart: RestartPolicy = field(
         default_factory=lambda: RestartPolicy(min_backoff_s=0.2, max_backoff_s=10.0))
     commands: dict[str, list[str]] = field(default_factory=dict)
-    """Replace a service's `python -m services.<name>` (tests run stand-ins this way)."""
+    """Replace a service's `python -m flotilla.services.<name>` (tests run stand-ins this way)."""
 
 
 def check_port_free(host: str, port: int) -> None:

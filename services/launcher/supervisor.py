@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.launcher.processes import Child, ChildSpec, stop_all
+from flotilla.services.launcher.processes import Child, ChildSpec, stop_all
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,6 @@
 `Tokenizer.from_path` is also the engine library's tokenizer (services/engine/llm.py).
 """
 
-from services.tokenizer.tokenizer import Tokenizer, UnsupportedTokenizer
+from flotilla.services.tokenizer.tokenizer import Tokenizer, UnsupportedTokenizer
 
 __all__ = ["Tokenizer", "UnsupportedTokenizer"]

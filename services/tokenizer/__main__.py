@@ -1,10 +1,10 @@
-"""`python -m services.tokenizer [--model M] [--chat-template FILE] ...` (or FLOTILLA_* env)."""
+"""`python -m flotilla.services.tokenizer [--model M] [--chat-template FILE] ...` (or FLOTILLA_* env)."""
 
 from __future__ import annotations
 
-from libs.common.service import run_forever
-from libs.common.settings import TokenizerSettings
-from services.tokenizer.service import TokenizerService
+from flotilla.libs.common.service import run_forever
+from flotilla.libs.common.settings import TokenizerSettings
+from flotilla.services.tokenizer.service import TokenizerService
 
 
 def main() -> None:

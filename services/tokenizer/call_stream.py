@@ -15,8 +15,8 @@ from __future__ import annotations
 import uuid
 from typing import NamedTuple
 
-from libs.common.messages import ToolCallDelta
-from services.tokenizer.stop_strings import partial_suffix
+from flotilla.libs.common.messages import ToolCallDelta
+from flotilla.services.tokenizer.stop_strings import partial_suffix
 
 
 class Parsed(NamedTuple):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.errors import FlotillaError, invalid_request
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 

@@ -25,20 +25,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from libs.common.errors import FlotillaError, invalid_request, unavailable
-from libs.common.messages import TextRequest
-from services.tokenizer.chat_messages import normalize_messages
-from services.tokenizer.chat_template import (
+from flotilla.libs.common.errors import FlotillaError, invalid_request, unavailable
+from flotilla.libs.common.messages import TextRequest
+from flotilla.services.tokenizer.chat_messages import normalize_messages
+from flotilla.services.tokenizer.chat_template import (
     MAX_CHARS,
     ChatTemplate,
     ChatTemplateError,
     TemplateTimeout,
 )
-from services.tokenizer.reasoning import START, ReasoningParser
-from services.tokenizer.thinking import EMPTY_BLOCK, plan_thinking, with_system_flag
-from services.tokenizer.tokenizer import Tokenizer
-from services.tokenizer.tool_formats import ToolFormat, detect
-from services.tokenizer.tool_prompt import inject_tools, inline_tool_history, tool_names
+from flotilla.services.tokenizer.reasoning import START, ReasoningParser
+from flotilla.services.tokenizer.thinking import EMPTY_BLOCK, plan_thinking, with_system_flag
+from flotilla.services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.tool_formats import ToolFormat, detect
+from flotilla.services.tokenizer.tool_prompt import inject_tools, inline_tool_history, tool_names
 
 TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool}
 _CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "

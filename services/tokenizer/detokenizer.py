@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable
 
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -24,11 +24,11 @@ import time
 
 from nats.aio.subscription import Subscription
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError, deadline_exceeded, invalid_request
-from libs.common.pooling_messages import EmbedRequest, PoolReply, PoolRequest
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError, deadline_exceeded, invalid_request
+from flotilla.libs.common.pooling_messages import EmbedRequest, PoolReply, PoolRequest
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 
 class Embedder:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from libs.common.messages import Announcement
+from flotilla.libs.common.messages import Announcement
 
 
 class EngineContext:

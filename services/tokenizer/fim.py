@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from libs.common.errors import invalid_request
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.errors import invalid_request
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 _PREFIX = ("<|fim_prefix|>", "<fim-prefix>", "<｜fim▁begin｜>", "<fim_prefix>", "<PRE>", "▁<PRE>",
            "<|code_prefix|>")

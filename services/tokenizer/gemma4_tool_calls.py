@@ -20,8 +20,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from libs.common.messages import ToolCallDelta
-from services.tokenizer.call_stream import CallStream, openai_call_id
+from flotilla.libs.common.messages import ToolCallDelta
+from flotilla.services.tokenizer.call_stream import CallStream, openai_call_id
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _NAME = re.compile(r"call:([A-Za-z0-9_.\-]+)\{")

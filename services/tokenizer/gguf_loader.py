@@ -18,10 +18,10 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from services.tokenizer.bpe_splits import bpe_split
-from services.tokenizer.gguf_metadata import read_gguf_metadata
-from services.tokenizer.token_bytes import byte_level_bytes, sentencepiece_bytes
-from services.tokenizer.tokenizer import SpecialTokens, Tokenizer, UnsupportedTokenizer
+from flotilla.services.tokenizer.bpe_splits import bpe_split
+from flotilla.services.tokenizer.gguf_metadata import read_gguf_metadata
+from flotilla.services.tokenizer.token_bytes import byte_level_bytes, sentencepiece_bytes
+from flotilla.services.tokenizer.tokenizer import SpecialTokens, Tokenizer, UnsupportedTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import jsonschema_rs
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from libs.common.errors import FlotillaError, invalid_request
-from libs.common.messages import GuidedDecoding
-from services.tokenizer.schema_rules import enforceable
+from flotilla.libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.messages import GuidedDecoding
+from flotilla.services.tokenizer.schema_rules import enforceable
 
 if TYPE_CHECKING:
     import xgrammar as xgr

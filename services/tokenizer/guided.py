@@ -22,17 +22,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from libs.common.messages import GuidedDecoding, TextRequest
-from services.tokenizer.grammar_check import (  # noqa: F401 - grammar_of, xgrammar: engine's
+from flotilla.libs.common.messages import GuidedDecoding, TextRequest
+from flotilla.services.tokenizer.grammar_check import (  # noqa: F401 - grammar_of, xgrammar: engine's
     MAX_BOUND,
     check_schema,
     checked,
     grammar_of,
     xgrammar,
 )
-from services.tokenizer.harmony import CONTROL, FINAL
-from services.tokenizer.response_formats import response_format_spec
-from services.tokenizer.tool_formats import ToolFormat
+from flotilla.services.tokenizer.harmony import CONTROL, FINAL
+from flotilla.services.tokenizer.response_formats import response_format_spec
+from flotilla.services.tokenizer.tool_formats import ToolFormat
 
 
 def tool_call_spec(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool,

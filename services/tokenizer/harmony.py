@@ -32,9 +32,9 @@ import re
 from collections.abc import Callable
 from typing import NamedTuple
 
-from libs.common.messages import ToolCallDelta
-from services.tokenizer.stop_strings import partial_suffix
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.messages import ToolCallDelta
+from flotilla.services.tokenizer.stop_strings import partial_suffix
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"

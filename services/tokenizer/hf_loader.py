@@ -20,8 +20,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from services.tokenizer.token_bytes import byte_level_bytes, sentencepiece_bytes
-from services.tokenizer.tokenizer import SpecialTokens, Tokenizer, UnsupportedTokenizer
+from flotilla.services.tokenizer.token_bytes import byte_level_bytes, sentencepiece_bytes
+from flotilla.services.tokenizer.tokenizer import SpecialTokens, Tokenizer, UnsupportedTokenizer
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
                  "max_sequence_length")

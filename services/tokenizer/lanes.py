@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from libs.common.errors import deadline_exceeded, unavailable
+from flotilla.libs.common.errors import deadline_exceeded, unavailable
 
 T = TypeVar("T")
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.common.messages import ErrorInfo
-from libs.common.metrics import LATENCY_BUCKETS, name, service_registry
+from flotilla.libs.common.messages import ErrorInfo
+from flotilla.libs.common.metrics import LATENCY_BUCKETS, name, service_registry
 
 
 class TokenizerMetrics:

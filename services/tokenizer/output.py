@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from libs.common.messages import (
+from flotilla.libs.common.messages import (
     ErrorInfo,
     TextDelta,
     TextFinal,
@@ -43,18 +43,18 @@ from libs.common.messages import (
     TokenLogprob,
     Usage,
 )
-from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.gemma4_tool_calls import Gemma4ToolCallParser
-from services.tokenizer.harmony import HarmonyParser, control_ids
-from services.tokenizer.output_check import OutputCheck
-from services.tokenizer.pythonic_tool_calls import PythonicToolCallParser
-from services.tokenizer.reasoning import ReasoningParser
-from services.tokenizer.stop_strings import StopStringMatcher
-from services.tokenizer.tokenizer import Tokenizer
-from services.tokenizer.tool_calls import ToolCallParser
-from services.tokenizer.tool_formats import ALL_MARKERS, HERMES, ToolFormat
-from services.tokenizer.tool_prompt import tool_names
-from services.tokenizer.xml_tool_calls import SYNTAXES, XmlToolCallParser
+from flotilla.services.tokenizer.detokenizer import IncrementalDetokenizer
+from flotilla.services.tokenizer.gemma4_tool_calls import Gemma4ToolCallParser
+from flotilla.services.tokenizer.harmony import HarmonyParser, control_ids
+from flotilla.services.tokenizer.output_check import OutputCheck
+from flotilla.services.tokenizer.pythonic_tool_calls import PythonicToolCallParser
+from flotilla.services.tokenizer.reasoning import ReasoningParser
+from flotilla.services.tokenizer.stop_strings import StopStringMatcher
+from flotilla.services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.tool_calls import ToolCallParser
+from flotilla.services.tokenizer.tool_formats import ALL_MARKERS, HERMES, ToolFormat
+from flotilla.services.tokenizer.tool_prompt import tool_names
+from flotilla.services.tokenizer.xml_tool_calls import SYNTAXES, XmlToolCallParser
 
 AnyToolParser = (ToolCallParser | XmlToolCallParser | Gemma4ToolCallParser
                  | PythonicToolCallParser)

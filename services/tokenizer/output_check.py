@@ -24,8 +24,8 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
-from libs.common.messages import ErrorInfo, TextRequest
-from services.tokenizer.guided import forces_tool_calls
+from flotilla.libs.common.messages import ErrorInfo, TextRequest
+from flotilla.services.tokenizer.guided import forces_tool_calls
 
 log = logging.getLogger(__name__)
 

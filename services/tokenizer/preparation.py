@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 import orjson
 
-from libs.common.errors import FlotillaError, deadline_exceeded, invalid_request
-from libs.common.messages import GuidedDecoding, TextRequest
-from libs.common.settings import TokenizerSettings
-from services.tokenizer.guided import forces_tool_calls
-from services.tokenizer.lanes import Lane
-from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
-from services.tokenizer.spec_cache import Entry, SpecCache, spec_key
+from flotilla.libs.common.errors import FlotillaError, deadline_exceeded, invalid_request
+from flotilla.libs.common.messages import GuidedDecoding, TextRequest
+from flotilla.libs.common.settings import TokenizerSettings
+from flotilla.services.tokenizer.guided import forces_tool_calls
+from flotilla.services.tokenizer.lanes import Lane
+from flotilla.services.tokenizer.prompt import PreparedPrompt, PromptBuilder
+from flotilla.services.tokenizer.spec_cache import Entry, SpecCache, spec_key
 
 
 @dataclass(frozen=True)

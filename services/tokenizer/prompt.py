@@ -23,17 +23,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libs.common.context import ContextLengthExceeded, resolve_max_tokens
-from libs.common.errors import invalid_request
-from libs.common.messages import GuidedDecoding, SamplingOptions, TextRequest
-from services.tokenizer.chat_prompt import ChatRenderer
-from services.tokenizer.chat_template import MAX_CHARS
-from services.tokenizer.fim import FimTokens, fim_prompt, fim_tokens
-from services.tokenizer.guided import guided_spec
-from services.tokenizer.harmony import FINAL, control_ids
-from services.tokenizer.reasoning import ReasoningParser
-from services.tokenizer.tokenizer import Tokenizer
-from services.tokenizer.tool_formats import ToolFormat
+from flotilla.libs.common.context import ContextLengthExceeded, resolve_max_tokens
+from flotilla.libs.common.errors import invalid_request
+from flotilla.libs.common.messages import GuidedDecoding, SamplingOptions, TextRequest
+from flotilla.services.tokenizer.chat_prompt import ChatRenderer
+from flotilla.services.tokenizer.chat_template import MAX_CHARS
+from flotilla.services.tokenizer.fim import FimTokens, fim_prompt, fim_tokens
+from flotilla.services.tokenizer.guided import guided_spec
+from flotilla.services.tokenizer.harmony import FINAL, control_ids
+from flotilla.services.tokenizer.reasoning import ReasoningParser
+from flotilla.services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.tool_formats import ToolFormat
 
 
 @dataclass

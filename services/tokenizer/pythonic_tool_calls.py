@@ -21,8 +21,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from libs.common.messages import ToolCallDelta
-from services.tokenizer.call_stream import Parsed, openai_call_id
+from flotilla.libs.common.messages import ToolCallDelta
+from flotilla.services.tokenizer.call_stream import Parsed, openai_call_id
 
 MAX_CANDIDATE = 65536
 _OPENING = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from services.tokenizer.stop_strings import partial_suffix
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.stop_strings import partial_suffix
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 START, END = "<think>", "</think>"
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from libs.common.errors import FlotillaError, invalid_request
-from libs.common.messages import GuidedDecoding
-from services.tokenizer.gbnf import GrammarError, to_xgrammar_ebnf
-from services.tokenizer.grammar_check import check_schema, checked
+from flotilla.libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.messages import GuidedDecoding
+from flotilla.services.tokenizer.gbnf import GrammarError, to_xgrammar_ebnf
+from flotilla.services.tokenizer.grammar_check import check_schema, checked
 
 MAX_SPEC_CHARS = 65_536
 MAX_CHOICES = 1_024

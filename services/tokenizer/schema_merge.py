@@ -26,7 +26,7 @@ import re
 from typing import Any
 from urllib.parse import unquote
 
-from libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.errors import FlotillaError, invalid_request
 
 ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",

@@ -47,7 +47,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from services.tokenizer.schema_merge import (
+from flotilla.services.tokenizer.schema_merge import (
     CONSTRAINTS,
     SchemaMerger,
     Unsatisfiable,

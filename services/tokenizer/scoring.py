@@ -25,11 +25,11 @@ from typing import Literal
 import numpy as np
 from nats.aio.subscription import Subscription
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError, invalid_request
-from libs.common.model_capabilities import ModelKind
-from libs.common.pooling_messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.model_capabilities import ModelKind
+from flotilla.libs.common.pooling_messages import (
     EmbedRequest,
     PoolingOptions,
     PoolReply,
@@ -37,8 +37,8 @@ from libs.common.pooling_messages import (
     ScoreReply,
     ScoreRequest,
 )
-from services.tokenizer.embed import Embedder, pool_on_engine
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.embed import Embedder, pool_on_engine
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 ScoreMode = Literal["embedding", "qwen3_reranker"]
 

@@ -32,10 +32,10 @@ from typing import Any
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
 
-from libs.common import subjects, telemetry
-from libs.common.bus import Bus, StreamReader, StreamWriter
-from libs.common.errors import FlotillaError, internal, unavailable
-from libs.common.messages import (
+from flotilla.libs.common import subjects, telemetry
+from flotilla.libs.common.bus import Bus, StreamReader, StreamWriter
+from flotilla.libs.common.errors import FlotillaError, internal, unavailable
+from flotilla.libs.common.messages import (
     Admission,
     Announcement,
     Cancel,
@@ -50,23 +50,23 @@ from libs.common.messages import (
     TokenFrame,
     TokenRequest,
 )
-from libs.common.metrics import MetricsServer
-from libs.common.model_cache import resolve_model, served_name
-from libs.common.model_capabilities import model_kind
-from libs.common.service import Announcer, instance_id, wait_idle
-from libs.common.settings import TokenizerSettings
-from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
-from services.tokenizer.embed import Embedder, serve_embed
-from services.tokenizer.engine_context import EngineContext
-from services.tokenizer.gguf_metadata import gguf_pooling_type
-from services.tokenizer.metrics import TokenizerMetrics
-from services.tokenizer.output import OutputProcessor
-from services.tokenizer.preparation import Preparer, check_deadline
-from services.tokenizer.prompt import PreparedPrompt, PromptBuilder
-from services.tokenizer.scoring import Scorer, score_mode, serve_score
-from services.tokenizer.token_codec import TokenCodec, serve_token_codec
-from services.tokenizer.tokenizer import Tokenizer
-from services.tokenizer.warmup import warm_up
+from flotilla.libs.common.metrics import MetricsServer
+from flotilla.libs.common.model_cache import resolve_model, served_name
+from flotilla.libs.common.model_capabilities import model_kind
+from flotilla.libs.common.service import Announcer, instance_id, wait_idle
+from flotilla.libs.common.settings import TokenizerSettings
+from flotilla.services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from flotilla.services.tokenizer.embed import Embedder, serve_embed
+from flotilla.services.tokenizer.engine_context import EngineContext
+from flotilla.services.tokenizer.gguf_metadata import gguf_pooling_type
+from flotilla.services.tokenizer.metrics import TokenizerMetrics
+from flotilla.services.tokenizer.output import OutputProcessor
+from flotilla.services.tokenizer.preparation import Preparer, check_deadline
+from flotilla.services.tokenizer.prompt import PreparedPrompt, PromptBuilder
+from flotilla.services.tokenizer.scoring import Scorer, score_mode, serve_score
+from flotilla.services.tokenizer.token_codec import TokenCodec, serve_token_codec
+from flotilla.services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.warmup import warm_up
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer("flotilla.tokenizer")

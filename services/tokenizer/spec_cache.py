@@ -20,8 +20,8 @@ from typing import Any
 
 import orjson
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import GuidedDecoding
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import GuidedDecoding
 
 Entry = GuidedDecoding | FlotillaError | None
 

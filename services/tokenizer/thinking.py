@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.common.errors import invalid_request
+from flotilla.libs.common.errors import invalid_request
 
 LEVELS = ("none", "minimal", "low", "medium", "high")
 _SCALE = {"minimal": 0, "low": 1, "medium": 2, "high": 3, "max": 4}

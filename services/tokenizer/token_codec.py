@@ -17,11 +17,11 @@ import asyncio
 
 from nats.aio.subscription import Subscription
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError, invalid_request
-from libs.common.messages import DecodeReply, DecodeRequest, EncodeReply, EncodeRequest
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.messages import DecodeReply, DecodeRequest, EncodeReply, EncodeRequest
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 
 class TokenCodec:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as Backend
 
-from libs.common.gguf_files import find_gguf
+from flotilla.libs.common.gguf_files import find_gguf
 
 # Token texts llama.cpp treats as end-of-generation when a vocabulary has them (llama-vocab.cpp).
 END_OF_GENERATION_TEXTS = frozenset({
@@ -69,7 +69,7 @@ class Tokenizer:
         p = Path(path)
         if p.is_dir():
             if (p / "tokenizer.json").exists():
-                from services.tokenizer.hf_loader import load_hf_dir
+                from flotilla.services.tokenizer.hf_loader import load_hf_dir
 
                 return load_hf_dir(p)
             try:
@@ -83,7 +83,7 @@ class Tokenizer:
             p = find_gguf(p) or p  # a split set's metadata is in its first part
         if not p.exists():
             raise FileNotFoundError(f"no tokenizer at {p}")
-        from services.tokenizer.gguf_loader import load_gguf
+        from flotilla.services.tokenizer.gguf_loader import load_gguf
 
         return load_gguf(p)
 

@@ -22,10 +22,10 @@ import json
 import string
 from collections.abc import Callable
 
-from libs.common.messages import ToolCallDelta
-from services.tokenizer.call_stream import CallStream, Parsed, openai_call_id
-from services.tokenizer.json_scan import CallObject, Event, JsonError, JsonValue
-from services.tokenizer.stop_strings import partial_suffix
+from flotilla.libs.common.messages import ToolCallDelta
+from flotilla.services.tokenizer.call_stream import CallStream, Parsed, openai_call_id
+from flotilla.services.tokenizer.json_scan import CallObject, Event, JsonError, JsonValue
+from flotilla.services.tokenizer.stop_strings import partial_suffix
 
 HERMES, MISTRAL, FUNCTION = "<tool_call>", "[TOOL_CALLS]", "<function="
 PYTHON_TAG = "<|python_tag|>"

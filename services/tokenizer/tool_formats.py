@@ -45,7 +45,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from services.tokenizer.gemma4_tool_calls import write_value
+from flotilla.services.tokenizer.gemma4_tool_calls import write_value
 
 _ALNUM = string.ascii_letters + string.digits
 Structure = dict[str, Any]

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from libs.common.errors import invalid_request
-from services.tokenizer.tool_formats import ToolFormat
+from flotilla.libs.common.errors import invalid_request
+from flotilla.services.tokenizer.tool_formats import ToolFormat
 
 _HEADER = (
     "# Tools\n\n"

@@ -18,10 +18,10 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import TextRequest
-from services.tokenizer.guided import xgrammar
-from services.tokenizer.prompt import PromptBuilder
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import TextRequest
+from flotilla.services.tokenizer.guided import xgrammar
+from flotilla.services.tokenizer.prompt import PromptBuilder
 
 log = logging.getLogger(__name__)
 

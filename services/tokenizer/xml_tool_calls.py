@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from libs.common.messages import ToolCallDelta
-from services.tokenizer.call_stream import CallStream, openai_call_id
+from flotilla.libs.common.messages import ToolCallDelta
+from flotilla.services.tokenizer.call_stream import CallStream, openai_call_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_NAME = 256  # a name not complete within this many characters is not a call

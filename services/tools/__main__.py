@@ -1,13 +1,13 @@
-"""`python -m services.tools`: the MCP tools service."""
+"""`python -m flotilla.services.tools`: the MCP tools service."""
 
 from __future__ import annotations
 
 import sys
 
-from libs.common.service import run_forever
-from libs.common.settings import ToolsSettings
-from services.tools.config import ToolsConfigError, load_mcp_config
-from services.tools.service import ToolsService
+from flotilla.libs.common.service import run_forever
+from flotilla.libs.common.settings import ToolsSettings
+from flotilla.services.tools.config import ToolsConfigError, load_mcp_config
+from flotilla.services.tools.service import ToolsService
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from mcp import ClientSession, StdioServerParameters
 from mcp import types as mcp_types
 from mcp.client.stdio import stdio_client
 
-from services.tools.config import McpServerConfig
+from flotilla.services.tools.config import McpServerConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A small stdio MCP server shipped for the container stack (docker/mcp.json starts it), so a
 fresh `docker compose up` has tools to offer: `add(a, b)` and `utc_now()`.
 
-Run: `python -m services.tools.demo_server`.
+Run: `python -m flotilla.services.tools.demo_server`.
 """
 
 from __future__ import annotations

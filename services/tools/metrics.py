@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from libs.common.metrics import LATENCY_BUCKETS, name, service_registry
+from flotilla.libs.common.metrics import LATENCY_BUCKETS, name, service_registry
 
 
 class ToolsMetrics:

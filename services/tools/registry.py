@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.tools.config import McpServerConfig
-from services.tools.connection import McpConnection, McpToolError, describe
+from flotilla.services.tools.config import McpServerConfig
+from flotilla.services.tools.connection import McpConnection, McpToolError, describe
 
 log = logging.getLogger(__name__)
 

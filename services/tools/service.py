@@ -12,22 +12,22 @@ import logging
 import time
 from typing import Any
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import Announcement
-from libs.common.metrics import MetricsServer
-from libs.common.service import Announcer, instance_id, wait_idle
-from libs.common.settings import ToolsSettings
-from libs.common.tool_messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Announcement
+from flotilla.libs.common.metrics import MetricsServer
+from flotilla.libs.common.service import Announcer, instance_id, wait_idle
+from flotilla.libs.common.settings import ToolsSettings
+from flotilla.libs.common.tool_messages import (
     McpToolRoute,
     ToolCallReply,
     ToolCallRequest,
     ToolsListReply,
     ToolsListRequest,
 )
-from services.tools.config import load_mcp_config
-from services.tools.metrics import ToolsMetrics
-from services.tools.registry import ToolRegistry
+from flotilla.services.tools.config import load_mcp_config
+from flotilla.services.tools.metrics import ToolsMetrics
+from flotilla.services.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
 

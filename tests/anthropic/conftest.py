@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.gateway.service import GatewayService
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.conftest import bus, client, gateway, model, tokenizer  # noqa: F401
 
 

@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError
-from libs.common.messages import (
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import (
     Admission,
     ErrorInfo,
     SamplingOptions,
@@ -49,7 +49,7 @@ async def test_request_reply_typed(bus: Bus) -> None:
 async def test_a_failing_handler_answers_with_its_error_at_once(bus: Bus) -> None:
     """A handler that raises, a reply that cannot be encoded (a lone surrogate) and a request
     that cannot be decoded all answer the requester now, never after its timeout."""
-    from libs.common.errors import invalid_request
+    from flotilla.libs.common.errors import invalid_request
 
     subjects = [_subject() for _ in range(3)]
 
@@ -203,7 +203,7 @@ async def test_losing_the_nats_connection_ends_open_streams_at_once_and_reconnec
     """A NATS server that dies drops our subscriptions: the stream cannot continue, so the
     reader ends with a 503 right away (not after its 30 s timeout), frames already received
     first; the bus reconnects to a server brought back on the same port."""
-    from services.launcher.nats_server import NatsServer
+    from flotilla.services.launcher.nats_server import NatsServer
 
     server = NatsServer().start()
     port = server.port

@@ -11,10 +11,10 @@ import uuid
 import pytest
 from nats.errors import MaxPayloadError
 
-from libs.common.bus import Bus
-from libs.common.deadline import Deadline
-from libs.common.errors import FlotillaError
-from libs.common.messages import (
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.deadline import Deadline
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import (
     Admission,
     RenderReply,
     SamplingOptions,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from libs.common.context import ContextLengthExceeded, resolve_max_tokens
+from flotilla.libs.common.context import ContextLengthExceeded, resolve_max_tokens
 
 
 def test_unset_max_tokens_takes_the_room_left() -> None:

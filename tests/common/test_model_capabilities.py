@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.model_capabilities import capabilities, model_kind
+from flotilla.libs.common.model_capabilities import capabilities, model_kind
 
 ST_MODULES = [
     {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

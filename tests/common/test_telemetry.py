@@ -13,8 +13,8 @@ PROBE = """
 import json
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from libs.common import telemetry
-from libs.common.settings import CommonSettings
+from flotilla.libs.common import telemetry
+from flotilla.libs.common.settings import CommonSettings
 
 telemetry.setup_tracing("probe", CommonSettings(otel_exporter=EXPORTER))
 caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from libs.common.nats_auth import NatsSecurity
+from flotilla.libs.common.nats_auth import NatsSecurity
 from tests.endpoints import REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteHandle]:
     env.pop("FLOTILLA_NATS_URL", None)  # a private NATS
     # The console script a user runs (installed by `pip install -e .`); the module otherwise.
     exe = shutil.which("flotilla")
-    launcher = [exe] if exe else [sys.executable, "-m", "services.launcher"]
+    launcher = [exe] if exe else [sys.executable, "-m", "flotilla.services.launcher"]
     cmd = [*launcher, "up", "--port", "0", "--state-file", str(state_file),
            "--mcp-config", str(mcp), "--ui"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from bench.sse_client import TERMINAL_ERRORS, Outcome, stream_chat
-from services.launcher.cli import main as flotilla
+from flotilla.services.launcher.cli import main as flotilla
 from tests.e2e.conftest import MODEL, SuiteHandle
 
 STREAMS = 8

@@ -11,9 +11,9 @@ import time
 
 import httpx
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import HealthReply, HealthRequest
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import HealthReply, HealthRequest
 from tests.e2e.conftest import MODEL
 
 LONG = {"model": MODEL,

@@ -37,7 +37,7 @@ def test_echo_logprobs_equal_the_models_prompt_logits(client, http: httpx.Client
     one logprob per prompt token, the first null, each the model's log-softmax at the previous
     position (LLM.prompt_logits, the engine as a library, fp32 on CPU)."""
     torch = pytest.importorskip("torch")
-    from services.engine.llm import LLM
+    from flotilla.services.engine.llm import LLM
 
     prompt = ids_of(http, "Question: What is the capital of France?\nAnswer: Paris")
     r = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1,

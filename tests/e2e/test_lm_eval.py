@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.model_cache import DEFAULT_GGUF_NAME, ensure_default_model
+from flotilla.libs.common.model_cache import DEFAULT_GGUF_NAME, ensure_default_model
 from tests.e2e.conftest import MODEL, SuiteHandle
 
 # (question, right answer, wrong answer): common knowledge against an absurd distractor
@@ -70,7 +70,7 @@ def test_local_completions_loglikelihoods_equal_the_engines(
     torch = pytest.importorskip("torch")
     from lm_eval.api.instance import Instance
 
-    from services.engine.llm import LLM
+    from flotilla.services.engine.llm import LLM
 
     lm = lm_eval_api.LocalCompletionsAPI(
         base_url=f"{suite.base_url}/completions",

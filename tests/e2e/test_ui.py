@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import HealthReply, HealthRequest
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import HealthReply, HealthRequest
 from tests.e2e.conftest import MODEL, SuiteHandle
 from tests.ui.conftest import CHROMIUM_ARGS, WATCH_STREAM, chromium_path
 

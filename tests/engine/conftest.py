@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from services.engine.forward_context import AttentionMetadata, forward_context
-from services.engine.models.base import CausalLM
-from services.engine.state_pool import StateCache
+from flotilla.services.engine.forward_context import AttentionMetadata, forward_context
+from flotilla.services.engine.models.base import CausalLM
+from flotilla.services.engine.state_pool import StateCache
 
 # Tiny GQA llama: 4 query heads over 2 kv heads, every size divisible by 2 (tensor parallel).
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -106,8 +106,8 @@ def _tp_worker(rank: int, world: int, path: str, port: int, prompt: list[int],
                out: str) -> None:
     import torch.distributed as dist
 
-    from services.engine.distributed import init_tensor_parallel
-    from services.engine.loader import load_model
+    from flotilla.services.engine.distributed import init_tensor_parallel
+    from flotilla.services.engine.loader import load_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from services.engine.loader import load_model
+from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 
 VOCAB = 256
@@ -165,8 +165,8 @@ BATCHED: dict[str, tuple[Case, list[int]]] = {
 
 @pytest.mark.parametrize("name", list(BATCHED))
 def test_engine_batches_match_transformers_per_sequence(tmp_path: Path, name: str) -> None:
-    from services.engine.engine import Engine, EngineConfig
-    from services.engine.sampling_params import SamplingParams
+    from flotilla.services.engine.engine import Engine, EngineConfig
+    from flotilla.services.engine.sampling_params import SamplingParams
 
     case, lengths = BATCHED[name]
     hf = save_tiny(tmp_path, case)
@@ -227,8 +227,8 @@ def test_legacy_config_forms_parse_like_transformers_reads_them(model_type: str)
     transformers' own config class makes of it (rope_parameters, layer_types, ...)."""
     from transformers import AutoConfig
 
-    from services.engine.layers.rope_scaling import rope_type
-    from services.engine.model_config import ModelConfig
+    from flotilla.services.engine.layers.rope_scaling import rope_type
+    from flotilla.services.engine.model_config import ModelConfig
 
     legacy = {**TINY, **LEGACY[model_type], "architectures": ["XForCausalLM"]}
     current = AutoConfig.for_model(model_type, **legacy).to_dict()
@@ -246,7 +246,7 @@ def test_legacy_config_forms_parse_like_transformers_reads_them(model_type: str)
 def test_gemma2_without_layer_types_alternates_from_a_sliding_first_layer() -> None:
     from transformers import Gemma2Config
 
-    from services.engine.model_config import ModelConfig
+    from flotilla.services.engine.model_config import ModelConfig
 
     cfg = {**TINY, **GEMMA, "architectures": ["Gemma2ForCausalLM"]}
     config = ModelConfig.from_hf_dict(cfg)
@@ -260,7 +260,7 @@ def test_sparse_multimodal_config_gets_transformers_defaults() -> None:
     """gemma-3-4b-it's config.json names only the text sizes; the rest are class defaults."""
     from transformers import Gemma3Config
 
-    from services.engine.model_config import ModelConfig
+    from flotilla.services.engine.model_config import ModelConfig
 
     published: dict[str, Any] = {
                  "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",

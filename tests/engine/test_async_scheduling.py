@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.engine.engine import Engine, EngineConfig, RequestOutput
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import PLACEHOLDER_TOKEN
+from flotilla.services.engine.engine import Engine, EngineConfig, RequestOutput
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import PLACEHOLDER_TOKEN
 
 VOCAB = 128
 

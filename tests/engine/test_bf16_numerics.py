@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.layers.moe import Router
-from services.engine.loader import load_model
-from services.engine.models.gemma4_moe import Gemma4Router
+from flotilla.services.engine.layers.moe import Router
+from flotilla.services.engine.loader import load_model
+from flotilla.services.engine.models.gemma4_moe import Gemma4Router
 from tests.engine.conftest import SingleSequenceRunner
 from tests.engine.test_hybrid_models import FAMILIES as HYBRIDS
 from tests.engine.test_recent_families import FAMILIES, Family, save_tiny

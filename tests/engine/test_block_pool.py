@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.engine.block_pool import BlockPool
+from flotilla.services.engine.block_pool import BlockPool
 
 
 def test_fresh_blocks_come_out_in_order_and_are_counted() -> None:

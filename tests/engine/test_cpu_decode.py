@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels.attention_metadata import AttentionMetadata
-from services.engine.cpu_decode import CpuDecode, attend_in_place, block_runs
-from services.engine.engine import Engine, EngineConfig
-from services.engine.forward_context import forward_context
-from services.engine.loader import load_model
-from services.engine.sampling_params import SamplingParams
+from flotilla import kernels
+from flotilla.kernels.attention_metadata import AttentionMetadata
+from flotilla.services.engine.cpu_decode import CpuDecode, attend_in_place, block_runs
+from flotilla.services.engine.engine import Engine, EngineConfig
+from flotilla.services.engine.forward_context import forward_context
+from flotilla.services.engine.loader import load_model
+from flotilla.services.engine.sampling_params import SamplingParams
 from tests.engine.conftest import SingleSequenceRunner, rel_error, save_tiny_llama
 
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from services.engine import cpu_native
-from services.engine.cpu_decode import CpuDecode
-from services.engine.forward_context import forward_context
-from services.engine.loader import load_model
-from services.engine.models.llama import LlamaForCausalLM
+from flotilla.kernels.attention_metadata import AttentionMetadata
+from flotilla.services.engine import cpu_native
+from flotilla.services.engine.cpu_decode import CpuDecode
+from flotilla.services.engine.forward_context import forward_context
+from flotilla.services.engine.loader import load_model
+from flotilla.services.engine.models.llama import LlamaForCausalLM
 from tests.engine.conftest import SingleSequenceRunner, rel_error, save_tiny_llama
 
 TOLERANCE = 3e-2

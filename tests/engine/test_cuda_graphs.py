@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.paged_attention import default_num_splits
-from services.engine.cuda_graphs import SHORT_GRAPH_MAX_BATCH, DecodeGraphs
-from services.engine.engine import Engine, EngineConfig
-from services.engine.model_runner import ModelRunner
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
+from flotilla.kernels.paged_attention import default_num_splits
+from flotilla.services.engine.cuda_graphs import SHORT_GRAPH_MAX_BATCH, DecodeGraphs
+from flotilla.services.engine.engine import Engine, EngineConfig
+from flotilla.services.engine.model_runner import ModelRunner
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import ScheduledRequest
 
 
 def _graphs(max_batch: int, short_context: int, max_model_len: int = 4096) -> DecodeGraphs:
@@ -56,8 +56,8 @@ def test_short_graph_metadata_bounds_the_sequences_and_cuts_the_splits() -> None
 
 
 def test_engine_settings_reach_the_graphs() -> None:
-    from libs.common.settings import EngineSettings
-    from services.engine.factory import engine_config
+    from flotilla.libs.common.settings import EngineSettings
+    from flotilla.services.engine.factory import engine_config
 
     assert engine_config(EngineSettings(), Path("/m")).decode_short_context == 512
     config = engine_config(EngineSettings(decode_short_context=0), Path("/m"))

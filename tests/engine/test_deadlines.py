@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.engine.engine import RequestOutput
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.engine import RequestOutput
+from flotilla.services.engine.sampling_params import SamplingParams
 from tests.engine.test_engine import make_engine, tiny  # noqa: F401 - the fixture
 
 LONG = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from libs.common.context import ContextLengthExceeded
-from services.engine.engine import Engine, EngineConfig, RequestOutput
-from services.engine.llm import LLM
-from services.engine.sampling_params import SamplingParams
+from flotilla.libs.common.context import ContextLengthExceeded
+from flotilla.services.engine.engine import Engine, EngineConfig, RequestOutput
+from flotilla.services.engine.llm import LLM
+from flotilla.services.engine.sampling_params import SamplingParams
 
 VOCAB = 256
 EOS = 1
@@ -244,8 +244,8 @@ def test_llm_generate_and_stream(tiny) -> None:
 
 
 def test_step_inputs_flatten_a_mixed_batch() -> None:
-    from services.engine.scheduler import ScheduledRequest
-    from services.engine.step_inputs import StepInputBuilder
+    from flotilla.services.engine.scheduler import ScheduledRequest
+    from flotilla.services.engine.step_inputs import StepInputBuilder
 
     def sr(tokens: list[int], start: int, blocks: list[int], samples: bool) -> ScheduledRequest:
         return ScheduledRequest("r", tokens, start, blocks, len(tokens) > 1, samples,

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.loop import EngineLoop
+from flotilla.services.engine.loop import EngineLoop
 
 
 class StepRecorder:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kernels.selection import KernelSelection
-from libs.common.settings import EngineSettings
-from services.engine.factory import (
+from flotilla.kernels.selection import KernelSelection
+from flotilla.libs.common.settings import EngineSettings
+from flotilla.services.engine.factory import (
     CONFIG_FIELDS,
     KERNEL_FIELDS,
     SERVICE_FIELDS,
@@ -50,7 +50,7 @@ def test_the_library_uses_the_servers_defaults(smollm2_path: Path) -> None:
     """LLM() (the library API) builds the engine service's EngineConfig: every field, not only
     the weights (on CPU the weight-only quantization `auto` picks, not the checkpoint's floats)
     and threads, is what the service derives from its settings' defaults."""
-    from services.engine.llm import LLM
+    from flotilla.services.engine.llm import LLM
 
     llm = LLM("default", device="cpu", kvcache_mem_mib=16)
     server = engine_config(EngineSettings(device="cpu", kvcache_mem_mib=16), smollm2_path)

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.engine import Engine, RequestOutput
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.engine import Engine, RequestOutput
+from flotilla.services.engine.sampling_params import SamplingParams
 from tests.engine.test_engine import make_engine, prompts, tiny  # noqa: F401 - the fixture
 
 PARAMS = {  # the healthy requests: greedy, seeded random, filtered seeded random
@@ -155,7 +155,7 @@ def test_prompt_logprob_and_logprob_gathering_that_raise_fail_only_their_request
         tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """The host-side gathering of one request's prompt logprobs (while its prompt is computed)
     and of its sampled-token logprobs (on its 3rd token) each fail that request alone."""
-    from services.engine import prompt_logprobs, step_output
+    from flotilla.services.engine import prompt_logprobs, step_output
 
     path, _ = tiny
     reference = _undisturbed(path, False)

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.engine import Engine, EngineConfig
-from services.engine.layers.mla import MLAAttention
-from services.engine.model_runner import _check_fp8_kv_support
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.engine import Engine, EngineConfig
+from flotilla.services.engine.layers.mla import MLAAttention
+from flotilla.services.engine.model_runner import _check_fp8_kv_support
+from flotilla.services.engine.sampling_params import SamplingParams
 from tests.engine.conftest import rel_error, save_tiny_llama
 
 HEAD_DIM, KV_HEADS, LAYERS = 64, 2, 2

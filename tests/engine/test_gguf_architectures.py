@@ -42,9 +42,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kernels.selection import KernelSelection
-from libs.common.model_cache import cache_dir
-from services.engine.loader import load_model
+from flotilla.kernels.selection import KernelSelection
+from flotilla.libs.common.model_cache import cache_dir
+from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 from tests.engine.test_architectures import VOCAB, Case, save_tiny
 from tests.engine.test_moe_models import save_tiny as save_tiny_moe

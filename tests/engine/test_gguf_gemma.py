@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.loader import load_model
-from services.engine.loader.gguf_gemma import gemma_config
-from services.engine.model_config import ModelConfig
+from flotilla.services.engine.loader import load_model
+from flotilla.services.engine.loader.gguf_gemma import gemma_config
+from flotilla.services.engine.model_config import ModelConfig
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 from tests.engine.test_architectures import GEMMA, VOCAB, Case, save_tiny
 from tests.engine.test_gguf_architectures import (  # noqa: F401 (fixture)

@@ -12,8 +12,8 @@ import torch
 from gguf import GGUFReader
 
 from bench.gguf_moe_file import MoEShape, write_qwen3_moe_gguf
-from libs.common.gguf_files import find_gguf, gguf_parts
-from services.engine.loader import load_model
+from flotilla.libs.common.gguf_files import find_gguf, gguf_parts
+from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner
 
 SHAPE = MoEShape(vocab=128, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, experts=4,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.engine import Engine, EngineConfig
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.engine import Engine, EngineConfig
+from flotilla.services.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -122,8 +122,8 @@ def test_long_prompt_dense_attention_matches_paged_and_transformers(
     """A 1,500-token prompt without a cached prefix attends through torch's fused attention
     (kernels/dense_attention.py); its logits agree with the paged Triton kernel's and with
     transformers' within bf16 tolerance."""
-    from kernels import dense_attention
-    from kernels.selection import KernelSelection
+    from flotilla.kernels import dense_attention
+    from flotilla.kernels.selection import KernelSelection
 
     # the dense path on any GPU (auto: Hopper and later); the engine's layers keep it
     dense_on = KernelSelection(dense_prefill="1")
@@ -136,7 +136,7 @@ def test_long_prompt_dense_attention_matches_paged_and_transformers(
     prompt = torch.randint(0, 32000, (1500,), generator=torch.Generator().manual_seed(4)).tolist()
     calls: list[int] = []
     real = dense_attention.dense_causal_attention
-    monkeypatch.setattr("services.engine.layers.attention.dense_causal_attention",
+    monkeypatch.setattr("flotilla.services.engine.layers.attention.dense_causal_attention",
                         lambda *a: calls.append(1) or real(*a))
     engine.reset_prefix_cache()
     dense = engine.prompt_logits(prompt)

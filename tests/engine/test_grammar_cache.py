@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.messages import GuidedDecoding
-from services.engine.request_error import RequestError
-from services.engine.structured import GrammarCompileTimeout, StructuredOutputs
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.messages import GuidedDecoding
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.structured import GrammarCompileTimeout, StructuredOutputs
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 
 def _schema(i: int) -> GuidedDecoding:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.loader import load_model
+from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 from tests.engine.test_architectures import decode_logits
 from tests.engine.test_gguf_architectures import llama_cpp_converter  # noqa: F401 (fixture)
@@ -89,8 +89,8 @@ def test_chunked_prefill_continues_from_the_state(tmp_path: Path, name: str) -> 
 
 def _engine_tokens(path: Path, prompts: list[list[int]], max_tokens: int, **config: Any
                    ) -> tuple[dict[str, list[int]], dict[str, Any]]:
-    from services.engine.engine import Engine, EngineConfig
-    from services.engine.sampling_params import SamplingParams
+    from flotilla.services.engine.engine import Engine, EngineConfig
+    from flotilla.services.engine.sampling_params import SamplingParams
 
     config = {"device": "cpu", **config}
     engine = Engine(EngineConfig(model=str(path), dtype="float32", block_size=4,
@@ -200,8 +200,8 @@ def test_padded_decode_rows_leave_every_other_state_untouched(tmp_path: Path) ->
     sequence's state (conv or recurrent) changes."""
     import dataclasses
 
-    from services.engine.forward_context import forward_context
-    from services.engine.state_pool import StateCache
+    from flotilla.services.engine.forward_context import forward_context
+    from flotilla.services.engine.state_pool import StateCache
 
     save_tiny(tmp_path, FAMILIES["qwen3_next"])
     model, _ = load_model(tmp_path)
@@ -241,8 +241,8 @@ def test_padded_decode_rows_leave_every_other_state_untouched(tmp_path: Path) ->
 
 def test_step_plan_carries_the_state_slots() -> None:
     """Tensor-parallel workers get each request's state slot from rank 0's plan."""
-    from services.engine.cache_sizing import dummy_request as _dummy_request
-    from services.engine.step_plan import DecodedStep, PlanDecoder, PlanEncoder
+    from flotilla.services.engine.cache_sizing import dummy_request as _dummy_request
+    from flotilla.services.engine.step_plan import DecodedStep, PlanDecoder, PlanEncoder
 
     encoder, decoder = PlanEncoder(), PlanDecoder()
     step = decoder.decode(encoder.step([_dummy_request("a", 3, [0], state_slot=2),
@@ -262,8 +262,8 @@ def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: Path) -> None:
     """Linear-attention key / value heads, conv channels, A_log / dt_bias and the gated
     attention's query + gate heads split 1 + 1 / 2 + 2, experts 2 + 2: the engine on two gloo
     ranks (state slots in the step plan, chunked prefill, preemption) gives one rank's tokens."""
-    from services.engine.engine import Engine, EngineConfig
-    from services.engine.sampling_params import SamplingParams
+    from flotilla.services.engine.engine import Engine, EngineConfig
+    from flotilla.services.engine.sampling_params import SamplingParams
 
     save_tiny(tmp_path, FAMILIES["qwen3_5_moe_text"])
     prompts = [_prompt(n, seed=30 + n) for n in (21, 6, 15)]
@@ -352,7 +352,7 @@ def test_cuda_graph_decode_matches_eager_and_transformers(tmp_path: Path, name: 
     graphs' persistent tensor, padded rows at slot -1) give the eager engine's tokens exactly,
     under chunked prefill and preemption; prompt logits within the kernels' tf32 bound of
     transformers' fp32 forward."""
-    from services.engine.engine import Engine, EngineConfig
+    from flotilla.services.engine.engine import Engine, EngineConfig
 
     hf = save_tiny(tmp_path, FAMILIES[name])
     prompts = [_prompt(n, seed=40 + n) for n in (21, 6, 15, 1, 9)]
@@ -376,7 +376,7 @@ def test_layer_types_follow_full_attention_interval_without_layer_types() -> Non
     makes every interval-th layer full attention, and so do we."""
     from transformers import AutoConfig
 
-    from services.engine.model_config import ModelConfig
+    from flotilla.services.engine.model_config import ModelConfig
 
     hf = AutoConfig.for_model("qwen3_next", num_hidden_layers=8, full_attention_interval=4)
     # transformers 5 keeps only the derived layer_types: write the old form

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.selection import KernelSelection, Selecting
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.quant import gguf as gguf_method
+from flotilla.kernels.selection import KernelSelection, Selecting
+from flotilla.services.engine.config import EngineConfig
+from flotilla.services.engine.engine import Engine
+from flotilla.services.engine.quant import gguf as gguf_method
 from tests.engine.conftest import rel_error, save_tiny_llama
 
 

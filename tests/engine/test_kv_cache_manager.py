@@ -3,9 +3,9 @@
 import hashlib
 import struct
 
-from services.engine.kv_cache_manager import KVCacheManager, hash_block
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.kv_cache_manager import KVCacheManager, hash_block
+from flotilla.services.engine.request import Request
+from flotilla.services.engine.sampling_params import SamplingParams
 
 BS = 4
 

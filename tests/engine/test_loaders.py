@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from libs.common.model_cache import ensure_default_model, resolve_model
-from services.engine.loader import load_model
+from flotilla.libs.common.model_cache import ensure_default_model, resolve_model
+from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error, save_tiny_llama
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]
@@ -115,7 +115,7 @@ def test_gguf_rope_freq_factors_equal_llama3_scaling() -> None:
     divisors; built the way llama.cpp's converter builds it, it must give HF's llama3 inv_freq."""
     import math
 
-    from services.engine.layers.rotary import compute_inv_freq
+    from flotilla.services.engine.layers.rotary import compute_inv_freq
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from services.engine.loop import EngineLoop
+from flotilla.services.engine.loop import EngineLoop
 
 
 class BlockingEngine:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.loader import load_model
+from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import (
     BASE,
     SingleSequenceRunner,

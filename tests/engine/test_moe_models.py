@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.layers.mla import MLAAttention
-from services.engine.llm import LLM
-from services.engine.loader import load_model
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.layers.mla import MLAAttention
+from flotilla.services.engine.llm import LLM
+from flotilla.services.engine.loader import load_model
+from flotilla.services.engine.sampling_params import SamplingParams
 from tests.engine.conftest import SingleSequenceRunner, rel_error, tensor_parallel_logits
 
 VOCAB = 256
@@ -115,7 +115,7 @@ def test_mla_chunked_prefill_matches_full_prefill(tmp_path: Path,
     model, _ = load_model(tmp_path)
     prompt = list(range(3, 40))
     full = SingleSequenceRunner(model).forward(prompt)
-    monkeypatch.setattr("services.engine.layers.mla.SCORES_BYTES", 4 * 4 * 40 * 3)  # 3 rows
+    monkeypatch.setattr("flotilla.services.engine.layers.mla.SCORES_BYTES", 4 * 4 * 40 * 3)  # 3 rows
     chunked = SingleSequenceRunner(model)
     parts = [chunked.forward(prompt[:17]), chunked.forward(prompt[17:30], start=17),
              chunked.forward(prompt[30:], start=30)]
@@ -167,7 +167,7 @@ def test_gpu_engine_mla_kernels_match_transformers(tmp_path: Path) -> None:
     transformers on the CPU. Failed on an H200 (2026-11-22; prompt 2 of 3 from its first
     token) because of the reference, not the kernels: prompt 2 holds token 0, which hf_greedy
     then masked as padding (see test_hf_greedy_reference_attends_to_token_zero)."""
-    from kernels.selection import KernelSelection
+    from flotilla.kernels.selection import KernelSelection
 
     triton_mla = KernelSelection(mla_kernel="triton")
     hf = save_tiny(tmp_path, "deepseek_v3")

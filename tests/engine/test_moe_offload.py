@@ -10,13 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.layers import moe as moe_layer
-from services.engine.layers.moe import MoEExperts
-from services.engine.layers.moe_offload import ExpertOffload, building, layer_index, summary
-from services.engine.llm import LLM
-from services.engine.quant.base import ExpertQuantMethod
-from services.engine.quant.int4_experts import Int4ExpertMethod
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.layers import moe as moe_layer
+from flotilla.services.engine.layers.moe import MoEExperts
+from flotilla.services.engine.layers.moe_offload import (
+    ExpertOffload,
+    building,
+    layer_index,
+    summary,
+)
+from flotilla.services.engine.llm import LLM
+from flotilla.services.engine.quant.base import ExpertQuantMethod
+from flotilla.services.engine.quant.int4_experts import Int4ExpertMethod
+from flotilla.services.engine.sampling_params import SamplingParams
 from tests.engine.conftest import SingleSequenceRunner
 from tests.engine.test_moe_models import VOCAB, save_tiny
 
@@ -175,8 +180,8 @@ def test_split_forward_bf16_within_one_rounding() -> None:
 def test_int4_experts_match_their_dequantized_floats() -> None:
     """The int4 expert set against kernels' float reference over its own dequantized groups
     (quant/int4.py's grid), so the split test's reference is itself checked."""
-    from kernels import fused_moe_ref
-    from services.engine.quant.int4 import quantize_groups
+    from flotilla.kernels import fused_moe_ref
+    from flotilla.services.engine.quant.int4 import quantize_groups
 
     experts = _build(ExpertOffload(), method=Int4ExpertMethod)
     weights = _expert_weights()
@@ -232,8 +237,8 @@ def _tp_offload_worker(
 ) -> None:
     import torch.distributed as dist
 
-    from services.engine.distributed import init_tensor_parallel
-    from services.engine.loader import load_model
+    from flotilla.services.engine.distributed import init_tensor_parallel
+    from flotilla.services.engine.loader import load_model
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -260,7 +265,7 @@ def test_tensor_parallel_ranks_offload_their_own_experts(tmp_path: Path) -> None
 
     import torch.multiprocessing as mp
 
-    from services.engine.loader import load_model
+    from flotilla.services.engine.loader import load_model
 
     save_tiny(tmp_path / "ckpt", "qwen3_moe")
     prompt = list(range(5, 29))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from services.engine.engine import Engine, EngineConfig, RequestOutput
-from services.engine.pooling import PoolingParams
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.engine import Engine, EngineConfig, RequestOutput
+from flotilla.services.engine.pooling import PoolingParams
+from flotilla.services.engine.sampling_params import SamplingParams
 from tests.pooling.models import VOCAB, reference, save_tiny_qwen3
 
 
@@ -139,7 +139,7 @@ def test_a_base_model_checkpoint_loads_as_qwen3_embedding_ships(tmp_path: Path) 
 def test_pooling_config_reads_sentence_transformers_and_matryoshka(tmp_path: Path) -> None:
     import json
 
-    from services.engine.pooling_config import model_pooling
+    from flotilla.services.engine.pooling_config import model_pooling
 
     for mode, method in (("lasttoken", "last"), ("mean_tokens", "mean"), ("cls_token", "cls")):
         d = tmp_path / mode
@@ -203,10 +203,10 @@ async def test_pool_service_bounds_its_own_queue_and_cancels(plain) -> None:
     loop is not started: no job of it would ever finish)."""
     import asyncio
 
-    from libs.common.pooling_messages import PoolRequest
-    from services.engine.admission import QueueLimits
-    from services.engine.loop import EngineLoop
-    from services.engine.pool_service import PoolService
+    from flotilla.libs.common.pooling_messages import PoolRequest
+    from flotilla.services.engine.admission import QueueLimits
+    from flotilla.services.engine.loop import EngineLoop
+    from flotilla.services.engine.pool_service import PoolService
 
     path, _ = plain
     engine = make_engine(path)

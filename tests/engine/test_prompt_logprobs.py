@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.engine import Engine, EngineConfig, RequestOutput
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.engine import Engine, EngineConfig, RequestOutput
+from flotilla.services.engine.sampling_params import SamplingParams
 from tests.engine.conftest import BASE, save_tiny_llama
 
 K = 3

@@ -13,12 +13,12 @@ import httpx
 import openai
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.model_cache import ensure_default_model
-from libs.common.settings import EngineSettings, GatewaySettings, TokenizerSettings
-from services.engine.service import EngineService
-from services.gateway.service import GatewayService
-from services.tokenizer.service import TokenizerService
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.model_cache import ensure_default_model
+from flotilla.libs.common.settings import EngineSettings, GatewaySettings, TokenizerSettings
+from flotilla.services.engine.service import EngineService
+from flotilla.services.gateway.service import GatewayService
+from flotilla.services.tokenizer.service import TokenizerService
 from tests.endpoints import NATS_URL
 
 MODEL_CONTEXT = 8192  # SmolLM2-135M-Instruct's max_position_embeddings

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from kernels.selection import KernelSelection
-from services.engine.loader import load_model
+from flotilla.kernels.selection import KernelSelection
+from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error, tensor_parallel_logits
 from tests.engine.test_architectures import decode_logits
 
@@ -185,8 +185,8 @@ def test_chunked_prefill_matches_one_prefill(tmp_path: Path, name: str) -> None:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_engine_with_chunked_prefill_and_preemption_matches_transformers(
         tmp_path: Path, name: str) -> None:
-    from services.engine.engine import Engine, EngineConfig
-    from services.engine.sampling_params import SamplingParams
+    from flotilla.services.engine.engine import Engine, EngineConfig
+    from flotilla.services.engine.sampling_params import SamplingParams
 
     hf = save_tiny(tmp_path, FAMILIES[name])
     prompts = [_prompt(n, seed=10 + n) for n in (21, 6, 15)]
@@ -217,7 +217,7 @@ def save_mxfp4_gpt_oss(path: Path, family: Family = FAMILIES["gpt_oss"]) -> Any:
     from transformers import AutoModelForCausalLM
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from kernels.mxfp4_moe import quantize_mxfp4_ref
+    from flotilla.kernels.mxfp4_moe import quantize_mxfp4_ref
 
     save_tiny(path / "float", family)
     state = load_file(path / "float" / "model.safetensors")

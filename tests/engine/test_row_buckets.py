@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.row_buckets import (
+from flotilla.services.engine.row_buckets import (
     logits_bucket,
     token_bucket,
     token_buckets,
     warm_up_gemms,
 )
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
-from services.engine.step_inputs import StepInputBuilder
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import ScheduledRequest
+from flotilla.services.engine.step_inputs import StepInputBuilder
 from tests.engine.test_engine import GREEDY, make_engine, prompts, run, tiny, tokens  # noqa: F401
 
 
@@ -80,7 +80,7 @@ def test_warm_up_runs_every_layer_shape_at_every_bucket(tiny, monkeypatch) -> No
     engine = make_engine(path)
     model = engine.runner.model
     calls: set[tuple[int, int]] = set()
-    from services.engine.quant.base import UnquantizedLinearMethod
+    from flotilla.services.engine.quant.base import UnquantizedLinearMethod
 
     real = UnquantizedLinearMethod.apply
 

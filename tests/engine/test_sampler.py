@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
-from services.engine.logits_processors import apply_penalties
-from services.engine.sampler import (
+from flotilla.services.engine.logits_processors import apply_penalties
+from flotilla.services.engine.sampler import (
     Sampler,
     SamplingBatch,
     apply_min_p,
     filter_sorted,
 )
-from services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.sampling_params import SamplingParams
 
 VOCAB = 6
 
@@ -220,7 +220,7 @@ def test_greedy_rows_through_the_triton_argmax(monkeypatch: pytest.MonkeyPatch) 
     interpreter) picks torch.argmax's token of the penalised logits: lowest index on ties."""
     import os
 
-    import kernels
+    from flotilla import kernels
 
     cuda = torch.cuda.is_available()
     if not cuda:

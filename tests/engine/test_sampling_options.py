@@ -9,12 +9,17 @@ from typing import Any
 import pytest
 import torch
 
-from libs.common.context import ContextLengthExceeded
-from libs.common.messages import SamplingOptions
-from services.engine.admission import QueueLimits, check_deadline, retry_after_s, to_sampling_params
-from services.engine.request_error import InvalidParameter
-from services.engine.sampler import Sampler, SamplingBatch
-from services.engine.sampling_params import SamplingParams
+from flotilla.libs.common.context import ContextLengthExceeded
+from flotilla.libs.common.messages import SamplingOptions
+from flotilla.services.engine.admission import (
+    QueueLimits,
+    check_deadline,
+    retry_after_s,
+    to_sampling_params,
+)
+from flotilla.services.engine.request_error import InvalidParameter
+from flotilla.services.engine.sampler import Sampler, SamplingBatch
+from flotilla.services.engine.sampling_params import SamplingParams
 from tests.engine.test_engine import EOS, make_engine, tiny  # noqa: F401 - the fixture
 
 VOCAB = 50

@@ -1,9 +1,9 @@
 """Scheduler: token budget, chunked prefill, decode-first mixing, seq cap, preemption, abort."""
 
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from flotilla.services.engine.kv_cache_manager import KVCacheManager
+from flotilla.services.engine.request import Request, RequestStatus
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 4
 
@@ -232,7 +232,11 @@ def test_a_long_prompt_never_stalls_running_decodes_for_more_than_the_step_budge
 
 
 def test_cpu_engines_default_to_a_small_step_budget() -> None:
-    from services.engine.config import DEFAULT_CPU_TOKEN_BUDGET, DEFAULT_TOKEN_BUDGET, EngineConfig
+    from flotilla.services.engine.config import (
+        DEFAULT_CPU_TOKEN_BUDGET,
+        DEFAULT_TOKEN_BUDGET,
+        EngineConfig,
+    )
 
     assert EngineConfig(device="cpu").max_num_batched_tokens == DEFAULT_CPU_TOKEN_BUDGET
     assert EngineConfig(device="cuda").max_num_batched_tokens == DEFAULT_TOKEN_BUDGET

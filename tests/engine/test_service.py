@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError
-from libs.common.messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import (
     Admission,
     Cancel,
     GuidedDecoding,
@@ -25,9 +25,9 @@ from libs.common.messages import (
     TokenFrame,
     TokenRequest,
 )
-from libs.common.model_cache import ensure_default_model
-from libs.common.settings import EngineSettings
-from services.engine.service import EngineService
+from flotilla.libs.common.model_cache import ensure_default_model
+from flotilla.libs.common.settings import EngineSettings
+from flotilla.services.engine.service import EngineService
 from tests.endpoints import NATS_URL
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646]

@@ -4,11 +4,11 @@ the state tensors and their zeroing, the sizing beside the KV cache, and the ste
 import pytest
 import torch
 
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig
-from services.engine.state_pool import StateCache, StateSlots, state_bytes_per_slot
+from flotilla.services.engine.kv_cache_manager import KVCacheManager
+from flotilla.services.engine.request import Request, RequestStatus
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import Scheduler, SchedulerConfig
+from flotilla.services.engine.state_pool import StateCache, StateSlots, state_bytes_per_slot
 from tests.engine.test_scheduler import add, plan, step
 
 BS = 4
@@ -114,8 +114,8 @@ def test_state_cache_binds_layer_views_and_zeroes_started_slots() -> None:
 
 def test_state_pool_is_sized_with_the_kv_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The KV budget is what the states leave, and the slots never take more than half."""
-    from services.engine.config import EngineConfig
-    from services.engine.model_runner import ModelRunner
+    from flotilla.services.engine.config import EngineConfig
+    from flotilla.services.engine.model_runner import ModelRunner
     from tests.engine.test_hybrid_models import FAMILIES
     from tests.engine.test_recent_families import save_tiny
 
@@ -135,8 +135,8 @@ def test_state_pool_is_sized_with_the_kv_cache(tmp_path) -> None:  # type: ignor
 
 
 def test_step_metadata_carries_slots_and_initial_state_flags() -> None:
-    from services.engine.cache_sizing import dummy_request as _dummy_request
-    from services.engine.step_inputs import StepInputBuilder
+    from flotilla.services.engine.cache_sizing import dummy_request as _dummy_request
+    from flotilla.services.engine.step_inputs import StepInputBuilder
 
     builder = StepInputBuilder(64, 4, 8, BS, torch.device("cpu"), states=True)
     fresh = _dummy_request("a", 5, [0, 1], state_slot=3)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.step_graphs import StepGraphs
-from services.engine.step_inputs import StepInputBuilder
+from flotilla.services.engine.config import EngineConfig
+from flotilla.services.engine.engine import Engine
+from flotilla.services.engine.step_graphs import StepGraphs
+from flotilla.services.engine.step_inputs import StepInputBuilder
 from tests.engine.test_engine import GREEDY, make_engine, prompts, run, tiny, tokens  # noqa: F401
 from tests.engine.test_row_buckets import _sr
 
@@ -110,8 +110,8 @@ def test_eager_warm_up_leaves_no_trace(tiny) -> None:  # noqa: F811
 
 
 def test_settings_reach_the_config() -> None:
-    from libs.common.settings import EngineSettings
-    from services.engine.factory import engine_config
+    from flotilla.libs.common.settings import EngineSettings
+    from flotilla.services.engine.factory import engine_config
 
     settings = EngineSettings(step_graph_tokens=128)
     assert engine_config(settings, Path("/m")).step_graph_tokens == 128

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.engine import Engine, EngineConfig
-from services.engine.executor import TensorParallelError
-from services.engine.multiproc_executor import MultiProcExecutor
-from services.engine.pod import pod_layout
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
-from services.engine.step_plan import DecodedStep, PlanDecoder, PlanEncoder
+from flotilla.services.engine.engine import Engine, EngineConfig
+from flotilla.services.engine.executor import TensorParallelError
+from flotilla.services.engine.multiproc_executor import MultiProcExecutor
+from flotilla.services.engine.pod import pod_layout
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.scheduler import ScheduledRequest
+from flotilla.services.engine.step_plan import DecodedStep, PlanDecoder, PlanEncoder
 from tests.endpoints import NATS_URL
 from tests.engine.conftest import rel_error, save_tiny_llama
 from tests.engine.test_moe_models import save_tiny
@@ -146,12 +146,12 @@ def test_killed_worker_fails_the_engine_within_seconds(llama: Path) -> None:
 
 
 async def test_service_errors_requests_and_gives_up_when_a_rank_dies(llama: Path) -> None:
-    from libs.common import subjects
-    from libs.common.bus import Bus
-    from libs.common.errors import FlotillaError
-    from libs.common.messages import Admission, SamplingOptions, TokenFrame, TokenRequest
-    from libs.common.settings import EngineSettings
-    from services.engine.service import EngineService
+    from flotilla.libs.common import subjects
+    from flotilla.libs.common.bus import Bus
+    from flotilla.libs.common.errors import FlotillaError
+    from flotilla.libs.common.messages import Admission, SamplingOptions, TokenFrame, TokenRequest
+    from flotilla.libs.common.settings import EngineSettings
+    from flotilla.services.engine.service import EngineService
 
     engine = await asyncio.to_thread(Engine, EngineConfig(model=str(llama), tp=2, **LONG_RUN))
     model = f"tp-{uuid.uuid4().hex[:8]}"
@@ -245,10 +245,10 @@ def test_pod_layout_from_tp_device_ids_and_torchrun(monkeypatch: pytest.MonkeyPa
 
 
 def test_launcher_passes_tp_and_device_ids_to_the_engine() -> None:
-    from libs.common.settings import EngineSettings, LauncherSettings
-    from services.engine.factory import engine_config
-    from services.launcher.cli import build_parser
-    from services.launcher.suite import Suite, SuiteOptions
+    from flotilla.libs.common.settings import EngineSettings, LauncherSettings
+    from flotilla.services.engine.factory import engine_config
+    from flotilla.services.launcher.cli import build_parser
+    from flotilla.services.launcher.suite import Suite, SuiteOptions
 
     args = build_parser(LauncherSettings()).parse_args(["up", "--tp", "2", "--d", "0, 1"])
     assert (args.tp, args.device_ids) == (2, "0,1")

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.settings import GatewaySettings
-from services.gateway.service import GatewayService
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.settings import GatewaySettings
+from flotilla.services.gateway.service import GatewayService
 from tests.endpoints import NATS_URL
 from tests.gateway.fakes import FakeTokenizer
 

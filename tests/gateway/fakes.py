@@ -35,9 +35,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import (
     Admission,
     Announcement,
     Cancel,
@@ -55,9 +55,9 @@ from libs.common.messages import (
     ToolCallDelta,
     Usage,
 )
-from libs.common.pooling_messages import EmbedRequest, PoolReply, ScoreReply, ScoreRequest
-from libs.common.service import Announcer
-from libs.common.tool_messages import ToolsListReply, ToolsListRequest
+from flotilla.libs.common.pooling_messages import EmbedRequest, PoolReply, ScoreReply, ScoreRequest
+from flotilla.libs.common.service import Announcer
+from flotilla.libs.common.tool_messages import ToolsListReply, ToolsListRequest
 
 HEARTBEAT_S = 0.1
 BOS = 1

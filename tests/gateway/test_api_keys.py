@@ -20,11 +20,11 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from libs.common.bus import Bus
-from libs.common.store import RedisStore
-from services.gateway.api_keys import create_key, key_hash, revoke_key
-from services.gateway.service import GatewayService
-from services.launcher.nats_server import free_port
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.store import RedisStore
+from flotilla.services.gateway.api_keys import create_key, key_hash, revoke_key
+from flotilla.services.gateway.service import GatewayService
+from flotilla.services.launcher.nats_server import free_port
 from tests.endpoints import NATS_URL, REDIS_URL
 from tests.gateway.conftest import chat, gateway_settings
 from tests.gateway.fakes import FakeTokenizer
@@ -334,7 +334,7 @@ async def test_auth_off_without_keys_and_cors_off_by_default(
 
 async def test_ten_rpm_across_two_gateway_processes(tokenizer: FakeTokenizer, store: RedisStore,
                                                     model: str) -> None:
-    """As deployed: two `python -m services.gateway` processes, one Redis (the keys and counts
+    """As deployed: two `python -m flotilla.services.gateway` processes, one Redis (the keys and counts
     live in the Redis namespace every gateway uses)."""
     plain = RedisStore(REDIS_URL)  # the default `flotilla:` namespace the processes use
     key, record = await create_key(plain, rpm=10)
@@ -343,7 +343,7 @@ async def test_ten_rpm_across_two_gateway_processes(tokenizer: FakeTokenizer, st
                FLOTILLA_REQUIRE_API_KEY="1", FLOTILLA_HOST="127.0.0.1",
                FLOTILLA_LOG_LEVEL="WARNING", FLOTILLA_DISCOVERY_INTERVAL_S="0.5",
                FLOTILLA_OTEL_EXPORTER="none")
-    procs = [subprocess.Popen([sys.executable, "-m", "services.gateway"],
+    procs = [subprocess.Popen([sys.executable, "-m", "flotilla.services.gateway"],
                               env={**env, "FLOTILLA_PORT": str(port)}) for port in ports]
     clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10,
                                  headers=_auth(key)) for port in ports]

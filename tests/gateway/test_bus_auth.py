@@ -23,12 +23,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from pydantic import SecretStr
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.nats_auth import NatsSecurity
-from libs.common.settings import CommonSettings
-from services.gateway.service import GatewayService
-from services.launcher.nats_server import NatsServer
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.nats_auth import NatsSecurity
+from flotilla.libs.common.settings import CommonSettings
+from flotilla.services.gateway.service import GatewayService
+from flotilla.services.launcher.nats_server import NatsServer
 from tests.gateway.conftest import chat, gateway_settings
 from tests.gateway.fakes import FakeTokenizer
 

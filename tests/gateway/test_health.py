@@ -19,14 +19,14 @@ import pytest
 import yaml
 from jsonschema import Draft202012Validator
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import Announcement, HealthRequest
-from libs.common.service import Announcer
-from libs.common.store import MemoryStore, RedisStore, Store
-from services.gateway.app import create_app
-from services.gateway.registry import ModelRegistry
-from services.launcher.nats_server import free_port
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Announcement, HealthRequest
+from flotilla.libs.common.service import Announcer
+from flotilla.libs.common.store import MemoryStore, RedisStore, Store
+from flotilla.services.gateway.app import create_app
+from flotilla.services.gateway.registry import ModelRegistry
+from flotilla.services.launcher.nats_server import free_port
 from tests.endpoints import NATS_URL
 from tests.gateway.conftest import gateway_settings
 from tests.gateway.schemas import OUR_SPEC, validate_openai

@@ -12,8 +12,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from libs.common.messages import TextRequest
-from services.gateway.service import GatewayService
+from flotilla.libs.common.messages import TextRequest
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.conftest import chat, decode_events, read_sse
 from tests.gateway.fakes import FakeTokenizer
 from tests.gateway.schemas import validate_openai, validate_ours

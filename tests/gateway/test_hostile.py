@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from libs.common.settings import GatewaySettings
-from services.gateway.service import GatewayService
+from flotilla.libs.common.settings import GatewaySettings
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.conftest import chat
 from tests.gateway.fakes import FakeTokenizer
 from tests.gateway.schemas import validate_openai

@@ -7,9 +7,9 @@ import httpx
 import pytest
 import yaml
 
-from services.gateway.limits import spec_limits
-from services.gateway.service import GatewayService
-from services.gateway.spec import apply_limits, find_spec
+from flotilla.services.gateway.limits import spec_limits
+from flotilla.services.gateway.service import GatewayService
+from flotilla.services.gateway.spec import apply_limits, find_spec
 from tests.gateway.conftest import chat
 from tests.gateway.fakes import FakeTokenizer
 from tests.gateway.schemas import validate_openai, validate_ours

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from services.gateway.service import GatewayService
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.fakes import FakeTokenizer
 
 langchain_openai = pytest.importorskip("langchain_openai")

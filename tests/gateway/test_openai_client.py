@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from services.gateway.service import GatewayService
+from flotilla.services.gateway.service import GatewayService
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from libs.common.bus import Bus
-from services.gateway.service import GatewayService
+from flotilla.libs.common.bus import Bus
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.conftest import chat, gateway_settings, read_sse
 from tests.gateway.fakes import FakeTokenizer
 from tests.gateway.schemas import validate_openai

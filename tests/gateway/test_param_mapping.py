@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from libs.common.messages import TextRequest
+from flotilla.libs.common.messages import TextRequest
 from tests.gateway.conftest import chat, decode_events, read_sse
 from tests.gateway.fakes import FakeTokenizer
 from tests.gateway.schemas import validate_openai

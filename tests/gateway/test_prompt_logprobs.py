@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 
-from services.gateway.service import GatewayService
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.conftest import chat, decode_events, read_sse
 from tests.gateway.schemas import (
     validate_completion,

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from libs.common.store import RedisStore
-from services.gateway.api_keys import KeyRecord
-from services.gateway.rate_limits import (
+from flotilla.libs.common.store import RedisStore
+from flotilla.services.gateway.api_keys import KeyRecord
+from flotilla.services.gateway.rate_limits import (
     CONCURRENT_RETRY_MS,
     WINDOW_MS,
     Limiter,

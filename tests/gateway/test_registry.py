@@ -9,11 +9,11 @@ import uuid
 import httpx
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.messages import Announcement
-from libs.common.store import MemoryStore, RedisStore
-from services.gateway.app import create_app
-from services.gateway.registry import ModelRegistry
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Announcement
+from flotilla.libs.common.store import MemoryStore, RedisStore
+from flotilla.services.gateway.app import create_app
+from flotilla.services.gateway.registry import ModelRegistry
 from tests.endpoints import REDIS_URL
 from tests.gateway.conftest import gateway_settings
 from tests.gateway.schemas import validate_openai

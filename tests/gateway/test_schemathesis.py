@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import requests
 
-from services.gateway.service import GatewayService
+from flotilla.services.gateway.service import GatewayService
 from tests.anthropic.strict import strict
 from tests.gateway.fakes import FakeTokenizer
 from tests.gateway.schemas import validate_completion_chunk, validate_openai

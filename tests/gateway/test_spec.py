@@ -10,16 +10,16 @@ from typing import Any
 import pytest
 import yaml
 
-from libs.common.errors import FlotillaError
-from services.gateway import spec as spec_module
-from services.gateway.anthropic.routes import router as anthropic_router
-from services.gateway.conversations.routes import router as conversations_router
-from services.gateway.health import router as health_router
-from services.gateway.pooling_routes import router as pooling_router
-from services.gateway.responses.routes import router as responses_router
-from services.gateway.routes import router
-from services.gateway.spec import Spec, apply_limits, find_spec
-from services.gateway.token_routes import router as token_router
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.services.gateway import spec as spec_module
+from flotilla.services.gateway.anthropic.routes import router as anthropic_router
+from flotilla.services.gateway.conversations.routes import router as conversations_router
+from flotilla.services.gateway.health import router as health_router
+from flotilla.services.gateway.pooling_routes import router as pooling_router
+from flotilla.services.gateway.responses.routes import router as responses_router
+from flotilla.services.gateway.routes import router
+from flotilla.services.gateway.spec import Spec, apply_limits, find_spec
+from flotilla.services.gateway.token_routes import router as token_router
 from tests.gateway.schemas import OFFICIAL_SPEC, validate_openai
 
 VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_template_kwargs",

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from libs.common.messages import TextDelta, TextFinal, TextLogprob, ToolCallDelta, Usage
-from services.gateway.chunks import chunk_builder
-from services.gateway.plan import chat_plan, completion_plan
-from services.gateway.sse import DONE, sse
+from flotilla.libs.common.messages import TextDelta, TextFinal, TextLogprob, ToolCallDelta, Usage
+from flotilla.services.gateway.chunks import chunk_builder
+from flotilla.services.gateway.plan import chat_plan, completion_plan
+from flotilla.services.gateway.sse import DONE, sse
 
 TEXTS = ["Hello", "héllo wörld", "日本語", "🙂 emoji", 'quote " backslash \\ tab \t nl \n',
          "\x00\x1f control", "\u2028 line separator", ""]

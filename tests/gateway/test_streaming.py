@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import Cancel
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Cancel
 from tests.gateway.conftest import HEARTBEAT_TIMEOUT_S, chat, decode_events, read_sse
 from tests.gateway.fakes import FakeTokenizer
 from tests.gateway.schemas import validate_completion_chunk, validate_openai, validate_ours
@@ -114,7 +114,7 @@ async def test_refused_admission_is_an_http_error_before_any_event(client: httpx
 
 async def test_no_tokenizer_for_a_listed_model_is_503(client: httpx.AsyncClient, bus: Bus,
                                                       gateway) -> None:  # type: ignore[no-untyped-def]
-    from libs.common.messages import Announcement
+    from flotilla.libs.common.messages import Announcement
 
     ghost = "test-gw-ghost-model"
     await gateway.state.registry.record(Announcement(service="tokenizer", instance="ghost",

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from libs.common.bus import Bus
-from services.gateway.service import GatewayService
+from flotilla.libs.common.bus import Bus
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.conftest import chat, decode_events, gateway_settings, read_sse
 from tests.gateway.fakes import FakeTokenizer
 

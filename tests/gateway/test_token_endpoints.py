@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.gateway.service import GatewayService
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.fakes import BOS, MAX_MODEL_LEN
 from tests.gateway.schemas import validate_ours
 from tests.gateway.test_http import assert_error

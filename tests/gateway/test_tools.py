@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import Announcement, TextRequest
-from libs.common.tool_messages import ToolsListReply, ToolsListRequest
-from services.gateway.tools import ToolsCache, tools_for
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Announcement, TextRequest
+from flotilla.libs.common.tool_messages import ToolsListReply, ToolsListRequest
+from flotilla.services.gateway.tools import ToolsCache, tools_for
 from tests.gateway.conftest import chat
 from tests.gateway.fakes import FakeTokenizer, FakeTools
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.gateway.routes import ClientGone, unless_disconnected
+from flotilla.services.gateway.routes import ClientGone, unless_disconnected
 
 
 class Client:

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libs.common.errors import FlotillaError
-from services.gateway.spec import Spec
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.services.gateway.spec import Spec
 from tests.gateway.test_compat_errors import BAD_COMPAT_CHAT, BAD_COMPAT_COMPLETIONS, USER
 from tests.gateway.test_http import BAD_CHAT, BAD_COMPLETIONS
 from tests.gateway.test_spec import GOOD_CHAT, GOOD_CHAT_EXTENDED, GOOD_COMPLETIONS

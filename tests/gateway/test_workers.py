@@ -1,5 +1,5 @@
 """Several gateway processes on one port (FLOTILLA_GATEWAY_WORKERS=2), run as the launcher runs the
-gateway (`python -m services.gateway`) against the package's fake tokenizer: connections are
+gateway (`python -m flotilla.services.gateway`) against the package's fake tokenizer: connections are
 spread over both workers, each serves streams and cancels on its own, and the parent stops,
 fails and dies without leaving a worker behind. Who holds which connection is read from /proc,
 not from the gateway."""
@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import Cancel
-from services.launcher.nats_server import free_port
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Cancel
+from flotilla.services.launcher.nats_server import free_port
 from tests.gateway.conftest import NATS_URL, chat, decode_events, read_sse
 from tests.gateway.fakes import FakeTokenizer
 from tests.launcher.helpers import children, gone, wait_until
@@ -34,7 +34,7 @@ def _start(port: int, workers: int = 2) -> subprocess.Popen[bytes]:
                FLOTILLA_PORT=str(port), FLOTILLA_GATEWAY_WORKERS=str(workers),
                FLOTILLA_LOG_LEVEL="WARNING", FLOTILLA_DISCOVERY_INTERVAL_S="0.5",
                FLOTILLA_OTEL_EXPORTER="none", PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-m", "flotilla.services.gateway"], env=env, cwd=ROOT)
 
 
 def _established(pid: int, port: int) -> int:

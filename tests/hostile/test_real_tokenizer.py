@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.settings import GatewaySettings, TokenizerSettings
-from services.gateway.service import GatewayService
-from services.tokenizer.service import TokenizerService
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.settings import GatewaySettings, TokenizerSettings
+from flotilla.services.gateway.service import GatewayService
+from flotilla.services.tokenizer.service import TokenizerService
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 from tests.endpoints import NATS_URL
 from tests.gateway.schemas import validate_openai
 from tests.tokenizer.fake_engine import FakeEngine, Script

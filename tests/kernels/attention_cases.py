@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.forward_context import AttentionMetadata
+from flotilla.services.engine.forward_context import AttentionMetadata
 from tests.kernels.conftest import DEVICE
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import kernels.causal_conv1d
-import kernels.gated_delta_chunk
-import kernels.gated_delta_recurrent  # noqa: F401  (the kernel modules compile_sm90 looks up)
+import flotilla.kernels.causal_conv1d
+import flotilla.kernels.gated_delta_chunk
+import flotilla.kernels.gated_delta_recurrent  # noqa: F401  (the kernel modules compile_sm90 looks up)
 from tests.kernels.sm90_compile import compile_sm90, spill_bytes
 
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"

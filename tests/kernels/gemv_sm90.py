@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from kernels.gemv import CONFIGS, _prune
+from flotilla.kernels.gemv import CONFIGS, _prune
 from tests.kernels.sm90_compile import compile_sm90, spill_bytes
 
 TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-import kernels.mla_attention  # noqa: F401  (registers the module for compile_sm90)
+import flotilla.kernels.mla_attention  # noqa: F401  (registers the module for compile_sm90)
 from tests.kernels.sm90_compile import compile_sm90, spill_bytes
 
 TYPES = {n: "*bf16" for n in ("q_lat_ptr", "q_pe_ptr", "cache_ptr", "out_ptr")}

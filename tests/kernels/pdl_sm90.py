@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any
 
-from kernels.gguf_dequant import GGUF_TYPES, Q4_K
+from flotilla.kernels.gguf_dequant import GGUF_TYPES, Q4_K
 from tests.kernels.sm90_compile import sass_sm90
 from tests.quant.sm90_compile import BF16_IO, LANE_GEMV, W4
 

@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import kernels  # noqa: F401  (loads the kernel modules)
+from flotilla import kernels  # noqa: F401  (loads the kernel modules)
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
@@ -33,7 +33,7 @@ ATTN_PTRS |= SCALE_PTRS
 
 def _ptx_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, Any],
               num_warps: int, num_stages: int, maxnreg: int | None) -> str:
-    fn = getattr(sys.modules[f"kernels.{module}"], kernel)
+    fn = getattr(sys.modules[f"flotilla.kernels.{module}"], kernel)
     # constexprs left out take their defaults (USE_PDL = False), as at a launch
     constexprs = {p.name: p.default for p in fn.params
                   if p.is_constexpr and p.has_default} | constexprs

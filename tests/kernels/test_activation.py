@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import (
+from flotilla.kernels.activation import (
     SwigluOAI,
     silu_and_mul_ref,
     silu_and_mul_triton,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.argmax import argmax_triton
+from flotilla.kernels.argmax import argmax_triton
 from tests.kernels.conftest import DEVICE
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import decode_attention_triton, paged_attention_ref
-from kernels.prefill_attention import prefill_attention_triton
+from flotilla.kernels.paged_attention import decode_attention_triton, paged_attention_ref
+from flotilla.kernels.prefill_attention import prefill_attention_triton
 from tests.kernels.attention_cases import AttentionCase, make_case
 from tests.kernels.conftest import DEVICE, tolerance
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import decode_attention_triton, paged_attention_ref
-from kernels.prefill_attention import prefill_attention_triton
+from flotilla.kernels.paged_attention import decode_attention_triton, paged_attention_ref
+from flotilla.kernels.prefill_attention import prefill_attention_triton
 from tests.kernels.attention_cases import make_case
 from tests.kernels.conftest import tolerance
 from tests.kernels.test_attention_sinks import naive_attention

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import dense_attention
-from kernels.dense_attention import dense_causal_attention, dense_prefill_ok
-from kernels.prefill_attention import prefill_attention_ref
-from kernels.selection import KernelSelection
+from flotilla.kernels import dense_attention
+from flotilla.kernels.dense_attention import dense_causal_attention, dense_prefill_ok
+from flotilla.kernels.prefill_attention import prefill_attention_ref
+from flotilla.kernels.selection import KernelSelection
 from tests.kernels.attention_cases import make_case
 from tests.kernels.conftest import DEVICE, tolerance
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels.paged_attention import paged_attention_ref
+from flotilla import kernels
+from flotilla.kernels.paged_attention import paged_attention_ref
 from tests.kernels.attention_cases import make_case
 
 

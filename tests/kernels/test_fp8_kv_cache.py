@@ -8,12 +8,12 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
-from kernels.kv_quant import FP8_KV_DTYPE, KVScales, dequantize_kv_ref, quantize_kv_ref
-from kernels.paged_attention import decode_attention_triton, paged_attention_ref
-from kernels.prefill_attention import prefill_attention_triton
-from kernels.rotary import rotary_embedding_ref
-from kernels.rotary_kv import rotary_write_kv_cache_triton
+from flotilla.kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
+from flotilla.kernels.kv_quant import FP8_KV_DTYPE, KVScales, dequantize_kv_ref, quantize_kv_ref
+from flotilla.kernels.paged_attention import decode_attention_triton, paged_attention_ref
+from flotilla.kernels.prefill_attention import prefill_attention_triton
+from flotilla.kernels.rotary import rotary_embedding_ref
+from flotilla.kernels.rotary_kv import rotary_write_kv_cache_triton
 from tests.kernels.attention_cases import AttentionCase, bounds_only, make_case
 from tests.kernels.conftest import DEVICE, tolerance
 from tests.kernels.test_rotary import cos_sin_cache

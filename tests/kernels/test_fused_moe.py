@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import SwigluOAI
-from kernels.fused_moe import fused_moe_ref, fused_moe_triton, moe_align_block_size
+from flotilla.kernels.activation import SwigluOAI
+from flotilla.kernels.fused_moe import fused_moe_ref, fused_moe_triton, moe_align_block_size
 from tests.kernels.conftest import DEVICE, tolerance
 
 

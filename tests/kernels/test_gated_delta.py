@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from kernels.gated_delta import (
+from flotilla.kernels.gated_delta import (
     causal_conv1d_update,
     causal_conv1d_varlen,
     chunk_gated_delta_rule,

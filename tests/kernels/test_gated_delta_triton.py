@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.causal_conv1d import (
+from flotilla.kernels.causal_conv1d import (
     causal_conv1d_update_torch,
     causal_conv1d_update_triton,
     causal_conv1d_varlen_torch,
     causal_conv1d_varlen_triton,
 )
-from kernels.gated_delta_chunk import chunk_gated_delta_rule_triton, sequence_chunks
-from kernels.gated_delta_recurrent import fused_recurrent_update_triton
-from kernels.gated_delta_torch import (
+from flotilla.kernels.gated_delta_chunk import chunk_gated_delta_rule_triton, sequence_chunks
+from flotilla.kernels.gated_delta_recurrent import fused_recurrent_update_triton
+from flotilla.kernels.gated_delta_torch import (
     chunk_gated_delta_rule_torch,
     fused_recurrent_gated_delta_rule_update_torch,
 )

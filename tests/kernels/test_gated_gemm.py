@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_triton
-from kernels.gated_gemm import (
+from flotilla.kernels.activation import silu_and_mul_triton
+from flotilla.kernels.gated_gemm import (
     CONFIGS,
     CUDA_CONFIG,
     gated_gemm_ok,
@@ -71,7 +71,7 @@ def test_dispatch_falls_back_once_the_kernel_cannot_be_built(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A build failure (e.g. Triton's warp specialisation on another GPU / build) turns the fused
     path off for the process instead of failing requests."""
-    from services.engine.quant import base
+    from flotilla.services.engine.quant import base
 
     def broken(*_: object, **__: object) -> torch.Tensor:
         raise RuntimeError("PassManager::run failed")
@@ -107,8 +107,8 @@ def test_unquantized_gated_projection_dispatch(monkeypatch: pytest.MonkeyPatch) 
     both give the same y."""
     from torch import nn
 
-    from kernels.selection import KernelSelection
-    from services.engine.quant import base
+    from flotilla.kernels.selection import KernelSelection
+    from flotilla.services.engine.quant import base
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("auto fuses on Hopper and later only")

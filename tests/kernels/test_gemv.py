@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_ref
-from kernels.gemv import CONFIGS, GEMV_MAX_M, _config, gemv_triton
-from kernels.selection import KernelSelection
-from services.engine.layers.linear import ReplicatedLinear
-from services.engine.loader import bind_selection
-from services.engine.quant.base import (
+from flotilla.kernels.activation import silu_and_mul_ref
+from flotilla.kernels.gemv import CONFIGS, GEMV_MAX_M, _config, gemv_triton
+from flotilla.kernels.selection import KernelSelection
+from flotilla.services.engine.layers.linear import ReplicatedLinear
+from flotilla.services.engine.loader import bind_selection
+from flotilla.services.engine.quant.base import (
     use_triton_gemv,
 )
 from tests.kernels.conftest import DEVICE, tolerance
@@ -111,8 +111,8 @@ def test_gemv_backend_picks_triton_only_for_decode_sized_16bit_inputs(
 
 def test_gemv_backend_defaults_to_auto_and_comes_from_the_settings(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from libs.common.settings import EngineSettings
-    from services.engine.factory import kernel_selection
+    from flotilla.libs.common.settings import EngineSettings
+    from flotilla.services.engine.factory import kernel_selection
 
     monkeypatch.delenv("FLOTILLA_GEMV", raising=False)
     assert kernel_selection(EngineSettings()).gemv == "auto"

@@ -8,8 +8,8 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from kernels.fused_moe import fused_moe_ref
-from kernels.gguf_dequant import (
+from flotilla.kernels.fused_moe import fused_moe_ref
+from flotilla.kernels.gguf_dequant import (
     GGUF_TYPES,
     IQ2_S,
     IQ2_XS,
@@ -24,8 +24,8 @@ from kernels.gguf_dequant import (
     Q6_K,
     Q8_0,
 )
-from kernels.gguf_moe import QuantPart, fused_moe_gguf_ref, fused_moe_gguf_triton
-from services.engine.quant.gguf_quantize import quantize_gguf
+from flotilla.kernels.gguf_moe import QuantPart, fused_moe_gguf_ref, fused_moe_gguf_triton
+from flotilla.services.engine.quant.gguf_quantize import quantize_gguf
 from tests.kernels.conftest import DEVICE
 
 E, H, INTER, TOP_K = 4, 256, 256, 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels import code_floats
+from flotilla.kernels import code_floats
 from tests.kernels.ptx_emulator import run_ptx
 
 

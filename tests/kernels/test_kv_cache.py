@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
+from flotilla.kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
 from tests.kernels.conftest import DEVICE
 
 

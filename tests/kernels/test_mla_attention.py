@@ -10,13 +10,13 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kernels.mla_attention import (
+from flotilla.kernels.mla_attention import (
     mla_attention_ref,
     mla_attention_triton,
     mla_decode_triton,
     mla_extend_triton,
 )
-from services.engine.forward_context import AttentionMetadata
+from flotilla.services.engine.forward_context import AttentionMetadata
 from tests.kernels.attention_cases import make_case
 from tests.kernels.conftest import DEVICE, tolerance
 from tests.kernels.sm90_report import needs_ptxas, sm90_report

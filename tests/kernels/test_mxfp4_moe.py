@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import SwigluOAI
-from kernels.mxfp4_moe import (
+from flotilla.kernels.activation import SwigluOAI
+from flotilla.kernels.mxfp4_moe import (
     dequantize_mxfp4_ref,
     fused_moe_mxfp4_ref,
     fused_moe_mxfp4_triton,

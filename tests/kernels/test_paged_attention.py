@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import (
+from flotilla.kernels.paged_attention import (
     ONE_SPLIT_PROGRAMS,
     SHORT_SPLIT_KEYS,
     decode_attention_triton,
@@ -13,7 +13,7 @@ from kernels.paged_attention import (
     paged_attention_ref,
     paged_attention_triton,
 )
-from kernels.prefill_attention import prefill_attention_ref
+from flotilla.kernels.prefill_attention import prefill_attention_ref
 from tests.kernels.attention_cases import make_case
 from tests.kernels.conftest import DEVICE, tolerance
 

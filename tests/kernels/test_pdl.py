@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import pdl
-from kernels.selection import KernelSelection
+from flotilla.kernels import pdl
+from flotilla.kernels.selection import KernelSelection
 from tests.kernels.sm90_report import needs_ptxas, sm90_report
 
 
@@ -44,8 +44,8 @@ def test_the_wait_precedes_every_activation_load() -> None:
 def test_gpu_graph_of_pdl_kernels_matches_plain_launches() -> None:
     """norm -> GEMV -> norm -> gated GEMV -> GEMV, 8 times over, each reading the one before:
     a CUDA graph of PDL launches equals plain eager launches bit for bit."""
-    from kernels.gemv import gemv_triton
-    from kernels.rms_norm import fused_add_rms_norm_triton
+    from flotilla.kernels.gemv import gemv_triton
+    from flotilla.kernels.rms_norm import fused_add_rms_norm_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
     h, inter = 1024, 2048

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from flotilla.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from tests.kernels.attention_cases import bounds_only, make_case
 from tests.kernels.conftest import DEVICE, tolerance
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rms_norm import (
+from flotilla.kernels.rms_norm import (
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
     rms_norm_ref,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+from flotilla.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 from tests.kernels.conftest import DEVICE, tolerance
 
 

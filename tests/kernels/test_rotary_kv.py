@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_cache import write_kv_cache_ref
-from kernels.rotary import rotary_embedding_ref
-from kernels.rotary_kv import rotary_write_kv_cache_triton
+from flotilla.kernels.kv_cache import write_kv_cache_ref
+from flotilla.kernels.rotary import rotary_embedding_ref
+from flotilla.kernels.rotary_kv import rotary_write_kv_cache_triton
 from tests.kernels.conftest import DEVICE, tolerance
 from tests.kernels.test_rotary import cos_sin_cache
 

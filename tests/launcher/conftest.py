@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher.nats_server import free_port
-from services.launcher.suite import SERVICES, SuiteOptions
-from services.launcher.supervisor import RestartPolicy
+from flotilla.services.launcher.nats_server import free_port
+from flotilla.services.launcher.suite import SERVICES, SuiteOptions
+from flotilla.services.launcher.supervisor import RestartPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDINS = {name: [sys.executable, "-m", "tests.launcher.standin_service", name]

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from libs.common.bus import Bus
-from libs.common.messages import Announcement
-from libs.common.service import Announcer, instance_id, run_forever
-from libs.common.settings import (
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Announcement
+from flotilla.libs.common.service import Announcer, instance_id, run_forever
+from flotilla.libs.common.settings import (
     CommonSettings,
     EngineSettings,
     GatewaySettings,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.settings import EngineSettings, LauncherSettings
-from services.engine.factory import engine_config
-from services.launcher.cli import build_parser
-from services.launcher.suite import Suite, SuiteOptions
+from flotilla.libs.common.settings import EngineSettings, LauncherSettings
+from flotilla.services.engine.factory import engine_config
+from flotilla.services.launcher.cli import build_parser
+from flotilla.services.launcher.suite import Suite, SuiteOptions
 
 
 def _engine_env(argv: list[str]) -> dict[str, str]:

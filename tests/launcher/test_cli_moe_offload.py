@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.settings import EngineSettings, LauncherSettings
-from services.engine.factory import engine_config
-from services.engine.layers.moe_offload import ExpertOffload
-from services.launcher.cli import build_parser, moe_offload_env
-from services.launcher.suite import Suite, SuiteOptions
+from flotilla.libs.common.settings import EngineSettings, LauncherSettings
+from flotilla.services.engine.factory import engine_config
+from flotilla.services.engine.layers.moe_offload import ExpertOffload
+from flotilla.services.launcher.cli import build_parser, moe_offload_env
+from flotilla.services.launcher.suite import Suite, SuiteOptions
 
 
 def _engine_env(argv: list[str]) -> dict[str, str]:

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import redis
 
-from libs.common.store import RedisStore
-from services.gateway.api_keys import KeyRecord, KeyRing, key_hash
-from services.launcher.cli import main
+from flotilla.libs.common.store import RedisStore
+from flotilla.services.gateway.api_keys import KeyRecord, KeyRing, key_hash
+from flotilla.services.launcher.cli import main
 from tests.endpoints import REDIS_URL
 
 

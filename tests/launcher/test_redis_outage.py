@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher.nats_server import free_port
-from services.launcher.state import SuiteState
-from services.launcher.suite import SuiteOptions, start_suite
+from flotilla.services.launcher.nats_server import free_port
+from flotilla.services.launcher.state import SuiteState
+from flotilla.services.launcher.suite import SuiteOptions, start_suite
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_unreachable_redis_is_reported_and_the_suite_recovers_without_restart(
     monkeypatch.setenv("FLOTILLA_REDIS_URL", url)
     del options.commands["gateway"]  # the real gateway
     options.start_timeout_s = 120
-    caplog.set_level(logging.INFO, logger="services.launcher")
+    caplog.set_level(logging.INFO, logger="flotilla.services.launcher")
     seen: dict[str, str] = {}
     redis: list[subprocess.Popen[bytes]] = []
 
@@ -46,7 +46,7 @@ def test_unreachable_redis_is_reported_and_the_suite_recovers_without_restart(
                 seen["state"] = reason
                 time.sleep(2.5)  # outlast a few readiness checks and their log lines
                 seen["status"] = subprocess.run(
-                    [sys.executable, "-m", "services.launcher", "status", "--state-file",
+                    [sys.executable, "-m", "flotilla.services.launcher", "status", "--state-file",
                      str(options.state_file)], cwd=ROOT, capture_output=True, text=True,
                     timeout=60).stdout
                 redis.append(subprocess.Popen(

@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from libs.common.settings import LauncherSettings
-from services.launcher.cli import build_parser, main
-from services.launcher.nats_server import NatsServer, free_port, reachable
-from services.launcher.state import SuiteState
-from services.launcher.suite import SERVICES, SuiteError, SuiteOptions, start_suite
+from flotilla.libs.common.settings import LauncherSettings
+from flotilla.services.launcher.cli import build_parser, main
+from flotilla.services.launcher.nats_server import NatsServer, free_port, reachable
+from flotilla.services.launcher.state import SuiteState
+from flotilla.services.launcher.suite import SERVICES, SuiteError, SuiteOptions, start_suite
 from tests.launcher.helpers import children, gone, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,10 +103,10 @@ def test_cli_defaults_come_from_launcher_settings(monkeypatch) -> None:
 
 
 def test_cli_help_and_up_failure() -> None:
-    out = subprocess.run([sys.executable, "-m", "services.launcher", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "flotilla.services.launcher", "--help"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0 and "up" in out.stdout and "status" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "services.launcher", "up", "--m",
+    out = subprocess.run([sys.executable, "-m", "flotilla.services.launcher", "up", "--m",
                           "/nonexistent/model.gguf", "--p", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "neither an existing path" in out.stderr
@@ -143,7 +143,7 @@ def test_cli_status_of_a_gone_launcher_is_stale(tmp_path, capsys) -> None:
 
 CLI_WITH_STANDINS = """
 import sys
-from services.launcher import cli, suite
+from flotilla.services.launcher import cli, suite
 
 STANDINS = {n: [sys.executable, "-m", "tests.launcher.standin_service", n] for n in suite.SERVICES}
 cli.SuiteOptions = lambda **options: suite.SuiteOptions(**options, commands=STANDINS)

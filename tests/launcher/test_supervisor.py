@@ -9,8 +9,8 @@ import sys
 import textwrap
 import time
 
-from services.launcher.processes import ChildSpec
-from services.launcher.supervisor import RestartPolicy, Supervisor
+from flotilla.services.launcher.processes import ChildSpec
+from flotilla.services.launcher.supervisor import RestartPolicy, Supervisor
 from tests.launcher.helpers import gone, wait_until
 
 SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"]
@@ -80,8 +80,8 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path) -> None:
     launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from services.launcher.processes import ChildSpec
-        from services.launcher.supervisor import Supervisor
+        from flotilla.services.launcher.processes import ChildSpec
+        from flotilla.services.launcher.supervisor import Supervisor
         sup = Supervisor([ChildSpec("a", {SLEEPER!r}), ChildSpec("b", {STUBBORN!r})],
                          Path({str(tmp_path)!r}))
         sup.start()

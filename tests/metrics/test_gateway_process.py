@@ -1,4 +1,4 @@
-"""The gateway as a real process (`python -m services.gateway`): graceful drain on SIGTERM, and
+"""The gateway as a real process (`python -m flotilla.services.gateway`): graceful drain on SIGTERM, and
 /metrics summed over several worker processes.
 
 The fake tokenizer (tests/gateway/fakes.py) runs in this process on the test NATS; its "paced"
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from libs.common.bus import Bus
+from flotilla.libs.common.bus import Bus
 from tests.endpoints import NATS_URL
 from tests.gateway.fakes import FakeTokenizer
 from tests.metrics.scrape import Scrape, free_port
@@ -47,7 +47,7 @@ def gateway_process(port: int, **env: str) -> Iterator[subprocess.Popen[bytes]]:
                "FLOTILLA_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S), "FLOTILLA_GC_FREEZE": "0",
                **env}
     environ.pop("FLOTILLA_REDIS_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=environ)
+    proc = subprocess.Popen([sys.executable, "-m", "flotilla.services.gateway"], env=environ)
     try:
         yield proc
     finally:

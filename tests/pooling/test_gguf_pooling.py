@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from libs.common.model_capabilities import model_kind
-from services.engine.pooling import PoolingParams
-from services.tokenizer.gguf_metadata import gguf_pooling_type
+from flotilla.libs.common.model_capabilities import model_kind
+from flotilla.services.engine.pooling import PoolingParams
+from flotilla.services.tokenizer.gguf_metadata import gguf_pooling_type
 from tests.engine.test_gguf_architectures import llama_cpp_converter  # noqa: F401 (fixture)
 from tests.engine.test_pooling import drain, make_engine, prompts
 from tests.pooling.models import reference, save_tiny_qwen3

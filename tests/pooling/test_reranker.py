@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from services.tokenizer.scoring import (
+from flotilla.services.tokenizer.scoring import (
     QWEN3_RERANKER_PREFIX,
     QWEN3_RERANKER_SUFFIX,
     qwen3_reranker_content,

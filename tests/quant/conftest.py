@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.selection import KernelSelection
+from flotilla.kernels.selection import KernelSelection
 from tests.triton_setup import DEVICE, INTERPRETER_TOO_LATE, mark_items  # noqa: F401
 
 

@@ -15,9 +15,9 @@ import os
 import sys
 from typing import Any
 
-import kernels  # noqa: F401  (loads the kernel modules)
-from kernels.gguf_dequant import GGUF_TYPES, Q4_K, Q5_K
-from kernels.gguf_matmul import gemm_config
+from flotilla import kernels  # noqa: F401  (loads the kernel modules)
+from flotilla.kernels.gguf_dequant import GGUF_TYPES, Q4_K, Q5_K
+from flotilla.kernels.gguf_matmul import gemm_config
 from tests.kernels.sm90_compile import compile_sm90, hot_loop, sass_sm90, spill_bytes
 
 BF16_IO = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
@@ -82,7 +82,7 @@ def kquant_gemm_configs(qtype: int
                         ) -> list[tuple[str, str, dict[str, str], dict[str, Any], int]]:
     """The Q4_K / Q5_K GEMM (kernels/gguf_kquant_gemm.py) with the tiles of kquant_gemm_config:
     a few rows with split-K (fp32 atomics) and prefill."""
-    from kernels.gguf_kquant_gemm import kquant_gemm_config
+    from flotilla.kernels.gguf_kquant_gemm import kquant_gemm_config
 
     out = []
     for m, atomic in ((16, True), (512, False)):
@@ -112,7 +112,7 @@ def w4_gemm_loop_report() -> dict[str, float]:
     (M = 16 bf16 rows, groups of 128): every autotune config of the re-packed layout's GEMM
     (kernels/w4a16_marlin.py) and of the nibble-plane GEMM it replaces (kernels/w4a16_mma.py):
     the loop's instructions / (BLOCK_N * BLOCK_K / threads)."""
-    from kernels import w4a16_marlin, w4a16_mma
+    from flotilla.kernels import w4a16_marlin, w4a16_mma
 
     types = W4 | {"ws_ptr": "*fp32", "lock_ptr": "*i32"}
     common = dict(HAS_PERM=False, USE_ASM=True, PRECISION="tf32", BLOCK_M=16, SPLIT_K=8)
@@ -137,7 +137,7 @@ def fp8_gemv_configs(tuned: bool = True) -> list[tuple[dict[str, Any], int, int]
     """(constexprs, warps, stages) of the tensor-core fp8 GEMV: every autotune config (or the
     fallback tile) with M = 2 bf16 rows, per-channel and (where BLOCK_K divides 128) groups of
     128."""
-    from kernels import fp8_gemv
+    from flotilla.kernels import fp8_gemv
 
     out = []
     for c in [*fp8_gemv.CONFIGS, fp8_gemv.FALLBACK] if tuned else [fp8_gemv.FALLBACK]:
@@ -167,7 +167,7 @@ def lane_gemv_jobs() -> list[tuple[str, str, dict[str, str], dict[str, Any], int
     """(module, kernel, types, constexprs, warps, weights one thread handles per step) of every
     autotune config of the lanes-along-K GEMVs: Q4_K / Q5_K, 4-bit (plain and act-order), fp8
     (per-channel and group scales)."""
-    from kernels import fp8_gemv_fma, gguf_kquant_gemv, w4a16_gemv
+    from flotilla.kernels import fp8_gemv_fma, gguf_kquant_gemv, w4a16_gemv
 
     gguf = BF16_IO | {"w_ptr": "*u8"}
     fp8 = BF16_IO | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.gguf_dequant import Q4_1, Q4_K, Q6_K
+from flotilla.kernels.gguf_dequant import Q4_1, Q4_K, Q6_K
 from tests.kernels.sm90_report import needs_ptxas, sm90_report
 
 
@@ -85,7 +85,7 @@ def test_fp8_gemv_weight_loop_stays_lean() -> None:
     kernels/fp8_gemv.py lost: Triton converting the fp8 tile through shared memory again) and
     at most 2.5 (per-channel) / 3.5 (group scales) SASS instructions per weight."""
     report = sm90_report("tests.quant.sm90_compile", "fp8loop", timeout=900)
-    from kernels.fp8_gemv import FALLBACK
+    from flotilla.kernels.fp8_gemv import FALLBACK
 
     fallback = " ".join(f"{k}={v}" for k, v in FALLBACK.kwargs.items())
     tuned = {name: r for name, r in report.items() if fallback not in name}

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.fp8 import FP8, fp8_matmul_ref, fp8_matmul_triton, quantize_fp8_per_channel
-from services.engine.loader import load_model
+from flotilla.kernels.fp8 import FP8, fp8_matmul_ref, fp8_matmul_triton, quantize_fp8_per_channel
+from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, save_tiny_llama
 from tests.quant.conftest import DEVICE, rel_err
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import triton
 
-from kernels.fp8 import fp8_matmul_triton, quantize_fp8_per_channel
-from kernels.fp8_gemv import CONFIGS, FALLBACK, fp8_gemv_mma
-from kernels.split_k import lock_buffer
+from flotilla.kernels.fp8 import fp8_matmul_triton, quantize_fp8_per_channel
+from flotilla.kernels.fp8_gemv import CONFIGS, FALLBACK, fp8_gemv_mma
+from flotilla.kernels.split_k import lock_buffer
 from tests.quant.conftest import DEVICE, rel_err
 
 SPLIT = triton.Config({"BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 3}, num_warps=4, num_stages=3)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8 import FP8, quantize_fp8_per_channel
-from kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
-from kernels.selection import KernelSelection
+from flotilla.kernels.fp8 import FP8, quantize_fp8_per_channel
+from flotilla.kernels.fp8_gemv_fma import fma_gemv_ok, fp8_gemv_fma
+from flotilla.kernels.selection import KernelSelection
 from tests.quant.conftest import DEVICE, rel_err
 
 TOL = {torch.bfloat16: 3e-3, torch.float16: 1e-3, torch.float32: 1e-6}
@@ -87,7 +87,7 @@ def test_decode_dispatch(kind: str, m: int, expect: str, monkeypatch: pytest.Mon
     """kernels/fp8.py's GEMV choice: one row on the CUDA cores, two on the tensor cores (which
     read W once for both), more on the CUDA cores; the selection's fp8_gemv (FLOTILLA_FP8_GEMV)
     pins one."""
-    from kernels import fp8
+    from flotilla.kernels import fp8
 
     calls: list[str] = []
     def fake(kind: str):  # type: ignore[no-untyped-def]

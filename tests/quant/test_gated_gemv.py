@@ -13,18 +13,18 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.activation import silu_and_mul_triton
-from kernels.fp8 import fp8_matmul_triton, quantize_fp8_per_channel
-from kernels.fp8_gemv_fma import fp8_gemv_fma
-from kernels.gemv import _config, gemv_triton
-from kernels.gguf_dequant import Q4_K, Q5_K
-from kernels.gguf_kquant_gemv import kquant_gemv_triton
-from kernels.gguf_matmul import gguf_matmul_triton
-from kernels.w4a16 import pack_int4, w4a16_matmul_triton
-from kernels.w4a16_gemv import w4a16_gemv
-from services.engine.layers.activation import SiluAndMul, gated_projection
-from services.engine.layers.linear import MergedColumnParallelLinear
-from services.engine.quant.base import layer_tensor
+from flotilla.kernels.activation import silu_and_mul_triton
+from flotilla.kernels.fp8 import fp8_matmul_triton, quantize_fp8_per_channel
+from flotilla.kernels.fp8_gemv_fma import fp8_gemv_fma
+from flotilla.kernels.gemv import _config, gemv_triton
+from flotilla.kernels.gguf_dequant import Q4_K, Q5_K
+from flotilla.kernels.gguf_kquant_gemv import kquant_gemv_triton
+from flotilla.kernels.gguf_matmul import gguf_matmul_triton
+from flotilla.kernels.w4a16 import pack_int4, w4a16_matmul_triton
+from flotilla.kernels.w4a16_gemv import w4a16_gemv
+from flotilla.services.engine.layers.activation import SiluAndMul, gated_projection
+from flotilla.services.engine.layers.linear import MergedColumnParallelLinear
+from flotilla.services.engine.quant.base import layer_tensor
 from tests.quant.conftest import DEVICE
 from tests.quant.test_gguf_kernels import random_blocks
 
@@ -109,7 +109,7 @@ def gemv_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     def always(x: torch.Tensor, m: int, kernel: str | None) -> bool:
         return kernel != "gemm" and m <= 2
 
-    for name in ("kernels.w4a16", "kernels.gguf_matmul", "kernels.fp8"):  # the modules, not
+    for name in ("flotilla.kernels.w4a16", "flotilla.kernels.gguf_matmul", "flotilla.kernels.fp8"):  # the modules, not
         monkeypatch.setattr(importlib.import_module(name), "use_gemv", always)  # kernels' names
 
 

@@ -12,9 +12,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kernels.gguf_dequant import GGUF_TYPES, Q4_K, Q5_K, dequantize_ref
-from kernels.gguf_kquant_gemv import kquant_gemv_triton
-from kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
+from flotilla.kernels.gguf_dequant import GGUF_TYPES, Q4_K, Q5_K, dequantize_ref
+from flotilla.kernels.gguf_kquant_gemv import kquant_gemv_triton
+from flotilla.kernels.gguf_matmul import gguf_matmul_ref, gguf_matmul_triton
 from tests.quant.conftest import DEVICE, rel_err
 
 # byte offsets of the f16 fields of each block
@@ -128,7 +128,7 @@ def test_kquant_gemm_matches_gguf_dequantize(qtype: int, case: tuple, dtype: tor
     gguf.quants' dequantize, then a float64 matmul."""
     import sys
 
-    matmul = sys.modules["kernels.gguf_matmul"]
+    matmul = sys.modules["flotilla.kernels.gguf_matmul"]
     launches = []
     launch = matmul.kquant_gemm_launch
     monkeypatch.setattr(matmul, "kquant_gemm_launch",
@@ -165,7 +165,7 @@ def test_gpu_kquant_gemm_llama3_shapes(qtype: int, m: int) -> None:
 def test_gpu_kquant_gemv_every_autotune_config(qtype: int) -> None:
     """Each tile the autotuner may pick (inline-PTX loads and codes), on ragged rows (100) and
     blocks (9: partial steps for NSB 8 and 16)."""
-    from kernels import gguf_kquant_gemv
+    from flotilla.kernels import gguf_kquant_gemv
 
     n, nblocks, m = 100, 9, 2
     blocks = random_blocks(qtype, n, nblocks, seed=3)

@@ -15,8 +15,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from bench.gguf_moe_file import LlamaShape, file_types, more_bits, write_llama_gguf
-from kernels.gguf_dequant import Q4_K, Q6_K
-from services.engine.loader import load_model
+from flotilla.kernels.gguf_dequant import Q4_K, Q6_K
+from flotilla.services.engine.loader import load_model
 
 SHAPE = LlamaShape(vocab=512, hidden=256, layers=8, heads=4, kv_heads=2, inter=512, context=256)
 

@@ -13,13 +13,13 @@ import math
 import pytest
 import torch
 
-from kernels.gguf_dequant import Q4_0, Q4_1, Q6_K, Q8_0
-from kernels.selection import KernelSelection
-from libs.common.model_cache import ensure_default_model
-from services.engine.loader import load_model
-from services.engine.quant import GGUFConfig, GGUFLinearMethod
-from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.kernels.gguf_dequant import Q4_0, Q4_1, Q6_K, Q8_0
+from flotilla.kernels.selection import KernelSelection
+from flotilla.libs.common.model_cache import ensure_default_model
+from flotilla.services.engine.loader import load_model
+from flotilla.services.engine.quant import GGUFConfig, GGUFLinearMethod
+from flotilla.services.engine.quant.gguf_parts import GGUFPartsLinearMethod
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 from tests.engine.conftest import SingleSequenceRunner
 from tests.quant.fixed_text import TEXT
 
@@ -80,7 +80,7 @@ def test_perplexity_with_quantized_kernels_matches_dequantized_weights(
 def test_cpu_default_serves_q4_1_as_int4_within_one_percent_perplexity() -> None:
     """The engine's CPU default ("cpu") holds this Q4_1 file's layers as int4 groups (the LM
     head int8) and reads the text as the dequantized float weights do."""
-    from services.engine.quant import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+    from flotilla.services.engine.quant import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
     path = ensure_default_model()
     ids = Tokenizer.from_path(path).encode(TEXT)

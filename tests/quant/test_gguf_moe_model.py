@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from bench.gguf_moe_file import MoEShape, file_types, write_qwen3_moe_gguf
-from kernels.gguf_dequant import Q4_K, Q6_K
-from kernels.selection import KernelSelection
-from services.engine.layers.moe_offload import ExpertOffload
-from services.engine.loader import load_model
-from services.engine.quant import GGUFLinearMethod
-from services.engine.quant.gguf_moe import GGUFExpertMethod
-from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
+from flotilla.kernels.gguf_dequant import Q4_K, Q6_K
+from flotilla.kernels.selection import KernelSelection
+from flotilla.services.engine.layers.moe_offload import ExpertOffload
+from flotilla.services.engine.loader import load_model
+from flotilla.services.engine.quant import GGUFLinearMethod
+from flotilla.services.engine.quant.gguf_moe import GGUFExpertMethod
+from flotilla.services.engine.quant.gguf_parts import GGUFPartsLinearMethod
 from tests.engine.conftest import SingleSequenceRunner
 from tests.quant.conftest import DEVICE
 

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize
 
-from kernels.gguf_dequant import Q4_K, Q6_K, Q8_0
-from kernels.selection import KernelSelection
-from services.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-from services.engine.loader import bind_selection
-from services.engine.quant import GGUFConfig, QuantBytes
-from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
-from services.engine.quant.gguf_quantize import quantize_gguf
+from flotilla.kernels.gguf_dequant import Q4_K, Q6_K, Q8_0
+from flotilla.kernels.selection import KernelSelection
+from flotilla.services.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from flotilla.services.engine.loader import bind_selection
+from flotilla.services.engine.quant import GGUFConfig, QuantBytes
+from flotilla.services.engine.quant.gguf_parts import GGUFPartsLinearMethod
+from flotilla.services.engine.quant.gguf_quantize import quantize_gguf
 from tests.quant.conftest import DEVICE, rel_err
 
 PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),

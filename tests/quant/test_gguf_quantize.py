@@ -13,8 +13,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels.gguf_dequant import GGUF_TYPES, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-from services.engine.quant.gguf_quantize import LEGACY_TYPES, quantize_gguf
+from flotilla.kernels.gguf_dequant import GGUF_TYPES, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from flotilla.services.engine.quant.gguf_quantize import LEGACY_TYPES, quantize_gguf
 from tests.quant.conftest import rel_err
 
 LEGACY = list(LEGACY_TYPES)

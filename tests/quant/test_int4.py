@@ -7,7 +7,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from services.engine.quant.int4 import Int4WeightOnlyMethod, quantize_groups
+from flotilla.services.engine.quant.int4 import Int4WeightOnlyMethod, quantize_groups
 
 
 def q4_1_weights(n: int, k: int) -> torch.Tensor:
@@ -40,7 +40,7 @@ def test_int4_linear_matches_float_matmul() -> None:
 
 def test_weight_only_linears_take_a_step_with_no_rows() -> None:
     """A step whose only request is a non-final prefill chunk computes logits for 0 rows."""
-    from services.engine.quant.int8 import Int8WeightOnlyMethod
+    from flotilla.services.engine.quant.int8 import Int8WeightOnlyMethod
 
     for method in (Int4WeightOnlyMethod(), Int8WeightOnlyMethod()):
         layer = torch.nn.Module()

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.fp8 import FP8
-from kernels.gguf_dequant import GGUF_TYPES, Q4_1
-from kernels.selection import KernelSelection
-from services.engine.loader import load_model
-from services.engine.quant import ISQ_NAMES
-from services.engine.quant.isq import ISQ_GGUF_TYPES
+from flotilla.kernels.fp8 import FP8
+from flotilla.kernels.gguf_dequant import GGUF_TYPES, Q4_1
+from flotilla.kernels.selection import KernelSelection
+from flotilla.services.engine.loader import load_model
+from flotilla.services.engine.quant import ISQ_NAMES
+from flotilla.services.engine.quant.isq import ISQ_GGUF_TYPES
 from tests.engine.conftest import SingleSequenceRunner, save_tiny_llama
 from tests.quant.conftest import DEVICE, rel_err
 

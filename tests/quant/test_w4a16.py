@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.w4a16 import pack_int4, unpack_int4, w4a16_dequantize_ref, w4a16_matmul_triton
-from services.engine.loader import load_model
+from flotilla.kernels.w4a16 import pack_int4, unpack_int4, w4a16_dequantize_ref, w4a16_matmul_triton
+from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, save_tiny_llama
 from tests.quant.conftest import DEVICE, rel_err
 
@@ -67,7 +67,7 @@ def test_mma_gemm_matches_reference(m: int, k: int, group: int, config: dict,
                                     with_perm: bool) -> None:
     """kernels/w4a16_mma.py: each nibble plane is its own MMA operand against x's stride-8
     columns; every tile/split/group layout sums to the dequantize-then-matmul product."""
-    from kernels.w4a16_mma import w4a16_mma
+    from flotilla.kernels.w4a16_mma import w4a16_mma
 
     g = torch.Generator().manual_seed(m + k + group)
     n = 40
@@ -103,7 +103,7 @@ def test_gemv_tiles(k: int, group: int, nsb: int, prefetch: bool, dtype: torch.d
     """kernels/w4a16_gemv.py over its tile shapes: rows past N (13 rows, 8 per program), steps
     past K, prefetch, 16-bit x read as vectors of pairs or fp32 x element by element, act-order
     gathers; two x rows (one program row each)."""
-    from kernels.w4a16_gemv import w4a16_gemv
+    from flotilla.kernels.w4a16_gemv import w4a16_gemv
 
     g = torch.Generator().manual_seed(k + group + nsb)
     n = 13

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.w4a16 import pack_int4, w4a16_dequantize_ref, w4a16_matmul_triton
-from kernels.w4a16_gemv import w4a16_gemv
-from kernels.w4a16_marlin import (
+from flotilla.kernels.w4a16 import pack_int4, w4a16_dequantize_ref, w4a16_matmul_triton
+from flotilla.kernels.w4a16_gemv import w4a16_gemv
+from flotilla.kernels.w4a16_marlin import (
     DEQ_BF16,
     DEQ_F16,
     marlin_order,

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from libs.common.bus import Bus
-from services.gateway.service import GatewayService
+from flotilla.libs.common.bus import Bus
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.conftest import bus, client, gateway_settings, model, tokenizer  # noqa: F401
 from tests.gateway.fakes import FakeTokenizer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from openai import AsyncOpenAI
 
-from services.gateway.service import GatewayService
+from flotilla.services.gateway.service import GatewayService
 from tests.gateway.fakes import FakeTokenizer
 
 

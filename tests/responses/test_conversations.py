@@ -13,8 +13,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
-from libs.common.bus import Bus
-from services.gateway.service import GatewayService
+from flotilla.libs.common.bus import Bus
+from flotilla.services.gateway.service import GatewayService
 from tests.endpoints import REDIS_URL
 from tests.gateway.conftest import gateway_settings
 from tests.gateway.fakes import FakeTokenizer

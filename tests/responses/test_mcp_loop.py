@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.messages import TextDelta, TextFinal, TextRequest, ToolCallDelta, Usage
-from libs.common.settings import ToolsSettings
-from services.gateway.service import GatewayService
-from services.tools.service import ToolsService
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import TextDelta, TextFinal, TextRequest, ToolCallDelta, Usage
+from flotilla.libs.common.settings import ToolsSettings
+from flotilla.services.gateway.service import GatewayService
+from flotilla.services.tools.service import ToolsService
 from tests.gateway.fakes import FakeTokenizer
 from tests.gateway.schemas import validate_openai
 from tests.responses.official import validate_event

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.structured import StructuredOutputs
-from services.tokenizer.grammar_check import xgrammar
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.engine.structured import StructuredOutputs
+from flotilla.services.tokenizer.grammar_check import xgrammar
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,15 +11,15 @@ import jsonschema
 import pytest
 import torch
 
-from libs.common.messages import GuidedDecoding, TextRequest
-from services.engine.request_error import RequestError
-from services.engine.sampler import Sampler, SamplingBatch
-from services.engine.sampling_params import SamplingParams
-from services.engine.structured import StructuredOutputs
-from services.tokenizer.guided import guided_spec
-from services.tokenizer.tokenizer import Tokenizer
-from services.tokenizer.tool_calls import ToolCallParser
-from services.tokenizer.tool_formats import FORMATS
+from flotilla.libs.common.messages import GuidedDecoding, TextRequest
+from flotilla.services.engine.request_error import RequestError
+from flotilla.services.engine.sampler import Sampler, SamplingBatch
+from flotilla.services.engine.sampling_params import SamplingParams
+from flotilla.services.engine.structured import StructuredOutputs
+from flotilla.services.tokenizer.guided import guided_spec
+from flotilla.services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.tool_calls import ToolCallParser
+from flotilla.services.tokenizer.tool_formats import FORMATS
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},

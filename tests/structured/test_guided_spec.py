@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import TextRequest
-from services.tokenizer.guided import MAX_BOUND, guided_spec
-from services.tokenizer.tool_formats import FORMATS, HERMES
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import TextRequest
+from flotilla.services.tokenizer.guided import MAX_BOUND, guided_spec
+from flotilla.services.tokenizer.tool_formats import FORMATS, HERMES
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -91,7 +91,7 @@ def test_forced_grammar_accepts_the_family_format(fmt_name: str, calls: list[dic
                                                   parallel: bool) -> None:
     from xgrammar.testing import _is_grammar_accept_string
 
-    from services.tokenizer.guided import grammar_of
+    from flotilla.services.tokenizer.guided import grammar_of
 
     fmt = FORMATS[fmt_name]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -15,14 +15,14 @@ import jsonschema
 import pytest
 from xgrammar.testing import _is_grammar_accept_string
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import GuidedDecoding, TextRequest
-from libs.common.model_cache import cache_dir
-from services.engine.structured import StructuredOutputs
-from services.tokenizer.gbnf import GrammarError, to_xgrammar_ebnf
-from services.tokenizer.guided import grammar_of, guided_spec
-from services.tokenizer.tokenizer import Tokenizer
-from services.tokenizer.tool_formats import HERMES
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import GuidedDecoding, TextRequest
+from flotilla.libs.common.model_cache import cache_dir
+from flotilla.services.engine.structured import StructuredOutputs
+from flotilla.services.tokenizer.gbnf import GrammarError, to_xgrammar_ebnf
+from flotilla.services.tokenizer.guided import grammar_of, guided_spec
+from flotilla.services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.tool_formats import HERMES
 from tests.structured.test_constrained_sampling import generate
 from tests.tokenizer.conftest import _llama_cpp_sdist_members
 

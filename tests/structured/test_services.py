@@ -18,12 +18,12 @@ import jsonschema
 import openai
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.model_cache import ensure_default_model
-from libs.common.settings import EngineSettings, GatewaySettings, TokenizerSettings
-from services.engine.service import EngineService
-from services.gateway.service import GatewayService
-from services.tokenizer.service import TokenizerService
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.model_cache import ensure_default_model
+from flotilla.libs.common.settings import EngineSettings, GatewaySettings, TokenizerSettings
+from flotilla.services.engine.service import EngineService
+from flotilla.services.gateway.service import GatewayService
+from flotilla.services.tokenizer.service import TokenizerService
 from tests.endpoints import NATS_URL
 
 NATS = NATS_URL
@@ -161,7 +161,7 @@ async def test_keywords_that_cannot_be_enforced_are_400s(
 async def test_regex_and_choice_from_the_engine(client: tuple[openai.AsyncOpenAI, str]) -> None:
     """The internal spellings the gateway maps vLLM's and llama.cpp's fields onto, sent to the
     tokenizer as the gateway does: the real engine compiles them (regex: its own grammar kind)."""
-    from libs.common.messages import SamplingOptions
+    from flotilla.libs.common.messages import SamplingOptions
     from tests.tokenizer.harness import gateway, request
 
     _, model = client

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.model_cache import cache_dir
-from services.tokenizer.service import TokenizerService
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.model_cache import cache_dir
+from flotilla.services.tokenizer.service import TokenizerService
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 from tests.endpoints import NATS_URL
 from tests.tokenizer.fake_engine import FakeEngine
 from tests.tokenizer.harness import settings_for

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import (
     Admission,
     Cancel,
     ErrorInfo,

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError
-from libs.common.messages import Admission, TextFrame, TextRequest
-from libs.common.settings import TokenizerSettings
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import Admission, TextFrame, TextRequest
+from flotilla.libs.common.settings import TokenizerSettings
 
 HELLO = [{"role": "user", "content": "Say hello"}]
 

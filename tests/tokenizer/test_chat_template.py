@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import TextRequest
-from services.tokenizer.prompt import PromptBuilder
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import TextRequest
+from flotilla.services.tokenizer.prompt import PromptBuilder
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "hi"}],

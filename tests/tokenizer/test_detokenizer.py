@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.detokenizer import IncrementalDetokenizer
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 MULTIBYTE = ["🤖", "🇫🇷", "👩‍👩‍👧", "é", "ü", "日本語", "한국어", "русский", "ελληνικά", "€", "𝔘𝔫𝔦",
              "漢字かな", " ", "  ", "\n", "hello", " world", ",", "🎉🎉", "ﬁ", "\u200b", "ä̈"]

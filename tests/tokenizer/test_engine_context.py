@@ -3,8 +3,8 @@ own until an engine of its model announces, then the smallest of the live engine
 
 from __future__ import annotations
 
-from libs.common.messages import Announcement
-from services.tokenizer.engine_context import EngineContext
+from flotilla.libs.common.messages import Announcement
+from flotilla.services.tokenizer.engine_context import EngineContext
 
 
 def _engine(instance: str, length: int, model: str = "m") -> Announcement:

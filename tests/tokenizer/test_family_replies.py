@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.messages import TextDelta, TextRequest, TokenDelta, TokenFinal
-from services.tokenizer.chat_template import ChatTemplate
-from services.tokenizer.output import OutputProcessor
-from services.tokenizer.tokenizer import Tokenizer
-from services.tokenizer.tool_formats import detect
+from flotilla.libs.common.messages import TextDelta, TextRequest, TokenDelta, TokenFinal
+from flotilla.services.tokenizer.chat_template import ChatTemplate
+from flotilla.services.tokenizer.output import OutputProcessor
+from flotilla.services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.tool_formats import detect
 from tests.tokenizer.test_real_templates import (
     ASK,
     WEATHER,

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.chat_template import ChatTemplate
-from services.tokenizer.gemma4_tool_calls import Gemma4ToolCallParser
-from services.tokenizer.tool_formats import GEMMA4, detect
+from flotilla.services.tokenizer.chat_template import ChatTemplate
+from flotilla.services.tokenizer.gemma4_tool_calls import Gemma4ToolCallParser
+from flotilla.services.tokenizer.tool_formats import GEMMA4, detect
 
 NAMES = ["get_weather", "search"]
 

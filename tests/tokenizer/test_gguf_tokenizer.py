@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.tokenizer.bpe_splits import bpe_split
-from services.tokenizer.gguf_metadata import read_gguf_metadata
-from services.tokenizer.tokenizer import Tokenizer, UnsupportedTokenizer
+from flotilla.services.tokenizer.bpe_splits import bpe_split
+from flotilla.services.tokenizer.gguf_metadata import read_gguf_metadata
+from flotilla.services.tokenizer.tokenizer import Tokenizer, UnsupportedTokenizer
 
 VARIED_TEXTS = [
     "Hello world",

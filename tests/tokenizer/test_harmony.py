@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libs.common.messages import TextRequest, TokenDelta, TokenFinal
-from services.tokenizer.harmony import CONTROL, HarmonyParser, control_ids
-from services.tokenizer.output import OutputProcessor
-from services.tokenizer.prompt import PromptBuilder
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.messages import TextRequest, TokenDelta, TokenFinal
+from flotilla.services.tokenizer.harmony import CONTROL, HarmonyParser, control_ids
+from flotilla.services.tokenizer.output import OutputProcessor
+from flotilla.services.tokenizer.prompt import PromptBuilder
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 oh = pytest.importorskip("openai_harmony")
 
@@ -262,8 +262,8 @@ def test_a_forced_call_is_a_call_openai_harmony_reads(tok: Tokenizer, gptoss_dir
                                                      harmony_encoding: Any) -> None:
     """tool_choice "required" constrains gpt-oss to harmony's call syntax (detected from its
     template), which both parsers read as the call."""
-    from services.tokenizer.guided import tool_call_spec
-    from services.tokenizer.tool_formats import HARMONY, detect
+    from flotilla.services.tokenizer.guided import tool_call_spec
+    from flotilla.services.tokenizer.tool_formats import HARMONY, detect
 
     assert detect((gptoss_dir / "chat_template.jinja").read_text(), True) is HARMONY
     spec = tool_call_spec(TOOLS, "required", True, HARMONY)  # xgrammar compiles it
@@ -274,7 +274,7 @@ def test_a_forced_call_is_a_call_openai_harmony_reads(tok: Tokenizer, gptoss_dir
     assert ours(tok, ids, [])[2:] == ([("search", '{"q": "gpt-oss"}')], "tool_calls")
     from xgrammar.testing import _is_grammar_accept_string
 
-    from services.tokenizer.guided import grammar_of
+    from flotilla.services.tokenizer.guided import grammar_of
 
     req = request([{"role": "user", "content": "Find gpt-oss"}], TOOLS)
     req.tool_choice = "required"
@@ -310,7 +310,7 @@ def test_a_structured_answer_is_the_final_channel(tok: Tokenizer) -> None:
     """response_format constrains gpt-oss's final channel; its reasoning stays free."""
     from xgrammar.testing import _is_grammar_accept_string
 
-    from services.tokenizer.guided import grammar_of
+    from flotilla.services.tokenizer.guided import grammar_of
 
     req = request([{"role": "user", "content": "A cat?"}])
     req.response_format = {"type": "json_object"}

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.messages import SamplingOptions
-from services.tokenizer.lanes import Lane
-from services.tokenizer.service import TokenizerService
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import SamplingOptions
+from flotilla.services.tokenizer.lanes import Lane
+from flotilla.services.tokenizer.service import TokenizerService
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.fake_engine import FakeEngine, Script
 from tests.tokenizer.harness import Outcome, gateway, request, settings_for
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from libs.common.errors import FlotillaError
-from services.tokenizer.lanes import Lane
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.services.tokenizer.lanes import Lane
 
 
 async def test_a_full_lane_refuses_at_once_with_retry_after() -> None:

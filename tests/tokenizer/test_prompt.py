@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import SamplingOptions, TextRequest
-from services.tokenizer.prompt import PromptBuilder
-from services.tokenizer.service import resolve_max_model_len
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import SamplingOptions, TextRequest
+from flotilla.services.tokenizer.prompt import PromptBuilder
+from flotilla.services.tokenizer.service import resolve_max_model_len
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 
 def completion(prompt: str | list[int], **kw: object) -> TextRequest:

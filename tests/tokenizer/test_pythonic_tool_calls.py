@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.pythonic_tool_calls import PythonicToolCallParser
-from services.tokenizer.tool_formats import PYTHONIC, detect
+from flotilla.services.tokenizer.pythonic_tool_calls import PythonicToolCallParser
+from flotilla.services.tokenizer.tool_formats import PYTHONIC, detect
 
 NAMES = ["get_weather", "search"]
 

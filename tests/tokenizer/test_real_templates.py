@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from libs.common.messages import TextRequest
-from services.tokenizer.chat_template import ChatTemplate
-from services.tokenizer.prompt import PromptBuilder
-from services.tokenizer.tokenizer import SpecialTokens, Tokenizer
-from services.tokenizer.tool_formats import detect
-from services.tokenizer.tool_prompt import inject_tools, inline_tool_history
+from flotilla.libs.common.messages import TextRequest
+from flotilla.services.tokenizer.chat_template import ChatTemplate
+from flotilla.services.tokenizer.prompt import PromptBuilder
+from flotilla.services.tokenizer.tokenizer import SpecialTokens, Tokenizer
+from flotilla.services.tokenizer.tool_formats import detect
+from flotilla.services.tokenizer.tool_prompt import inject_tools, inline_tool_history
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -290,7 +290,7 @@ def test_constraint_starts_after_an_open_reasoning_block(llama_cpp_templates: Pa
     """DeepSeek R1's prompt ends inside `<think>`: the reasoning stays free, the JSON follows."""
     from xgrammar.testing import _is_grammar_accept_string
 
-    from services.tokenizer.guided import grammar_of
+    from flotilla.services.tokenizer.guided import grammar_of
 
     source = (llama_cpp_templates / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
     tok = with_specials(vocab, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libs.common.messages import TextRequest, TokenDelta, TokenFinal
-from services.tokenizer.output import OutputProcessor
-from services.tokenizer.reasoning import END, START, ReasoningParser
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.messages import TextRequest, TokenDelta, TokenFinal
+from flotilla.services.tokenizer.output import OutputProcessor
+from flotilla.services.tokenizer.reasoning import END, START, ReasoningParser
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.reasoning import TAGS, ReasoningParser, Tags
+from flotilla.services.tokenizer.reasoning import TAGS, ReasoningParser, Tags
 
 GEMMA4 = TAGS[1]
 

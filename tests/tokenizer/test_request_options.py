@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError
-from libs.common.messages import SamplingOptions, TextRequest
-from services.tokenizer.prompt import PromptBuilder
-from services.tokenizer.service import TokenizerService
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import SamplingOptions, TextRequest
+from flotilla.services.tokenizer.prompt import PromptBuilder
+from flotilla.services.tokenizer.service import TokenizerService
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.fake_engine import FakeEngine, Script
 from tests.tokenizer.harness import gateway, request
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from opentelemetry import trace
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import (
     Announcement,
     Cancel,
     ErrorInfo,
@@ -22,9 +22,9 @@ from libs.common.messages import (
     SamplingOptions,
     TextFrame,
 )
-from services.tokenizer.lanes import Lane
-from services.tokenizer.service import TokenizerService
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.services.tokenizer.lanes import Lane
+from flotilla.services.tokenizer.service import TokenizerService
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.fake_engine import FakeEngine, Script
 from tests.tokenizer.harness import HELLO, gateway, request, settings_for
 from tests.tracing import memory_exporter

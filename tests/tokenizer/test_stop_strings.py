@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libs.common.messages import TokenDelta, TokenFinal
-from services.tokenizer.output import OutputProcessor
-from services.tokenizer.stop_strings import StopStringMatcher
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.messages import TokenDelta, TokenFinal
+from flotilla.services.tokenizer.output import OutputProcessor
+from flotilla.services.tokenizer.stop_strings import StopStringMatcher
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 
 def _feed(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from libs.common.errors import FlotillaError
-from libs.common.messages import TextRequest
-from services.tokenizer.prompt import PromptBuilder
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import TextRequest
+from flotilla.services.tokenizer.prompt import PromptBuilder
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.test_real_templates import SIMPLE, load, with_specials
 
 USER = SIMPLE[1:]  # no system message: Granite 3.3 writes its thinking prompt only then

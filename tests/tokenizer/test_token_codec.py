@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.errors import FlotillaError
-from libs.common.messages import DecodeReply, DecodeRequest, EncodeReply, EncodeRequest
-from services.tokenizer.service import TokenizerService
-from services.tokenizer.token_codec import TokenCodec
-from services.tokenizer.tokenizer import Tokenizer
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.libs.common.messages import DecodeReply, DecodeRequest, EncodeReply, EncodeRequest
+from flotilla.services.tokenizer.service import TokenizerService
+from flotilla.services.tokenizer.token_codec import TokenCodec
+from flotilla.services.tokenizer.tokenizer import Tokenizer
 
 TEXTS = ["Hello world", "  two  spaces\nand a newline", "naïve café ☕ 你好",
          "<|im_start|>user\nhi<|im_end|>", ""]

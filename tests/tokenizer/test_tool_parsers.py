@@ -12,8 +12,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.tool_calls import Parsed, ToolCallParser
-from services.tokenizer.tool_formats import (
+from flotilla.services.tokenizer.tool_calls import Parsed, ToolCallParser
+from flotilla.services.tokenizer.tool_formats import (
     FORMATS,
     HERMES,
     LLAMA3_JSON,

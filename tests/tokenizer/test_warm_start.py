@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import Announcement, SamplingOptions
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import Announcement, SamplingOptions
 from tests.endpoints import NATS_URL
 from tests.tokenizer.fake_engine import FakeEngine, Script
 from tests.tokenizer.harness import gateway, request
@@ -42,7 +42,7 @@ async def test_the_first_requests_of_a_fresh_process_are_structured_and_succeed(
     env = {**os.environ, "FLOTILLA_NATS_URL": NATS_URL, "FLOTILLA_MODEL": str(smollm2_path),
            "FLOTILLA_SERVED_MODEL_NAME": model, "FLOTILLA_TEMPLATE_TIMEOUT_S": "0.5",
            "FLOTILLA_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.tokenizer"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "flotilla.services.tokenizer"], env=env)
     engine = FakeEngine(bus, model, Script(chunks=[[28]]))
     await engine.start()
     try:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.tool_formats import (
+from flotilla.services.tokenizer.tool_formats import (
     DSML,
     GLM,
     MINIMAX,
@@ -23,7 +23,7 @@ from services.tokenizer.tool_formats import (
     ToolFormat,
     detect,
 )
-from services.tokenizer.xml_tool_calls import SYNTAXES, XmlToolCallParser
+from flotilla.services.tokenizer.xml_tool_calls import SYNTAXES, XmlToolCallParser
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -167,7 +167,7 @@ def test_real_template_turns_parse_back(llama_cpp_templates: Path, template: str
                                         fmt: ToolFormat, opening: str, end: str) -> None:
     """The template writes an assistant turn with two calls; the reply part of it (between
     the assistant's opening and the end of turn) parses back to those calls."""
-    from services.tokenizer.chat_template import ChatTemplate
+    from flotilla.services.tokenizer.chat_template import ChatTemplate
     transformers = pytest.importorskip("transformers")
     del transformers
     from transformers.utils.chat_template_utils import render_jinja_template
@@ -201,7 +201,7 @@ def test_forced_calls_are_calls_the_parser_reads(fmt_name: str) -> None:
     writes them (and nothing before them); the parser reads them back."""
     from xgrammar.testing import _is_grammar_accept_string
 
-    from services.tokenizer.guided import grammar_of, tool_call_spec
+    from flotilla.services.tokenizer.guided import grammar_of, tool_call_spec
 
     fmt = XML_FORMATS[fmt_name]
     text = fmt.calls_text([(n, json.dumps(a)) for n, a in CALLS])

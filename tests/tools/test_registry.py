@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from services.tools.connection import result_text
-from services.tools.registry import MAX_NAME_LEN, exposed_name, openai_tool
+from flotilla.services.tools.connection import result_text
+from flotilla.services.tools.registry import MAX_NAME_LEN, exposed_name, openai_tool
 
 OPENAI_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # the function-name rule of the OpenAI API
 

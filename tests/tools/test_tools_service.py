@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from libs.common import subjects
-from libs.common.bus import Bus
-from libs.common.messages import HealthReply, HealthRequest
-from libs.common.settings import ToolsSettings
-from libs.common.tool_messages import (
+from flotilla.libs.common import subjects
+from flotilla.libs.common.bus import Bus
+from flotilla.libs.common.messages import HealthReply, HealthRequest
+from flotilla.libs.common.settings import ToolsSettings
+from flotilla.libs.common.tool_messages import (
     ToolCallReply,
     ToolCallRequest,
     ToolsListReply,
     ToolsListRequest,
 )
-from services.launcher.nats_server import NatsServer
-from services.tools.config import ToolsConfigError
-from services.tools.service import ToolsService
+from flotilla.services.launcher.nats_server import NatsServer
+from flotilla.services.tools.config import ToolsConfigError
+from flotilla.services.tools.service import ToolsService
 
 MCP_SERVER = str(Path(__file__).resolve().parents[1] / "mcp_server.py")
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from libs.common.bus import Bus
-from services.gateway.service import GatewayService
+from flotilla.libs.common.bus import Bus
+from flotilla.services.gateway.service import GatewayService
 from tests.endpoints import NATS_URL
 from tests.gateway.conftest import gateway_settings
 from tests.ui.fakes import UiFakeTokenizer

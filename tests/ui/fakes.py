@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from libs.common.messages import TextDelta, TextFinal, TextRequest, Usage
+from flotilla.libs.common.messages import TextDelta, TextFinal, TextRequest, Usage
 from tests.gateway.fakes import FakeTokenizer
 
 CODE = 'def greet(name):\n    return f"Hello, {name}!"\n'

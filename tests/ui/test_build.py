@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.ui import STATIC_DIR
+from flotilla.services.gateway.ui import STATIC_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 UI = ROOT / "ui"

@@ -16,10 +16,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def chat(gateway: Any, lines: list[str], *args: str) -> tuple[int, str]:
-    """Runs `python -m services.chat` with `lines` on stdin; returns its exit code and output."""
+    """Runs `python -m flotilla.services.chat` with `lines` on stdin; returns its exit code and output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "NO_COLOR": "1"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.chat", "--url", gateway.url + "/v1", *args,
+        sys.executable, "-m", "flotilla.services.chat", "--url", gateway.url + "/v1", *args,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, cwd=ROOT, env=env)
     out, _ = await asyncio.wait_for(proc.communicate("".join(f"{x}\n" for x in lines).encode()),
@@ -81,7 +81,7 @@ async def test_default_model_and_unreachable_gateway(gateway, models) -> None:
     assert code == 0 and "chatting with " in out, out  # the first listed model
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.chat", "--url", "http://127.0.0.1:9/v1",
+        sys.executable, "-m", "flotilla.services.chat", "--url", "http://127.0.0.1:9/v1",
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, env=env)
     out_bytes, _ = await asyncio.wait_for(proc.communicate(), 30)

@@ -42,7 +42,7 @@ async def test_ctrl_c_stops_the_answer_and_exit_quits(gateway, models, tmp_path:
     session = f"flotilla-chat-{uuid.uuid4().hex[:6]}"
     status = tmp_path / "status"
     command = (f"cd {shlex.quote(str(ROOT))} && PYTHONPATH=. {shlex.quote(sys.executable)} -m "
-               f"services.chat --url {gateway.url}/v1 --model {fake.model}; "
+               f"flotilla.services.chat --url {gateway.url}/v1 --model {fake.model}; "
                f"echo $? > {status}; sleep 60")
     await tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "50", command)
     try:

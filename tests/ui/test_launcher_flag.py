@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.settings import GatewaySettings, LauncherSettings
-from services.launcher.cli import build_parser
-from services.launcher.suite import Suite, SuiteOptions
+from flotilla.libs.common.settings import GatewaySettings, LauncherSettings
+from flotilla.services.launcher.cli import build_parser
+from flotilla.services.launcher.suite import Suite, SuiteOptions
 
 
 def gateway_env(ui: bool) -> dict[str, str]:

@@ -8,9 +8,9 @@ import gzip
 import httpx
 import pytest
 
-from libs.common.store import make_store
-from services.gateway.app import create_app
-from services.gateway.ui import STATIC_DIR
+from flotilla.libs.common.store import make_store
+from flotilla.services.gateway.app import create_app
+from flotilla.services.gateway.ui import STATIC_DIR
 from tests.gateway.conftest import gateway_settings
 
 

@@ -1,22 +1,27 @@
 """Shared model layers: every architecture file is built from these."""
 
-from services.engine.layers.activation import (
+from flotilla.services.engine.layers.activation import (
     GeluAndMul,
     SiluAndMul,
     gated_projection,
     get_gated_activation,
 )
-from services.engine.layers.attention import Attention
-from services.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from services.engine.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm, RMSNormFp32Scale
-from services.engine.layers.linear import (
+from flotilla.services.engine.layers.attention import Attention
+from flotilla.services.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from flotilla.services.engine.layers.layernorm import (
+    GemmaRMSNorm,
+    LayerNorm,
+    RMSNorm,
+    RMSNormFp32Scale,
+)
+from flotilla.services.engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
-from services.engine.layers.rotary import RotaryEmbedding, get_rope
+from flotilla.services.engine.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
     "Attention",

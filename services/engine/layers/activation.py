@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.selection import Selecting
-from services.engine.layers.linear import LinearBase
+from flotilla import kernels
+from flotilla.kernels.selection import Selecting
+from flotilla.services.engine.layers.linear import LinearBase
 
 
 class SiluAndMul(nn.Module, Selecting):

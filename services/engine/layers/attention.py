@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from kernels.dense_attention import dense_causal_attention, dense_prefill_ok
-from kernels.kv_quant import KVScales
-from kernels.selection import Selecting
-from services.engine.distributed import get_tp_rank
-from services.engine.forward_context import get_forward_context
-from services.engine.layers.rotary import RotaryEmbedding
+from flotilla import kernels
+from flotilla.kernels.dense_attention import dense_causal_attention, dense_prefill_ok
+from flotilla.kernels.kv_quant import KVScales
+from flotilla.kernels.selection import Selecting
+from flotilla.services.engine.distributed import get_tp_rank
+from flotilla.services.engine.forward_context import get_forward_context
+from flotilla.services.engine.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module, Selecting):

@@ -17,8 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from services.engine.quant.base import QuantConfig, get_quant_method
+from flotilla.services.engine.distributed import (
+    get_tp_rank,
+    get_tp_size,
+    tp_all_gather,
+    tp_all_reduce,
+)
+from flotilla.services.engine.quant.base import QuantConfig, get_quant_method
 
 
 class VocabParallelEmbedding(nn.Module):

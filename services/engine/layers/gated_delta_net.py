@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import gated_delta
-from kernels.selection import Selecting
-from services.engine.distributed import divide, get_tp_rank, get_tp_size
-from services.engine.forward_context import get_forward_context
-from services.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from services.engine.model_config import ModelConfig
-from services.engine.quant.base import QuantConfig
+from flotilla.kernels import gated_delta
+from flotilla.kernels.selection import Selecting
+from flotilla.services.engine.distributed import divide, get_tp_rank, get_tp_size
+from flotilla.services.engine.forward_context import get_forward_context
+from flotilla.services.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.quant.base import QuantConfig
 
 # checkpoint sub-names -> (packed parameter, shard id); a model puts these in its mapping
 GDN_PACKED: dict[str, tuple[str, str | int]] = {

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.selection import Selecting
+from flotilla import kernels
+from flotilla.kernels.selection import Selecting
 
 
 class RMSNorm(nn.Module, Selecting):

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.engine.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
-from services.engine.quant.base import QuantConfig, get_quant_method
+from flotilla.services.engine.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from flotilla.services.engine.quant.base import QuantConfig, get_quant_method
 
 
 class LinearBase(nn.Module):

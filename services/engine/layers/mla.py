@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-import kernels
-from kernels.kv_quant import KVScales
-from kernels.mla_attention import mla_attention_triton
-from services.engine.forward_context import AttentionMetadata, get_forward_context
-from services.engine.layers.attention import Attention
+from flotilla import kernels
+from flotilla.kernels.kv_quant import KVScales
+from flotilla.kernels.mla_attention import mla_attention_triton
+from flotilla.services.engine.forward_context import AttentionMetadata, get_forward_context
+from flotilla.services.engine.layers.attention import Attention
 
 SCORES_BYTES = 1 << 28  # bound on the prefill path's fp32 score block per query chunk
 

@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.activation import SwigluOAI
-from kernels.selection import Selecting
-from services.engine.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
-from services.engine.layers.linear import ReplicatedLinear
-from services.engine.layers.moe_offload import HostExperts, placement
-from services.engine.quant.base import ExpertQuantMethod, QuantConfig
+from flotilla import kernels
+from flotilla.kernels.activation import SwigluOAI
+from flotilla.kernels.selection import Selecting
+from flotilla.services.engine.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from flotilla.services.engine.layers.linear import ReplicatedLinear
+from flotilla.services.engine.layers.moe_offload import HostExperts, placement
+from flotilla.services.engine.quant.base import ExpertQuantMethod, QuantConfig
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from services.engine.layers.expert_placement import (
+from flotilla import kernels
+from flotilla.services.engine.layers.expert_placement import (
     NO_OFFLOAD,
     ExpertOffload,
     ExpertPlacement,
@@ -46,11 +46,11 @@ from services.engine.layers.expert_placement import (
     layer_index,
     placement,
 )
-from services.engine.layers.expert_placement import current as current_offload
-from services.engine.quant.base import ExpertQuantMethod
+from flotilla.services.engine.layers.expert_placement import current as current_offload
+from flotilla.services.engine.quant.base import ExpertQuantMethod
 
 if TYPE_CHECKING:
-    from services.engine.layers.moe import ExpertStack, MoEExperts
+    from flotilla.services.engine.layers.moe import ExpertStack, MoEExperts
 
 __all__ = ["NO_OFFLOAD", "ExpertOffload", "ExpertPlacement", "HostExperts", "OffloadMode",
            "building", "in_layer", "layer_index", "placement", "stack_tensors", "summary"]

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import kernels
-from kernels.selection import DEFAULT_SELECTION, KernelSelection
-from services.engine.forward_context import get_forward_context
-from services.engine.layers.rope_scaling import (
+from flotilla import kernels
+from flotilla.kernels.selection import DEFAULT_SELECTION, KernelSelection
+from flotilla.services.engine.forward_context import get_forward_context
+from flotilla.services.engine.layers.rope_scaling import (
     ROPE_SCALINGS,
     cos_sin_cache,
     inv_freq_and_attention_factor,

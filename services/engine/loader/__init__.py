@@ -29,11 +29,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.gguf_dequant import Q4_1
-from kernels.selection import DEFAULT_SELECTION, KernelSelection, Selecting
-from libs.common.gguf_files import find_gguf
-from services.engine.layers.moe_offload import NO_OFFLOAD, ExpertOffload, building
-from services.engine.loader.gguf_loader import (
+from flotilla.kernels.gguf_dequant import Q4_1
+from flotilla.kernels.selection import DEFAULT_SELECTION, KernelSelection, Selecting
+from flotilla.libs.common.gguf_files import find_gguf
+from flotilla.services.engine.layers.moe_offload import NO_OFFLOAD, ExpertOffload, building
+from flotilla.services.engine.loader.gguf_loader import (
     GGUFCheckpoint,
     expert_types,
     iter_gguf,
@@ -41,17 +41,22 @@ from services.engine.loader.gguf_loader import (
     read_gguf,
     tensor_types,
 )
-from services.engine.loader.safetensors_loader import (
+from flotilla.services.engine.loader.safetensors_loader import (
     check_checkpoint,
     is_hf_dir,
     iter_safetensors,
     safetensors_files,
 )
-from services.engine.loader.weights import init_dummy_weights, load_weights
-from services.engine.model_config import ModelConfig
-from services.engine.models.base import CausalLM
-from services.engine.models.registry import get_model_class
-from services.engine.quant import GGUFConfig, QuantConfig, get_quant_config, quant_config_from_hf
+from flotilla.services.engine.loader.weights import init_dummy_weights, load_weights
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.base import CausalLM
+from flotilla.services.engine.models.registry import get_model_class
+from flotilla.services.engine.quant import (
+    GGUFConfig,
+    QuantConfig,
+    get_quant_config,
+    quant_config_from_hf,
+)
 
 CPU_DEFAULT = "cpu"
 # GGUF types whose blocks int4 holds exactly: (scale, min) groups of 32 four-bit values whose

@@ -33,8 +33,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from services.engine.loader.gguf_gemma import gemma_config
-from services.engine.model_config import ModelConfig
+from flotilla.services.engine.loader.gguf_gemma import gemma_config
+from flotilla.services.engine.model_config import ModelConfig
 
 
 def _getter(meta: dict[str, Any]) -> Callable[..., Any]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from services.engine.model_config import ModelConfig
+from flotilla.services.engine.model_config import ModelConfig
 
 SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1 is softmax)
 

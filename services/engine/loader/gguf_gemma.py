@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from services.engine.model_config import ModelConfig
+from flotilla.services.engine.model_config import ModelConfig
 
 NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 _PERIOD = {"gemma2": 2, "gemma3": 6}

@@ -40,27 +40,27 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from services.engine.loader.gguf_configs import GGUF_ARCH_CONFIGS
-from services.engine.loader.gguf_deepseek2 import deepseek2_config, join_kv_b
-from services.engine.loader.gguf_gemma import NORM_PLUS_ONE
-from services.engine.loader.gguf_names import (
+from flotilla.services.engine.loader.gguf_configs import GGUF_ARCH_CONFIGS
+from flotilla.services.engine.loader.gguf_deepseek2 import deepseek2_config, join_kv_b
+from flotilla.services.engine.loader.gguf_gemma import NORM_PLUS_ONE
+from flotilla.services.engine.loader.gguf_names import (
     EXPERT,
     KV_B_PARTS,
     MAPPED_ARCHS,
     PERMUTED_ARCHS,
     hf_name,
 )
-from services.engine.loader.gguf_qwen3next import (
+from flotilla.services.engine.loader.gguf_qwen3next import (
     HYBRID_ARCHS,
     fix_tensor,
     hybrid_config,
     keeps_float,
 )
-from services.engine.loader.gguf_split import GGUFSet, open_gguf
-from services.engine.model_config import ModelConfig
-from services.engine.quant.gguf import QuantBytes
-from services.engine.quant.gguf_moe import expert_stack
-from services.engine.quant.mxfp4 import from_ggml_mxfp4
+from flotilla.services.engine.loader.gguf_split import GGUFSet, open_gguf
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.quant.gguf import QuantBytes
+from flotilla.services.engine.quant.gguf_moe import expert_stack
+from flotilla.services.engine.quant.mxfp4 import from_ggml_mxfp4
 
 GGML_MXFP4 = 39  # ggml's type id of MXFP4 blocks
 # Arrays too large to turn into Python lists just to build a config.

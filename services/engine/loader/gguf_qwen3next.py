@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from services.engine.model_config import ModelConfig
+from flotilla.services.engine.model_config import ModelConfig
 
 HYBRID_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe"})
 _ARCHITECTURES = {"qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM",

@@ -16,7 +16,7 @@ from typing import Any
 
 from gguf import GGUFReader, Keys
 
-from libs.common.gguf_files import gguf_parts
+from flotilla.libs.common.gguf_files import gguf_parts
 
 
 class GGUFSet:

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from services.engine.models.base import CausalLM
+from flotilla.services.engine.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 _BASE_MODEL_ROOTS = ("embed_tokens.", "layers.", "norm.")

@@ -27,10 +27,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from services.engine.layers.attention import Attention
-from services.engine.layers.gated_delta_net import GatedDeltaNet
-from services.engine.model_config import ModelConfig
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.layers.attention import Attention
+from flotilla.services.engine.layers.gated_delta_net import GatedDeltaNet
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 class CausalLM(nn.Module):

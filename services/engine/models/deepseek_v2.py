@@ -19,19 +19,24 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from services.engine.layers import (
+from flotilla.services.engine.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RMSNorm,
     RowParallelLinear,
     get_rope,
 )
-from services.engine.layers.mla import MLAAttention, yarn_softmax_mscale
-from services.engine.layers.moe import FusedMoE, RoutingConfig
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value, shared_mlp
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.layers.mla import MLAAttention, yarn_softmax_mscale
+from flotilla.services.engine.layers.moe import FusedMoE, RoutingConfig
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from flotilla.services.engine.models.moe_base import (
+    MoECausalLM,
+    MoEDecoderLayer,
+    hf_value,
+    shared_mlp,
+)
+from flotilla.services.engine.quant.base import QuantConfig
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 

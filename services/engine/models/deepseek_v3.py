@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from services.engine.layers.moe import RoutingConfig
-from services.engine.model_config import ModelConfig
-from services.engine.models.deepseek_v2 import (
+from flotilla.services.engine.layers.moe import RoutingConfig
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.deepseek_v2 import (
     DeepseekV2Attention,
     DeepseekV2DecoderLayer,
     DeepseekV2ForCausalLM,
 )
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
-from services.engine.models.moe_base import hf_value
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from flotilla.services.engine.models.moe_base import hf_value
 
 
 class DeepseekV3Attention(DeepseekV2Attention):

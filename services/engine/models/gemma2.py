@@ -10,10 +10,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from services.engine.layers import GemmaRMSNorm
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.layers import GemmaRMSNorm
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 class Gemma2DecoderLayer(LlamaDecoderLayer):

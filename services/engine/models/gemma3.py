@@ -8,10 +8,10 @@ from typing import ClassVar
 
 from torch import nn
 
-from services.engine.layers import GemmaRMSNorm
-from services.engine.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
-from services.engine.models.text_only import TextOnlyMixin
+from flotilla.services.engine.layers import GemmaRMSNorm
+from flotilla.services.engine.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from flotilla.services.engine.models.text_only import TextOnlyMixin
 
 
 class Gemma3Attention(LlamaAttention):

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from services.engine.forward_context import get_forward_context
-from services.engine.layers import (
+from flotilla import kernels
+from flotilla.services.engine.forward_context import get_forward_context
+from flotilla.services.engine.layers import (
     Attention,
     ColumnParallelLinear,
     ParallelLMHead,
@@ -44,14 +44,14 @@ from services.engine.layers import (
     VocabParallelEmbedding,
     get_rope,
 )
-from services.engine.layers.moe import expert_weights_mapping
-from services.engine.model_config import ModelConfig
-from services.engine.models.base import CausalLM
-from services.engine.models.gemma4_moe import Gemma4MoE, split_experts
-from services.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from services.engine.models.moe_base import hf_value
-from services.engine.models.text_only import TextOnlyMixin
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.layers.moe import expert_weights_mapping
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.base import CausalLM
+from flotilla.services.engine.models.gemma4_moe import Gemma4MoE, split_experts
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from flotilla.services.engine.models.moe_base import hf_value
+from flotilla.services.engine.models.text_only import TextOnlyMixin
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 def layer_dims(config: ModelConfig, layer: int) -> tuple[int, int]:

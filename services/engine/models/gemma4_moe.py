@@ -20,11 +20,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from services.engine.distributed import tp_all_reduce
-from services.engine.layers import RMSNormFp32Scale
-from services.engine.layers.moe import MoEExperts
-from services.engine.model_config import ModelConfig
-from services.engine.models.moe_base import hf_value
+from flotilla.services.engine.distributed import tp_all_reduce
+from flotilla.services.engine.layers import RMSNormFp32Scale
+from flotilla.services.engine.layers.moe import MoEExperts
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.moe_base import hf_value
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:

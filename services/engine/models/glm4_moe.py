@@ -15,11 +15,11 @@ from typing import ClassVar
 
 from torch import nn
 
-from services.engine.layers import RMSNorm
-from services.engine.model_config import ModelConfig
-from services.engine.models.deepseek_v3 import DeepseekV3DecoderLayer
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
-from services.engine.models.moe_base import MoECausalLM, hf_value
+from flotilla.services.engine.layers import RMSNorm
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.deepseek_v3 import DeepseekV3DecoderLayer
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from flotilla.services.engine.models.moe_base import MoECausalLM, hf_value
 
 
 class Glm4MoeAttention(LlamaAttention):

@@ -22,13 +22,13 @@ from typing import ClassVar
 
 from torch import nn
 
-from kernels.activation import SwigluOAI
-from services.engine.layers import RMSNormFp32Scale
-from services.engine.layers.moe import FusedMoE, RoutingConfig
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
-from services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value
-from services.engine.quant.base import QuantConfig
+from flotilla.kernels.activation import SwigluOAI
+from flotilla.services.engine.layers import RMSNormFp32Scale
+from flotilla.services.engine.layers.moe import FusedMoE, RoutingConfig
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from flotilla.services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 class GptOssAttention(LlamaAttention):

@@ -24,8 +24,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from services.engine.distributed import get_tp_size
-from services.engine.layers import (
+from flotilla.services.engine.distributed import get_tp_size
+from flotilla.services.engine.layers import (
     Attention,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -38,9 +38,9 @@ from services.engine.layers import (
     get_gated_activation,
     get_rope,
 )
-from services.engine.model_config import ModelConfig
-from services.engine.models.base import CausalLM
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.base import CausalLM
+from flotilla.services.engine.quant.base import QuantConfig
 
 # Decoder-layer norm slots, in the order they run.
 NORM_SLOTS = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")

@@ -20,12 +20,17 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from services.engine.layers.moe import FusedMoE, RoutingConfig
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
-from services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value, shared_mlp
-from services.engine.models.text_only import TextOnlyMixin
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.layers.moe import FusedMoE, RoutingConfig
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from flotilla.services.engine.models.moe_base import (
+    MoECausalLM,
+    MoEDecoderLayer,
+    hf_value,
+    shared_mlp,
+)
+from flotilla.services.engine.models.text_only import TextOnlyMixin
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,13 +17,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from services.engine.distributed import get_tp_size
-from services.engine.layers import RMSNorm
-from services.engine.layers.moe import FusedMoE, RoutingConfig, expert_weights_mapping
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
-from services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.distributed import get_tp_size
+from flotilla.services.engine.layers import RMSNorm
+from flotilla.services.engine.layers.moe import FusedMoE, RoutingConfig, expert_weights_mapping
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from flotilla.services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 class MiniMaxM2Attention(LlamaAttention):

@@ -12,10 +12,14 @@ from typing import ClassVar
 
 import torch
 
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from services.engine.models.text_only import TextOnlyMixin
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+)
+from flotilla.services.engine.models.text_only import TextOnlyMixin
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -10,11 +10,11 @@ from typing import ClassVar
 
 from torch import nn
 
-from services.engine.layers.moe import FusedMoE, RoutingConfig, expert_weights_mapping
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaDecoderLayer
-from services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.layers.moe import FusedMoE, RoutingConfig, expert_weights_mapping
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import LlamaDecoderLayer
+from flotilla.services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 class MixtralDecoderLayer(MoEDecoderLayer):

@@ -26,11 +26,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from services.engine.layers.moe import expert_weights_mapping
-from services.engine.layers.moe_offload import in_layer
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.layers.moe import expert_weights_mapping
+from flotilla.services.engine.layers.moe_offload import in_layer
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from flotilla.services.engine.quant.base import QuantConfig
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 

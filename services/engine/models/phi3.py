@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from services.engine.models.llama import LlamaForCausalLM
+from flotilla.services.engine.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

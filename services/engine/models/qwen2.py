@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+)
 
 
 class Qwen2Attention(LlamaAttention):

@@ -8,12 +8,17 @@ from typing import ClassVar
 
 from torch import nn
 
-from services.engine.layers.moe import FusedMoE, RoutingConfig
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from services.engine.models.moe_base import MoECausalLM, MoEDecoderLayer, hf_value, shared_mlp
-from services.engine.models.qwen2 import Qwen2Attention
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.layers.moe import FusedMoE, RoutingConfig
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from flotilla.services.engine.models.moe_base import (
+    MoECausalLM,
+    MoEDecoderLayer,
+    hf_value,
+    shared_mlp,
+)
+from flotilla.services.engine.models.qwen2 import Qwen2Attention
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 class Qwen2MoeDecoderLayer(MoEDecoderLayer):

@@ -7,8 +7,12 @@ from typing import ClassVar
 
 from torch import nn
 
-from services.engine.layers import RMSNorm
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from flotilla.services.engine.layers import RMSNorm
+from flotilla.services.engine.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+)
 
 
 class Qwen3Attention(LlamaAttention):

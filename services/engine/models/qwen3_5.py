@@ -6,8 +6,8 @@ the hybrid decoder of models/qwen3_next.py under `model.language_model.`, the vi
 
 from __future__ import annotations
 
-from services.engine.models.qwen3_next import Qwen3NextForCausalLM
-from services.engine.models.text_only import TextOnlyMixin
+from flotilla.services.engine.models.qwen3_next import Qwen3NextForCausalLM
+from flotilla.services.engine.models.text_only import TextOnlyMixin
 
 
 class Qwen3_5ForConditionalGeneration(TextOnlyMixin, Qwen3NextForCausalLM):  # noqa: N801

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
-from services.engine.models.qwen2_moe import Qwen2MoeDecoderLayer, Qwen2MoeForCausalLM
-from services.engine.models.qwen3 import Qwen3Attention
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from flotilla.services.engine.models.qwen2_moe import Qwen2MoeDecoderLayer, Qwen2MoeForCausalLM
+from flotilla.services.engine.models.qwen3 import Qwen3Attention
 
 
 class Qwen3MoeDecoderLayer(Qwen2MoeDecoderLayer):

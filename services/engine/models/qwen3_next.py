@@ -28,18 +28,18 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from services.engine.layers import GemmaRMSNorm, QKVParallelLinear
-from services.engine.layers.gated_delta_net import (
+from flotilla.services.engine.layers import GemmaRMSNorm, QKVParallelLinear
+from flotilla.services.engine.layers.gated_delta_net import (
     GDN_PACKED,
     GatedDeltaNet,
     GatedDeltaNetDims,
     split_checkpoint_tensor,
 )
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
-from services.engine.models.moe_base import MoECausalLM
-from services.engine.models.qwen2_moe import Qwen2MoeDecoderLayer
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from flotilla.services.engine.models.moe_base import MoECausalLM
+from flotilla.services.engine.models.qwen2_moe import Qwen2MoeDecoderLayer
+from flotilla.services.engine.quant.base import QuantConfig
 
 LINEAR_ATTENTION = "linear_attention"
 

@@ -11,11 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.distributed import get_tp_rank
-from services.engine.layers import LayerNorm
-from services.engine.model_config import ModelConfig
-from services.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from services.engine.quant.base import QuantConfig
+from flotilla.services.engine.distributed import get_tp_rank
+from flotilla.services.engine.layers import LayerNorm
+from flotilla.services.engine.model_config import ModelConfig
+from flotilla.services.engine.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+)
+from flotilla.services.engine.quant.base import QuantConfig
 
 
 class PerHeadLayerNorm(nn.Module):

@@ -9,7 +9,7 @@ are not supported: prompts are text only.
 
 from __future__ import annotations
 
-from services.engine.models.base import CausalLM
+from flotilla.services.engine.models.base import CausalLM
 
 _PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
              ("language_model.lm_head.", "lm_head."))

@@ -13,21 +13,21 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-from services.engine.quant.awq import AWQConfig
-from services.engine.quant.base import (
+from flotilla.services.engine.quant.awq import AWQConfig
+from flotilla.services.engine.quant.base import (
     QuantConfig,
     QuantMethod,
     UnquantizedConfig,
     UnquantizedLinearMethod,
     get_quant_method,
 )
-from services.engine.quant.fp8 import FP8Config
-from services.engine.quant.gguf import GGUFConfig, GGUFLinearMethod, QuantBytes
-from services.engine.quant.gptq import GPTQConfig
-from services.engine.quant.int4 import Int4WeightOnlyConfig, Int4WeightOnlyMethod
-from services.engine.quant.int8 import Int8WeightOnlyConfig, Int8WeightOnlyMethod
-from services.engine.quant.isq import ISQ_NAMES, ISQConfig
-from services.engine.quant.mxfp4 import Mxfp4Config
+from flotilla.services.engine.quant.fp8 import FP8Config
+from flotilla.services.engine.quant.gguf import GGUFConfig, GGUFLinearMethod, QuantBytes
+from flotilla.services.engine.quant.gptq import GPTQConfig
+from flotilla.services.engine.quant.int4 import Int4WeightOnlyConfig, Int4WeightOnlyMethod
+from flotilla.services.engine.quant.int8 import Int8WeightOnlyConfig, Int8WeightOnlyMethod
+from flotilla.services.engine.quant.isq import ISQ_NAMES, ISQConfig
+from flotilla.services.engine.quant.mxfp4 import Mxfp4Config
 
 
 def _isq(name: str) -> Callable[[], QuantConfig]:

@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from services.engine.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod
-from services.engine.quant.w4a16 import W4A16LinearMethod, unpack_cols
+from flotilla.services.engine.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod
+from flotilla.services.engine.quant.w4a16 import W4A16LinearMethod, unpack_cols
 
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 _unpack = partial(unpack_cols, order=AWQ_ORDER)

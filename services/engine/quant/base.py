@@ -45,11 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.gated_gemm import gated_gemm_ok, gated_gemm_triton
-from kernels.gemv import gemv_triton
-from kernels.selection import Selecting
-from kernels.triton_compat import HAVE_TRITON
+from flotilla import kernels
+from flotilla.kernels.gated_gemm import gated_gemm_ok, gated_gemm_triton
+from flotilla.kernels.gemv import gemv_triton
+from flotilla.kernels.selection import Selecting
+from flotilla.kernels.triton_compat import HAVE_TRITON
 
 TRITON_GEMV_MAX_M = 8  # `triton`: decode batches the Triton GEMV serves (graph buckets 1-8)
 AUTO_GEMV_MAX_M = 1  # `auto`: where it beats cuBLAS (module rules)

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8 import FP8, fp8_dequantize_ref, fp8_matmul_triton
-from services.engine.quant.base import (
+from flotilla.kernels.fp8 import FP8, fp8_dequantize_ref, fp8_matmul_triton
+from flotilla.services.engine.quant.base import (
     QuantConfig,
     QuantMethod,
     UnquantizedLinearMethod,
@@ -35,7 +35,7 @@ from services.engine.quant.base import (
 
 def checkpoint_rows(layer: nn.Module, shard_id: Any = None) -> int:
     """Rows of the full checkpoint tensor that `layer` loads as `shard_id`."""
-    from services.engine.layers.linear import (  # layers import quant: import here
+    from flotilla.services.engine.layers.linear import (  # layers import quant: import here
         ColumnParallelLinear,
         MergedColumnParallelLinear,
         QKVParallelLinear,

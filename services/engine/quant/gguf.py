@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gguf_dequant import GGUF_TYPES, dequantize_ref, gguf_type
-from kernels.gguf_matmul import gguf_matmul_triton
-from services.engine.quant.base import (
+from flotilla.kernels.gguf_dequant import GGUF_TYPES, dequantize_ref, gguf_type
+from flotilla.kernels.gguf_matmul import gguf_matmul_triton
+from flotilla.services.engine.quant.base import (
     ExpertQuantMethod,
     QuantConfig,
     QuantMethod,
@@ -36,9 +36,9 @@ from services.engine.quant.base import (
     linear_2d,
     use_kernels,
 )
-from services.engine.quant.gguf_moe import EXPERT_ROLES, GGUFExpertMethod, expert_stack
-from services.engine.quant.gguf_parts import GGUFPartsLinearMethod
-from services.engine.quant.mxfp4 import Mxfp4ExpertMethod
+from flotilla.services.engine.quant.gguf_moe import EXPERT_ROLES, GGUFExpertMethod, expert_stack
+from flotilla.services.engine.quant.gguf_parts import GGUFPartsLinearMethod
+from flotilla.services.engine.quant.mxfp4 import Mxfp4ExpertMethod
 
 
 class QuantBytes(torch.Tensor):

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-import kernels
-from kernels.gguf_dequant import GGUF_TYPES, gguf_type
-from kernels.gguf_moe import QuantPart, dequantize_parts, fused_moe_gguf_triton
-from services.engine.quant.base import ExpertQuantMethod, layer_tensor, use_kernels
+from flotilla import kernels
+from flotilla.kernels.gguf_dequant import GGUF_TYPES, gguf_type
+from flotilla.kernels.gguf_moe import QuantPart, dequantize_parts, fused_moe_gguf_triton
+from flotilla.services.engine.quant.base import ExpertQuantMethod, layer_tensor, use_kernels
 
 if TYPE_CHECKING:  # layers import the quant package: no import at run time
-    from services.engine.layers.moe import ExpertStack, MoEExperts
+    from flotilla.services.engine.layers.moe import ExpertStack, MoEExperts
 
 EXPERT_ROLES = ("gate", "up", "down")
 # HF expert projection names (Mixtral's w1 / w3 / w2) -> role

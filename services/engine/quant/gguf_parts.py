@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.gguf_dequant import GGUF_TYPES, dequantize_ref, gguf_type
-from kernels.gguf_matmul import gguf_matmul_triton
-from services.engine.quant.base import QuantMethod, layer_tensor, linear_2d, use_kernels
+from flotilla import kernels
+from flotilla.kernels.gguf_dequant import GGUF_TYPES, dequantize_ref, gguf_type
+from flotilla.kernels.gguf_matmul import gguf_matmul_triton
+from flotilla.services.engine.quant.base import QuantMethod, layer_tensor, linear_2d, use_kernels
 
 
 class GGUFPartsLinearMethod(QuantMethod):

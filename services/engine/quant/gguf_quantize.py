@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gguf_dequant import (
+from flotilla.kernels.gguf_dequant import (
     Q2_K,
     Q3_K,
     Q4_0,

@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from services.engine.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod
-from services.engine.quant.w4a16 import W4A16LinearMethod, unpack_cols, unpack_rows
+from flotilla.services.engine.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod
+from flotilla.services.engine.quant.w4a16 import W4A16LinearMethod, unpack_cols, unpack_rows
 
 
 class GPTQConfig(QuantConfig):

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.quant.base import (
+from flotilla.services.engine.quant.base import (
     ExpertQuantMethod,
     QuantConfig,
     QuantMethod,
     layer_tensor,
     linear_2d,
 )
-from services.engine.quant.int8 import Int8WeightOnlyMethod
+from flotilla.services.engine.quant.int8 import Int8WeightOnlyMethod
 
 GROUP_SIZE = 32
 _MATMUL_DTYPE = torch.bfloat16
@@ -89,7 +89,9 @@ class Int4WeightOnlyConfig(QuantConfig):
         return Int4WeightOnlyMethod()
 
     def get_expert_method(self, prefix: str) -> ExpertQuantMethod | None:
-        from services.engine.quant.int4_experts import Int4ExpertMethod  # imports this module
+        from flotilla.services.engine.quant.int4_experts import (
+            Int4ExpertMethod,  # imports this module
+        )
 
         return Int4ExpertMethod()
 

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.activation import swiglu_oai_ref
-from services.engine.quant.base import ExpertQuantMethod, layer_tensor
-from services.engine.quant.int4 import GROUP_SIZE, quantize_groups
+from flotilla import kernels
+from flotilla.kernels.activation import swiglu_oai_ref
+from flotilla.services.engine.quant.base import ExpertQuantMethod, layer_tensor
+from flotilla.services.engine.quant.int4 import GROUP_SIZE, quantize_groups
 
 if TYPE_CHECKING:
-    from services.engine.layers.moe import MoEExperts
+    from flotilla.services.engine.layers.moe import MoEExperts
 
 _MATMUL_DTYPE = torch.bfloat16
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.quant.base import (
+from flotilla.services.engine.quant.base import (
     QuantConfig,
     QuantMethod,
     UnquantizedLinearMethod,

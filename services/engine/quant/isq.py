@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from kernels.fp8 import quantize_fp8_per_channel
-from kernels.gguf_dequant import (
+from flotilla.kernels.fp8 import quantize_fp8_per_channel
+from flotilla.kernels.gguf_dequant import (
     Q2_K,
     Q3_K,
     Q4_0,
@@ -34,10 +34,10 @@ from kernels.gguf_dequant import (
     Q8_0,
     gguf_type,
 )
-from services.engine.quant.base import QuantConfig, QuantMethod, layer_tensor
-from services.engine.quant.fp8 import FP8LinearMethod
-from services.engine.quant.gguf import GGUFLinearMethod
-from services.engine.quant.gguf_quantize import quantize_gguf
+from flotilla.services.engine.quant.base import QuantConfig, QuantMethod, layer_tensor
+from flotilla.services.engine.quant.fp8 import FP8LinearMethod
+from flotilla.services.engine.quant.gguf import GGUFLinearMethod
+from flotilla.services.engine.quant.gguf_quantize import quantize_gguf
 
 ISQ_GGUF_TYPES = {"q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1, "q8_0": Q8_0,
                   "q2k": Q2_K, "q3k": Q3_K, "q4k": Q4_K, "q5k": Q5_K, "q6k": Q6_K}

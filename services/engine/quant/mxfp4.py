@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-import kernels
-from kernels.mxfp4_moe import MXFP4_BLOCK, dequantize_mxfp4_ref, fused_moe_mxfp4_triton
-from services.engine.quant.base import (
+from flotilla import kernels
+from flotilla.kernels.mxfp4_moe import MXFP4_BLOCK, dequantize_mxfp4_ref, fused_moe_mxfp4_triton
+from flotilla.services.engine.quant.base import (
     ExpertQuantMethod,
     QuantConfig,
     QuantMethod,
@@ -47,7 +47,7 @@ def from_ggml_mxfp4(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 if TYPE_CHECKING:  # layers import the quant package: no import at run time
-    from services.engine.layers.moe import MoEExperts
+    from flotilla.services.engine.layers.moe import MoEExperts
 
 
 class Mxfp4ExpertMethod(ExpertQuantMethod):

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.w4a16 import pack_int4, w4a16_dequantize_ref, w4a16_matmul_triton
-from kernels.w4a16_marlin import marlin_ok, marlin_pack
-from services.engine.quant.base import QuantMethod, layer_tensor, linear_2d, use_kernels
-from services.engine.quant.fp8 import param_loader
+from flotilla.kernels.w4a16 import pack_int4, w4a16_dequantize_ref, w4a16_matmul_triton
+from flotilla.kernels.w4a16_marlin import marlin_ok, marlin_pack
+from flotilla.services.engine.quant.base import QuantMethod, layer_tensor, linear_2d, use_kernels
+from flotilla.services.engine.quant.fp8 import param_loader
 
 Unpack = Callable[[torch.Tensor], torch.Tensor]
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)

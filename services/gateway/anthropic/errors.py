@@ -21,8 +21,8 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from libs.common.errors import FlotillaError, internal
-from libs.common.messages import ErrorInfo
+from flotilla.libs.common.errors import FlotillaError, internal
+from flotilla.libs.common.messages import ErrorInfo
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import orjson
 
-from libs.common.messages import ErrorInfo, TextDelta, TextFinal
-from services.gateway.anthropic.errors import anthropic_envelope
-from services.gateway.anthropic.message import (
+from flotilla.libs.common.messages import ErrorInfo, TextDelta, TextFinal
+from flotilla.services.gateway.anthropic.errors import anthropic_envelope
+from flotilla.services.gateway.anthropic.message import (
     message_id,
     signature,
     stop_reason,
@@ -31,7 +31,7 @@ from services.gateway.anthropic.message import (
     tool_use_id,
     usage,
 )
-from services.gateway.turns import UsageTotal
+from flotilla.services.gateway.turns import UsageTotal
 
 
 def event(payload: dict[str, Any]) -> bytes:

@@ -19,9 +19,9 @@ import hashlib
 import json
 from typing import Any
 
-from libs.common.messages import TextFinal
-from services.gateway.results import ChoiceResult
-from services.gateway.turns import UsageTotal
+from flotilla.libs.common.messages import TextFinal
+from flotilla.services.gateway.results import ChoiceResult
+from flotilla.services.gateway.turns import UsageTotal
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
          "abort": "end_turn"}

@@ -16,18 +16,18 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common import subjects
-from libs.common.errors import FlotillaError, internal, invalid_request
-from libs.common.messages import RenderReply
-from services.gateway.anthropic.errors import AnthropicRoute
-from services.gateway.anthropic.events import MessageEvents
-from services.gateway.anthropic.message import message
-from services.gateway.anthropic.translate import chat_shape
-from services.gateway.plan import new_request_id
-from services.gateway.request_body import gateway, model_request
-from services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
-from services.gateway.sse import EventStream
-from services.gateway.turns import Turn, new_turn, turn_request
+from flotilla.libs.common import subjects
+from flotilla.libs.common.errors import FlotillaError, internal, invalid_request
+from flotilla.libs.common.messages import RenderReply
+from flotilla.services.gateway.anthropic.errors import AnthropicRoute
+from flotilla.services.gateway.anthropic.events import MessageEvents
+from flotilla.services.gateway.anthropic.message import message
+from flotilla.services.gateway.anthropic.translate import chat_shape
+from flotilla.services.gateway.plan import new_request_id
+from flotilla.services.gateway.request_body import gateway, model_request
+from flotilla.services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
+from flotilla.services.gateway.sse import EventStream
+from flotilla.services.gateway.turns import Turn, new_turn, turn_request
 
 router = APIRouter(route_class=AnthropicRoute)
 

@@ -18,10 +18,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from libs.common.errors import invalid_request
-from services.gateway.conversations.store import ConversationStore
-from services.gateway.responses.items import chat_messages, item_id, message_item, reasoning_item
-from services.gateway.results import ChoiceResult
+from flotilla.libs.common.errors import invalid_request
+from flotilla.services.gateway.conversations.store import ConversationStore
+from flotilla.services.gateway.responses.items import (
+    chat_messages,
+    item_id,
+    message_item,
+    reasoning_item,
+)
+from flotilla.services.gateway.results import ChoiceResult
 
 AfterReply = Callable[[list[ChoiceResult], str], Awaitable[None]]
 

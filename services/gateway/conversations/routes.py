@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common.errors import invalid_request
-from services.gateway.conversations.store import ConversationStore, item_not_found
-from services.gateway.request_body import validated_body
-from services.gateway.responses.items import input_items
+from flotilla.libs.common.errors import invalid_request
+from flotilla.services.gateway.conversations.store import ConversationStore, item_not_found
+from flotilla.services.gateway.request_body import validated_body
+from flotilla.services.gateway.responses.items import input_items
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 router = APIRouter()
 

@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from libs.common.errors import FlotillaError, invalid_request
-from libs.common.messages import ErrorInfo
-from libs.common.store import Store
-from services.gateway.responses.items import item_id
+from flotilla.libs.common.errors import FlotillaError, invalid_request
+from flotilla.libs.common.messages import ErrorInfo
+from flotilla.libs.common.store import Store
+from flotilla.services.gateway.responses.items import item_id
 
 _KEY = "conversations:"
 

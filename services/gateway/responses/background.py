@@ -15,8 +15,8 @@ import asyncio
 import contextlib
 import logging
 
-from services.gateway.responses.run import ResponseRun
-from services.gateway.responses.store import ResponseStore
+from flotilla.services.gateway.responses.run import ResponseRun
+from flotilla.services.gateway.responses.store import ResponseStore
 
 log = logging.getLogger(__name__)
 

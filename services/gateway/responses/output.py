@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from libs.common.messages import TextDelta
-from libs.common.tool_messages import McpToolRoute
-from services.gateway.responses.items import item_id, output_text_part
-from services.gateway.turns import UsageTotal
+from flotilla.libs.common.messages import TextDelta
+from flotilla.libs.common.tool_messages import McpToolRoute
+from flotilla.services.gateway.responses.items import item_id, output_text_part
+from flotilla.services.gateway.turns import UsageTotal
 
 Event = dict[str, Any]
 _TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.plan import new_request_id
+from flotilla.services.gateway.plan import new_request_id
 
 
 @dataclass

@@ -23,22 +23,26 @@ import orjson
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from libs.common.errors import FlotillaError, envelope, invalid_request
-from libs.common.messages import ErrorInfo
-from services.gateway.conversations.store import ConversationStore
-from services.gateway.mcp import McpToolset, requested_toolset
-from services.gateway.request_body import validated_body
-from services.gateway.responses.background import BackgroundRuns
-from services.gateway.responses.items import input_items
-from services.gateway.responses.request import ResponseRequest, response_object, response_request
-from services.gateway.responses.run import ResponseRun
-from services.gateway.responses.store import ResponseStore
-from services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
-from services.gateway.sse import EventStream
-from services.gateway.streams import ChoiceStreams
+from flotilla.libs.common.errors import FlotillaError, envelope, invalid_request
+from flotilla.libs.common.messages import ErrorInfo
+from flotilla.services.gateway.conversations.store import ConversationStore
+from flotilla.services.gateway.mcp import McpToolset, requested_toolset
+from flotilla.services.gateway.request_body import validated_body
+from flotilla.services.gateway.responses.background import BackgroundRuns
+from flotilla.services.gateway.responses.items import input_items
+from flotilla.services.gateway.responses.request import (
+    ResponseRequest,
+    response_object,
+    response_request,
+)
+from flotilla.services.gateway.responses.run import ResponseRun
+from flotilla.services.gateway.responses.store import ResponseStore
+from flotilla.services.gateway.routes import CLIENT_CLOSED, ClientGone, unless_disconnected
+from flotilla.services.gateway.sse import EventStream
+from flotilla.services.gateway.streams import ChoiceStreams
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 router = APIRouter()
 

@@ -29,17 +29,17 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from libs.common.errors import FlotillaError
-from services.gateway.conversations.store import ConversationStore
-from services.gateway.mcp import McpToolset, run_call
-from services.gateway.responses.items import chat_messages
-from services.gateway.responses.output import Event, ResponseOutput
-from services.gateway.responses.request import ResponseRequest
-from services.gateway.responses.store import ResponseStore
-from services.gateway.turns import Turn, UsageTotal, new_turn
+from flotilla.libs.common.errors import FlotillaError
+from flotilla.services.gateway.conversations.store import ConversationStore
+from flotilla.services.gateway.mcp import McpToolset, run_call
+from flotilla.services.gateway.responses.items import chat_messages
+from flotilla.services.gateway.responses.output import Event, ResponseOutput
+from flotilla.services.gateway.responses.request import ResponseRequest
+from flotilla.services.gateway.responses.store import ResponseStore
+from flotilla.services.gateway.turns import Turn, UsageTotal, new_turn
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from flotilla.services.gateway.app import GatewayState
 
 _ERROR_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from libs.common.store import Store
+from flotilla.libs.common.store import Store
 
 _KEY = "responses:"
 _CANCEL = "responses:cancel:"
