@@ -199,7 +199,8 @@ def machine() -> str:
 
 def start_suite(model: str, state_file: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "FLOTILLA_NATS_URL"}
-    proc = subprocess.Popen([sys.executable, "-m", "flotilla.services.launcher", "up", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "flotilla.services.launcher", "up",
+                             "--port", "0",
                              "--model", model, "--state-file", str(state_file)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None

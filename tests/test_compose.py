@@ -33,7 +33,8 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 DESIGN = {"nats", "redis", "gateway", "tokenizer", "tools", "engine", "otel-collector", "jaeger",
           "prometheus", "grafana"}
-SETTINGS = {"flotilla.services.gateway": GatewaySettings, "flotilla.services.tokenizer": TokenizerSettings,
+SETTINGS = {"flotilla.services.gateway": GatewaySettings,
+            "flotilla.services.tokenizer": TokenizerSettings,
             "flotilla.services.engine": EngineSettings, "flotilla.services.tools": ToolsSettings,
             "flotilla.services.launcher": LauncherSettings}
 LIGHT_IMAGE_SERVICES = ["gateway", "tokenizer", "tools", "launcher"]  # built without torch
@@ -99,7 +100,7 @@ def module_of(argv: list[str]) -> str:
 
 def settings_of(name: str) -> type:
     module = module_of(command_of(name))
-    return SETTINGS[".".join(module.split(".")[:2])]
+    return SETTINGS[".".join(module.split(".")[:3])]
 
 
 def env_of(name: str) -> dict[str, str]:
@@ -237,7 +238,8 @@ def test_build_context_keeps_the_code() -> None:
 @pytest.mark.parametrize("service", LIGHT_IMAGE_SERVICES)
 def test_light_images_do_not_need_torch(service: str) -> None:
     """The gateway/tokenizer/tools images are built without torch and triton."""
-    module = "flotilla.services.launcher.cli" if service == "launcher" else f"flotilla.services.{service}.service"
+    module = ("flotilla.services.launcher.cli" if service == "launcher"
+              else f"flotilla.services.{service}.service")
     probe = f"import sys, {module}; print('torch' in sys.modules or 'triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

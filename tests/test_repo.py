@@ -37,7 +37,8 @@ def test_console_script_is_declared() -> None:
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is in the test extras")
 def test_ruff_clean() -> None:
-    r = subprocess.run(["ruff", "check", "libs", "services", "kernels", "tests", "bench"],
+    r = subprocess.run(["ruff", "check", "libs", "services", "kernels", "tests", "bench",
+                        "flotilla"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:]
 
@@ -107,7 +108,7 @@ def _module_imports() -> dict[str, set[str]]:
     modules = {}
     for package in ("libs", "services", "kernels"):
         for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            name = ".".join(("flotilla", *path.relative_to(ROOT).with_suffix("").parts))
             modules[name.removesuffix(".__init__")] = path
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -127,8 +128,9 @@ def _module_imports() -> dict[str, set[str]]:
 def test_kernels_import_nothing_from_the_services() -> None:
     """kernels/ is the bottom layer: what it needs from the engine (AttentionMetadata) lives in
     kernels/ itself."""
-    upward = {f"{m} imports {d}" for m, deps in _module_imports().items() if m.startswith("kernels")
-              for d in deps if not d.startswith("kernels")}
+    upward = {f"{m} imports {d}" for m, deps in _module_imports().items()
+              if m.startswith("flotilla.kernels")
+              for d in deps if not d.startswith("flotilla.kernels")}
     assert not upward, sorted(upward)
 
 

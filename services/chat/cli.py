@@ -1,4 +1,5 @@
-"""`flotilla chat` (also `python -m flotilla.services.chat`): chat with a running gateway in a terminal.
+"""`flotilla chat` (also `python -m flotilla.services.chat`): chat with a running gateway in a
+terminal.
 
     flotilla chat [--url URL] [--model NAME] [--system TEXT] [--temperature T] [--top-p P]
                   [--max-tokens N] [--reasoning-effort E] [--thinking | --no-thinking]

@@ -1,5 +1,5 @@
-"""`python -m flotilla.services.engine`: run one engine pod until SIGTERM, or until its engine breaks
-(exit status 1, so a supervisor restarts it).
+"""`python -m flotilla.services.engine`: run one engine pod until SIGTERM, or until its engine
+breaks (exit status 1, so a supervisor restarts it).
 
 Under torchrun (multi-host tensor parallelism) every rank runs this module: rank 0 serves as
 usual, the other ranks become workers of rank 0's pod (docs/tensor_parallel.md).

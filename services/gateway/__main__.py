@@ -1,5 +1,5 @@
-"""`python -m flotilla.services.gateway`: the OpenAI-compatible HTTP gateway (one process, or a parent of
-`FLOTILLA_GATEWAY_WORKERS` processes sharing the port: services/gateway/workers.py)."""
+"""`python -m flotilla.services.gateway`: the OpenAI-compatible HTTP gateway (one process, or a
+parent of `FLOTILLA_GATEWAY_WORKERS` processes sharing the port: services/gateway/workers.py)."""
 
 import sys
 

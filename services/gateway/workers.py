@@ -2,10 +2,10 @@
 
 Rules:
 - With one worker the gateway is a single process, as it always was. With N > 1,
-  `python -m flotilla.services.gateway` becomes a parent that reserves the port (bound with SO_REUSEPORT,
-  never listening: port 0 becomes a real port here) and starts N workers
-  (`python -m flotilla.services.gateway --worker`, that port in `FLOTILLA_PORT`), each listening on a
-  socket of its own bound with SO_REUSEPORT. Linux spreads new connections evenly over the
+  `python -m flotilla.services.gateway` becomes a parent that reserves the port (bound with
+  SO_REUSEPORT, never listening: port 0 becomes a real port here) and starts N workers
+  (`python -m flotilla.services.gateway --worker`, that port in `FLOTILLA_PORT`), each listening on
+  a socket of its own bound with SO_REUSEPORT. Linux spreads new connections evenly over the
   workers' sockets (a hash of the addresses), so a burst of connections is split between them;
   one shared socket would not do that: whichever worker wakes first accepts everything queued.
   A connection (with all its keep-alive requests) stays with the worker that accepted it.

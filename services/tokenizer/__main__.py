@@ -1,4 +1,5 @@
-"""`python -m flotilla.services.tokenizer [--model M] [--chat-template FILE] ...` (or FLOTILLA_* env)."""
+"""`python -m flotilla.services.tokenizer [--model M] [--chat-template FILE] ...` (or FLOTILLA_*
+env)."""
 
 from __future__ import annotations
 

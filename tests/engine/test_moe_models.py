@@ -115,7 +115,8 @@ def test_mla_chunked_prefill_matches_full_prefill(tmp_path: Path,
     model, _ = load_model(tmp_path)
     prompt = list(range(3, 40))
     full = SingleSequenceRunner(model).forward(prompt)
-    monkeypatch.setattr("flotilla.services.engine.layers.mla.SCORES_BYTES", 4 * 4 * 40 * 3)  # 3 rows
+    monkeypatch.setattr("flotilla.services.engine.layers.mla.SCORES_BYTES",
+                        4 * 4 * 40 * 3)  # 3 rows
     chunked = SingleSequenceRunner(model)
     parts = [chunked.forward(prompt[:17]), chunked.forward(prompt[17:30], start=17),
              chunked.forward(prompt[30:], start=30)]

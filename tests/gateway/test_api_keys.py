@@ -334,8 +334,8 @@ async def test_auth_off_without_keys_and_cors_off_by_default(
 
 async def test_ten_rpm_across_two_gateway_processes(tokenizer: FakeTokenizer, store: RedisStore,
                                                     model: str) -> None:
-    """As deployed: two `python -m flotilla.services.gateway` processes, one Redis (the keys and counts
-    live in the Redis namespace every gateway uses)."""
+    """As deployed: two `python -m flotilla.services.gateway` processes, one Redis (the keys and
+    counts live in the Redis namespace every gateway uses)."""
     plain = RedisStore(REDIS_URL)  # the default `flotilla:` namespace the processes use
     key, record = await create_key(plain, rpm=10)
     ports = [free_port(), free_port()]

@@ -1,6 +1,6 @@
 """Several gateway processes on one port (FLOTILLA_GATEWAY_WORKERS=2), run as the launcher runs the
-gateway (`python -m flotilla.services.gateway`) against the package's fake tokenizer: connections are
-spread over both workers, each serves streams and cancels on its own, and the parent stops,
+gateway (`python -m flotilla.services.gateway`) against the package's fake tokenizer: connections
+are spread over both workers, each serves streams and cancels on its own, and the parent stops,
 fails and dies without leaving a worker behind. Who holds which connection is read from /proc,
 not from the gateway."""
 

@@ -1,4 +1,5 @@
-"""The gateway as a real process (`python -m flotilla.services.gateway`): graceful drain on SIGTERM, and
+"""The gateway as a real process (`python -m flotilla.services.gateway`): graceful drain on
+SIGTERM, and
 /metrics summed over several worker processes.
 
 The fake tokenizer (tests/gateway/fakes.py) runs in this process on the test NATS; its "paced"

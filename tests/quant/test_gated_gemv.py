@@ -109,7 +109,8 @@ def gemv_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     def always(x: torch.Tensor, m: int, kernel: str | None) -> bool:
         return kernel != "gemm" and m <= 2
 
-    for name in ("flotilla.kernels.w4a16", "flotilla.kernels.gguf_matmul", "flotilla.kernels.fp8"):  # the modules, not
+    # the modules, not
+    for name in ("flotilla.kernels.w4a16", "flotilla.kernels.gguf_matmul", "flotilla.kernels.fp8"):
         monkeypatch.setattr(importlib.import_module(name), "use_gemv", always)  # kernels' names
 
 

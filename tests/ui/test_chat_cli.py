@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def chat(gateway: Any, lines: list[str], *args: str) -> tuple[int, str]:
-    """Runs `python -m flotilla.services.chat` with `lines` on stdin; returns its exit code and output."""
+    """Runs `python -m flotilla.services.chat` with `lines` on stdin; returns its exit code and
+    output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "NO_COLOR": "1"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "flotilla.services.chat", "--url", gateway.url + "/v1", *args,

@@ -46,9 +46,12 @@ _MODELS: dict[str, tuple[str, str]] = {
                                         "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("flotilla.services.engine.models.qwen3_5",
                                            "Qwen3_5ForConditionalGeneration"),
-    "DeepseekV2ForCausalLM": ("flotilla.services.engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
-    "DeepseekV3ForCausalLM": ("flotilla.services.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
-    "DeepseekV32ForCausalLM": ("flotilla.services.engine.models.deepseek_v3", "DeepseekV32ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("flotilla.services.engine.models.deepseek_v2",
+                              "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("flotilla.services.engine.models.deepseek_v3",
+                              "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("flotilla.services.engine.models.deepseek_v3",
+                               "DeepseekV32ForCausalLM"),
 }
 
 
