@@ -149,7 +149,7 @@ CLI_AND_IMPORTS = textwrap.dedent("""
     except SystemExit as exc:
         assert exc.code in (0, None), exc.code
     failed = []
-    for package in ("kernels", "libs", "services"):
+    for package in ("flotilla.kernels", "flotilla.libs", "flotilla.services"):
         for info in pkgutil.walk_packages(importlib.import_module(package).__path__,
                                           package + "."):
             if info.name.endswith(".__main__"):  # entry points run when imported
