@@ -48,7 +48,6 @@ FORMATS = {  # name -> (EngineConfig quantization, isq)
     "awq": ("awq", None), "gptq-marlin": ("gptq", None), "awq-marlin": ("awq", None),
     "gptq-both": ("gptq", None), "awq-both": ("awq", None),
 }
-LAYOUTS = {"marlin": "marlin", "both": "both"}  # name suffix -> the selection's w4_layout
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -136,7 +135,8 @@ def tuned_picks() -> dict[str, dict[str, str]]:
 def bench_format(name: str, layers: int, copy_gbps: float, repeat: int = 1) -> dict:
     quantization, isq = FORMATS[name]
     t = time.perf_counter()
-    layout = LAYOUTS.get(name.rsplit("-", 1)[-1], "kmajor")
+    suffix = name.rsplit("-", 1)[-1]  # gptq-marlin / gptq-both: the selection's w4_layout
+    layout = suffix if suffix in ("marlin", "both") else "kmajor"
     engine = Engine(EngineConfig(model=model_dir(layers), load_format="dummy", dtype="bfloat16",
                                  device="cuda", quantization=quantization, isq=isq,
                                  kvcache_mem_mib=4096, max_num_seqs=32,

@@ -27,9 +27,15 @@ from flotilla.services.engine.loader import load_model
 from tests.engine.conftest import SingleSequenceRunner, rel_error
 from tests.engine.test_architectures import decode_logits
 from tests.engine.test_gguf_architectures import llama_cpp_converter  # noqa: F401 (fixture)
-from tests.engine.test_recent_families import TINY, Family, hf_greedy, save_tiny
+from tests.engine.test_recent_families import (
+    TINY,
+    Family,
+    _prompt,
+    assert_matches_transformers,
+    hf_greedy,
+    save_tiny,
+)
 
-VOCAB = int(TINY["vocab_size"])
 _LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                linear_value_head_dim=16, linear_conv_kernel_dim=4,
                layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
@@ -43,36 +49,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_text": Family("qwen3_5_text", dict(_LINEAR)),
     "qwen3_5_moe_text": Family("qwen3_5_moe_text", {**_LINEAR, **_MOE}),
 }
-PROMPT_LEN = 24
-
-
-def _prompt(length: int = PROMPT_LEN, seed: int = 1) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_logits_and_greedy_tokens_match_transformers(tmp_path: Path, name: str) -> None:
-    hf = save_tiny(tmp_path, FAMILIES[name])
-    model, config = load_model(tmp_path, dtype=torch.float32, device="cpu")
-    assert config.architecture == hf.config.architectures[0]
+    model = assert_matches_transformers(tmp_path, FAMILIES[name])
     assert len(model.state_layers()) == 4 and len(model.attention_layers()) == 2
-    runner = SingleSequenceRunner(model, max_tokens=64)
-    prompt = _prompt()
-    with torch.no_grad():
-        ref_logits = hf(torch.tensor([prompt])).logits[0]
-    err = rel_error(runner.forward(prompt), ref_logits)
-    assert err < 1e-4, f"{name}: prompt logits rel. error {err:.2e}"
-
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                          do_sample=False, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-    expected = ref.sequences[0, PROMPT_LEN:].tolist()
-    step_err = rel_error(decode_logits(runner, prompt, expected), torch.cat(ref.logits).float())
-    assert step_err < 1e-4, f"{name}: decode-step logits rel. error {step_err:.2e}"
-    assert runner.greedy_cached(prompt, 16) == expected
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

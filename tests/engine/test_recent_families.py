@@ -149,15 +149,22 @@ def _prompt(length: int = PROMPT_LEN, seed: int = 1) -> list[int]:
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_logits_and_greedy_tokens_match_transformers(tmp_path: Path, name: str) -> None:
-    hf = save_tiny(tmp_path, FAMILIES[name])
-    model, config = load_model(tmp_path, dtype=torch.float32, device="cpu")
+    assert_matches_transformers(tmp_path, FAMILIES[name])
+
+
+def assert_matches_transformers(path: Path, family: Family) -> Any:
+    """A tiny random `family` checkpoint written to `path`, loaded in fp32 on CPU: prompt logits,
+    16 decode steps' logits and the greedy tokens equal transformers' on the same weights.
+    Returns the model."""
+    hf = save_tiny(path, family)
+    model, config = load_model(path, dtype=torch.float32, device="cpu")
     assert config.architecture == hf.config.architectures[0]
     runner = SingleSequenceRunner(model, max_tokens=64)
     prompt = _prompt()
     with torch.no_grad():
         ref_logits = hf(torch.tensor([prompt])).logits[0]
     err = rel_error(runner.forward(prompt), ref_logits)
-    assert err < 1e-4, f"{name}: prompt logits rel. error {err:.2e}"
+    assert err < 1e-4, f"{family.model_type}: prompt logits rel. error {err:.2e}"
 
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -166,8 +173,9 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path: Path, name: str) 
                           return_dict_in_generate=True)
     expected = ref.sequences[0, PROMPT_LEN:].tolist()
     step_err = rel_error(decode_logits(runner, prompt, expected), torch.cat(ref.logits).float())
-    assert step_err < 1e-4, f"{name}: decode-step logits rel. error {step_err:.2e}"
+    assert step_err < 1e-4, f"{family.model_type}: decode-step logits rel. error {step_err:.2e}"
     assert runner.greedy_cached(prompt, 16) == expected
+    return model
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
